@@ -1,0 +1,92 @@
+"""What a pass found: a Site is one linear or attention computation in a traced model.
+
+Sites are plain data. The fields after `info` point into the fx graph that the site was found
+in; they are what the rewrite needs and are never serialized (`describe()` gives the
+JSON-able part that the plan stores).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "float16", ...
+
+
+@dataclass
+class LinearInfo:
+    """y = x W^T + b, whatever form the model wrote it in."""
+
+    form: str  # "module" (nn.Linear) | "functional" (F.linear) | "addmm" | "matmul"
+    in_features: int
+    out_features: int
+    bias: bool
+    weight: str  # FQN of the weight parameter in the model
+    bias_name: str | None  # FQN of the bias parameter, if any
+    weight_layout: str  # "out_in" (nn.Linear) | "in_out" (Conv1D, x @ W)
+
+
+@dataclass
+class AttentionInfo:
+    """softmax(q k^T * scale + mask) v over q, k, v laid out (batch, heads, seq, head_dim)."""
+
+    form: str  # "sdpa" | "handwritten" | "mha" (nn.MultiheadAttention)
+    heads: int | None = None
+    kv_heads: int | None = None  # < heads for GQA/MQA
+    head_dim: int | None = None
+    scale: float | None = None  # None: 1/sqrt(head_dim), SDPA's default
+    mask: str = "none"  # "none" | "additive" | "keep" (bool, True attends) | "drop" (bool, True is masked out)
+    causal: bool = False
+    dropout: float = 0.0
+    # nn.MultiheadAttention only: how the module was built (the op rebuilds it from these).
+    embed_dim: int | None = None
+    batch_first: bool | None = None
+
+
+@dataclass
+class Site:
+    kind: str  # "linear" | "attention"
+    fqn: str  # where the op module lives in the converted model; the site's name everywhere
+    region: str  # FQN of the traced region (graph) the site is in; "" is the whole model
+    classes: list[str]  # MRO class names of the module that owns the site, for recipe matching
+    info: LinearInfo | AttentionInfo
+    input: TensorMeta | None = None  # main input (x, or q), from shape propagation
+    output: TensorMeta | None = None
+    unsupported: str | None = None  # why this site cannot be converted by any op, if so
+
+    # Graph handles, valid for the graph the site was found in.
+    args: tuple = field(default=(), repr=False, compare=False)  # op module's forward args
+    output_node: fx.Node | None = field(default=None, repr=False, compare=False)
+    nodes: list[fx.Node] = field(default_factory=list, repr=False, compare=False)
+    module_backed: bool = field(default=False, compare=False)  # site is a whole submodule at fqn
+
+    def describe(self) -> dict:
+        """The JSON-able part: what `inspect` prints and the plan stores."""
+        return {
+            "kind": self.kind,
+            "fqn": self.fqn,
+            "region": self.region,
+            "classes": self.classes,
+            "info": {"type": type(self.info).__name__, **asdict(self.info)},
+            "input": asdict(self.input) if self.input else None,
+            "output": asdict(self.output) if self.output else None,
+            "unsupported": self.unsupported,
+        }
+
+    @staticmethod
+    def info_from_dict(d: dict) -> LinearInfo | AttentionInfo:
+        d = dict(d)
+        cls = {"LinearInfo": LinearInfo, "AttentionInfo": AttentionInfo}[d.pop("type")]
+        return cls(**d)
+
+
+def tensor_meta(node) -> TensorMeta | None:
+    """The shape/dtype that ShapeProp left on an fx node (None when shapes were not propagated)."""
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    if meta is None or not hasattr(meta, "shape"):
+        return None
+    return TensorMeta(tuple(meta.shape), str(meta.dtype).removeprefix("torch."))
