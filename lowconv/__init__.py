@@ -1,0 +1,13 @@
+"""lowconv: convert a PyTorch model's linear and attention layers to faster, smaller ops.
+
+    converted = lowconv.convert(model, "fp8-dynamic", example_inputs=(x,))
+    lowconv.save(converted, "out/")
+    again = lowconv.load(model, "out/")
+    report = lowconv.compare(model, converted, (x,))
+"""
+from lowconv.api import compare, convert, load, save
+from lowconv.errors import LowconvError
+from lowconv.recipe import Recipe, load_recipe
+from lowconv.version import __version__
+
+__all__ = ["convert", "save", "load", "compare", "Recipe", "load_recipe", "LowconvError", "__version__"]

@@ -1,0 +1,223 @@
+"""The public API: convert, save, load, compare. Each is the data flow of DESIGN.md, spelled out."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from lowconv import checkpoint, report as reports
+from lowconv.errors import LowconvError
+from lowconv.ops import OPS
+from lowconv.passes.rewrite import rewrite, site_params, tap_sites
+from lowconv.passes.sites import find_sites
+from lowconv.passes.trace import Trace, find_regions, normalize_inputs, trace_model
+from lowconv.plan import Plan
+from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
+from lowconv.site import Site, TensorMeta
+from lowconv.version import __version__
+
+PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
+
+
+def no_progress(message: str) -> None:
+    pass
+
+
+@dataclass
+class Analysis:
+    """What the passes found in a copy of the model, before anything is rewritten."""
+
+    model: nn.Module  # the copy that was traced
+    trace: Trace
+    sites: list[Site]
+
+
+def analyze(model: nn.Module, example_inputs) -> Analysis:
+    """Trace a copy of `model` and find its sites (the user's model is never touched)."""
+    work = copy.deepcopy(model)
+    trace = trace_model(work, example_inputs)
+    return Analysis(work, trace, find_sites(work, trace))
+
+
+def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis, Plan]:
+    recipe = load_recipe(recipe)
+    found = analyze(model, example_inputs)
+    plan = make_plan(found.sites, found.trace, recipe)
+    plan.model = {"signature": checkpoint.model_signature(model.state_dict())}
+    return found, plan
+
+
+def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
+            calibration: Iterable | None = None,
+            progress: Callable[[str], None] = no_progress) -> nn.Module:
+    """A converted copy of `model`, as the recipe (a path, a built-in name or a Recipe) says.
+
+    example_inputs: a tuple of forward args, a dict of kwargs or one tensor; it drives shape
+    propagation and calibration (static/delayed FP8 scales) unless `calibration` (an iterable
+    of such inputs) is given.
+    """
+    progress("tracing and finding sites")
+    found, plan = plan_conversion(model, recipe, example_inputs)
+    todo = plan.converted()
+    progress(f"{len(found.sites)} sites, {len(todo)} to convert")
+    by_fqn = {s.fqn: s for s in found.sites}
+    modules = {}
+    for i, decision in enumerate(todo, 1):
+        progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
+        site, op = by_fqn[decision.fqn], OPS[decision.op]
+        options = op.options(**decision.options)
+        modules[site.fqn] = op.from_site(site, options, site_params(site, found.model))
+    converted = rewrite(found.model, found.trace, found.sites, modules)
+    calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
+    setattr(converted, PLAN_ATTR, plan)
+    return converted
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
+    """Run the batches through modules that observe their inputs (static/delayed scales)."""
+    observers = [m for m in model.modules() if hasattr(m, "begin_calibration")]
+    if not observers:
+        return
+    progress(f"calibrating {len(observers)} modules")
+    for m in observers:
+        m.begin_calibration()
+    for batch in batches:
+        args, kwargs = normalize_inputs(batch)
+        model(*args, **kwargs)
+    for m in observers:
+        m.end_calibration()
+
+
+def plan_of(converted: nn.Module) -> Plan:
+    plan = getattr(converted, PLAN_ATTR, None)
+    if plan is None:
+        raise LowconvError("this model was not made by lowconv.convert or lowconv.load (it has no plan)")
+    return plan
+
+
+def save(converted: nn.Module, directory: str | Path) -> Path:
+    """Write directory/model.safetensors: the converted state dict, recipe and plan."""
+    plan = plan_of(converted)
+    metadata = {
+        "lowconv.version": __version__,
+        "lowconv.recipe": plan.recipe_text,
+        "lowconv.plan": plan.to_json(),
+        "lowconv.model": plan.model.get("signature", ""),
+    }
+    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata)
+
+
+def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:
+    tensors, metadata = checkpoint.read_checkpoint(directory)
+    return Plan.from_json(metadata["lowconv.plan"]), tensors
+
+
+def load(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Rebuild the converted model from `model` (the original) and a saved checkpoint.
+
+    The plan's structure is replayed without redoing the conversion work: each op module is
+    built empty and filled from the checkpoint, strictly.
+    """
+    plan, tensors = read_plan(directory)
+    path = Path(directory) / "model.safetensors"
+    signature = checkpoint.model_signature(model.state_dict())
+    if plan.model.get("signature") not in (None, signature):
+        raise LowconvError(
+            f"{path} was converted from a different model (its parameter names, shapes or "
+            f"dtypes differ from this one's): load it with the model it was made from")
+    work = copy.deepcopy(model)
+    todo = plan.converted()
+    regions = sorted({d.site["region"] for d in todo})
+    trace = find_regions(work, only=regions)
+    found = {s.fqn: s for s in find_sites(work, trace)}
+    modules = {}
+    for decision in todo:
+        site = found.get(decision.fqn)
+        if site is None:
+            raise LowconvError(f"{path}: the plan converts {decision.fqn}, which this model does not have")
+        restore_site(site, decision.site)
+        op = OPS[decision.op]
+        modules[site.fqn] = op.empty(site, parse_options(op.options, decision.options, f"{path}: {decision.fqn}"))
+    converted = rewrite(work, trace, list(found.values()), modules)
+    expected = converted.state_dict()
+    checkpoint.check_tensors(expected, tensors, path)
+    converted.load_state_dict(tensors, strict=True)
+    setattr(converted, PLAN_ATTR, plan)
+    return converted
+
+
+def restore_site(site: Site, saved: dict) -> None:
+    """What the conversion run learned (shapes from the example inputs) onto a re-found site."""
+    site.info = Site.info_from_dict(saved["info"])
+    site.input = TensorMeta(tuple(saved["input"]["shape"]), saved["input"]["dtype"]) if saved["input"] else None
+    site.output = TensorMeta(tuple(saved["output"]["shape"]), saved["output"]["dtype"]) if saved["output"] else None
+
+
+def first_tensor(value):
+    leaves = reports.flatten_outputs(value)
+    return leaves[0][1] if leaves else None
+
+
+@torch.no_grad()
+def run_eval(model: nn.Module, inputs) -> object:
+    """model(inputs) in eval mode (modes restored after), seeded so both models see the same."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    args, kwargs = normalize_inputs(inputs)
+    try:
+        torch.manual_seed(0)
+        return model(*args, **kwargs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool | None = None,
+            min_sqnr_db: float | None = None) -> reports.Report:
+    """Run both models on `inputs`; metrics per converted site and at every output."""
+    plan = plan_of(converted)
+    todo = plan.converted()
+    captured: dict[str, dict] = {"original": {}, "converted": {}}
+
+    def recorder(side):
+        def record(fqn, value):
+            captured[side].setdefault(fqn, first_tensor(value).detach().clone())
+        return record
+
+    work = copy.deepcopy(original)
+    trace = find_regions(work, only=sorted({d.site["region"] for d in todo}))
+    wanted = {d.fqn for d in todo}
+    original_sites = [s for s in find_sites(work, trace) if s.fqn in wanted]
+    tapped = tap_sites(work, trace, original_sites, recorder("original"))
+    handles = [
+        converted.get_submodule(fqn).register_forward_hook(
+            lambda mod, args, out, fqn=fqn: recorder("converted")(fqn, out))
+        for fqn in wanted
+    ]
+    try:
+        out_original = run_eval(tapped, inputs)
+        out_converted = run_eval(converted, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    pairs = {fqn: (captured["original"][fqn], captured["converted"][fqn])
+             for fqn in wanted if fqn in captured["original"] and fqn in captured["converted"]}
+    stats = {fqn: converted.get_submodule(fqn).report_stats() for fqn in wanted
+             if hasattr(converted.get_submodule(fqn), "report_stats")}
+    outputs = [(name, ref, test) for (name, ref), (_, test) in
+               zip(reports.flatten_outputs(out_original), reports.flatten_outputs(out_converted))]
+    perf = None
+    device = next((p.device for p in converted.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        args, kwargs = normalize_inputs(inputs)
+        perf = reports.Perf(*reports.measure_perf(original, args, kwargs, device),
+                            *reports.measure_perf(converted, args, kwargs, device))
+    gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
+    return reports.build_report(
+        pairs, {d.fqn: d.op for d in todo}, outputs, gate_min_sqnr_db=gate, logits=logits,
+        site_stats=stats, perf=perf, title=f"recipe {plan.recipe}")

@@ -1,0 +1,186 @@
+"""lowconv's command line: convert, compare, inspect, recipes."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from lowconv import api, checkpoint, report as reports
+from lowconv.errors import LowconvError
+from lowconv.model_file import DTYPES, load_model_file
+from lowconv.plan import Plan
+from lowconv.recipe import builtin_recipes, load_recipe
+
+EPILOG = """examples:
+  lowconv recipes
+  lowconv inspect examples/vit.py                     # every linear and attention site
+  lowconv inspect examples/vit.py fp8-dynamic         # ... and what the recipe would do to each
+  lowconv convert examples/vit.py fp8-dynamic -o out/ # out/model.safetensors, report.md, report.json
+  lowconv compare examples/vit.py out/                # rebuild from out/, re-check; exit 1 if the gate fails
+
+A model file defines build_model() and example_inputs(); RECIPE is a .toml path or a built-in name."""
+
+
+def progress(message: str) -> None:
+    print(f"lowconv: {message}", file=sys.stderr, flush=True)
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LowconvError("--device cuda: no CUDA device is available (use --device cpu)")
+    return name
+
+
+def shape(meta: dict | None) -> str:
+    return "x".join(map(str, meta["shape"])) if meta else "?"
+
+
+def site_details(site: dict) -> str:
+    info = {k: v for k, v in site["info"].items() if k not in ("type", "form", "weight", "bias_name")}
+    if site["kind"] == "attention":
+        info = {k: v for k, v in info.items() if v is not None}
+    return ", ".join(f"{k}={v}" for k, v in info.items())
+
+
+def sites_table(plan: Plan) -> str:
+    rows = [[d.fqn, d.site["kind"], d.site["info"]["form"], shape(d.site["input"]), shape(d.site["output"]),
+             (d.site["input"] or d.site["output"] or {}).get("dtype", "?"), site_details(d.site)]
+            for d in plan.decisions]
+    return tabulate(rows, ["site", "kind", "form", "input", "output", "dtype", "details"])
+
+
+def plan_table(plan: Plan) -> str:
+    rows = []
+    for d in plan.decisions:
+        options = ", ".join(f"{k}={v}" for k, v in d.options.items())
+        rows.append([d.fqn, d.site["kind"], d.op, options, d.rule or "-", d.reason])
+    return tabulate(rows, ["site", "kind", "op", "options", "rule", "reason"])
+
+
+def plan_notes(plan: Plan) -> str:
+    lines = [f"not traced: {u['fqn'] or '(whole model)'}: {u['error']}" for u in plan.untraced]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    converted = len(plan.converted())
+    lines.append(f"{len(plan.decisions)} sites: {converted} converted, {len(plan.decisions) - converted} kept")
+    return "\n".join(lines)
+
+
+def cmd_recipes(args) -> int:
+    rows = [[name, load_recipe(path).description] for name, path in builtin_recipes().items()]
+    print(tabulate(rows, ["recipe", "description"]))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    loaded = load_model_file(args.model, device=pick_device(args.device), dtype=args.dtype, seed=args.seed)
+    recipe = args.recipe or "keep-all"
+    _, plan = api.plan_conversion(loaded.model, recipe, loaded.inputs)
+    print(sites_table(plan))
+    if args.recipe:
+        print(f"\nrecipe {plan.recipe}:")
+        print(plan_table(plan))
+    print()
+    print(plan_notes(plan))
+    return 0
+
+
+def print_report(report: reports.Report) -> int:
+    print(reports.report_to_table(report))
+    if not report.passed:
+        print(f"\nGATE FAILED: an output is below the recipe's min_sqnr_db = {report.gate_min_sqnr_db} "
+              "or has NaN/Inf", file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_outputs(out: Path, report: reports.Report) -> None:
+    checkpoint.write_text_atomic(out / "report.md", reports.report_to_markdown(report))
+    checkpoint.write_text_atomic(out / "report.json", reports.report_to_json(report))
+
+
+def cmd_convert(args) -> int:
+    device = pick_device(args.device)
+    loaded = load_model_file(args.model, device=device, dtype=args.dtype, seed=args.seed)
+    recipe = load_recipe(args.recipe)
+    converted = api.convert(loaded.model, recipe, loaded.inputs, progress=progress)
+    plan = api.plan_of(converted)
+    plan.model.update(file=str(args.model), seed=args.seed, dtype=args.dtype)
+    print(plan_table(plan))
+    print(plan_notes(plan))
+    out = Path(args.output)
+    progress(f"writing {out / 'model.safetensors'}")
+    api.save(converted, out)
+    checkpoint.write_text_atomic(out / "plan.json", plan.to_json())
+    progress("comparing original and converted on the example inputs")
+    report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
+    write_outputs(out, report)
+    print()
+    status = print_report(report)
+    progress(f"wrote {out}/model.safetensors, report.md, report.json, plan.json")
+    return status
+
+
+def cmd_compare(args) -> int:
+    plan, _ = api.read_plan(args.output)
+    seed = args.seed if args.seed is not None else plan.model.get("seed", 0)
+    dtype = args.dtype or plan.model.get("dtype")
+    loaded = load_model_file(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
+    progress(f"rebuilding the converted model from {args.output}")
+    converted = api.load(loaded.model, args.output)
+    report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
+    return print_report(report)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowconv", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name, help_, func, example):
+        c = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        c.set_defaults(func=func)
+        return c
+
+    def model_options(c, seed_default=0):
+        c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        c.add_argument("--seed", type=int, default=seed_default,
+                       help="seed for build_model() and example_inputs()")
+        c.add_argument("--dtype", choices=list(DTYPES), help="cast the model and its inputs first")
+
+    command("recipes", "list the built-in recipes", cmd_recipes, "lowconv recipes")
+    c = command("inspect", "list the sites of a model, and with a recipe what it would do to each",
+                cmd_inspect, "lowconv inspect examples/vit.py fp8-dynamic")
+    c.add_argument("model", help="model file (defines build_model() and example_inputs())")
+    c.add_argument("recipe", nargs="?", help="recipe file or built-in recipe name")
+    model_options(c)
+    c = command("convert", "convert a model; write the checkpoint and the accuracy report",
+                cmd_convert, "lowconv convert examples/vit.py fp8-dynamic -o out/")
+    c.add_argument("model", help="model file (defines build_model() and example_inputs())")
+    c.add_argument("recipe", help="recipe file or built-in recipe name (see `lowconv recipes`)")
+    c.add_argument("-o", "--output", required=True, help="output directory")
+    model_options(c)
+    c = command("compare", "rebuild a saved conversion and re-check it against the original",
+                cmd_compare, "lowconv compare examples/vit.py out/")
+    c.add_argument("model", help="the model file the conversion was made from")
+    c.add_argument("output", help="the directory `lowconv convert -o` wrote")
+    model_options(c, seed_default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LowconvError as err:
+        print(f"lowconv: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

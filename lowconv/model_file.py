@@ -1,0 +1,79 @@
+"""Load a user's model file: a Python file defining `build_model()` and `example_inputs()`.
+
+    def build_model() -> torch.nn.Module     # the model to convert, weights loaded
+    def example_inputs()                      # a tuple of forward args, a dict of kwargs, or one tensor
+    LOGITS = True                             # optional: outputs are logits (report adds KL, top-1)
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lowconv.errors import LowconvError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    model: nn.Module
+    inputs: object  # as example_inputs() returned it, moved and cast
+    logits: bool | None
+
+
+def import_file(path: Path):
+    if not path.is_file():
+        raise LowconvError(f"model file {path} does not exist")
+    name = f"lowconv_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise LowconvError(f"{path}: importing it failed: {type(err).__name__}: {err}") from err
+    return module
+
+
+def call(module, path: Path, function: str):
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise LowconvError(f"{path} does not define {function}() (a model file defines build_model() "
+                           f"and example_inputs())")
+    try:
+        return fn()
+    except Exception as err:
+        raise LowconvError(f"{path}: {function}() failed: {type(err).__name__}: {err}") from err
+
+
+def to_device(value, device: torch.device, dtype: torch.dtype | None):
+    """Move tensors (nested in tuples, lists, dicts) to device; cast floating ones to dtype."""
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
+    return value
+
+
+def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None = None,
+                    seed: int = 0) -> ModelFile:
+    """Import the file, build the model and its example inputs under `seed`, on `device`."""
+    path = Path(path)
+    module = import_file(path)
+    torch.manual_seed(seed)
+    model = call(module, path, "build_model")
+    if not isinstance(model, nn.Module):
+        raise LowconvError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    inputs = call(module, path, "example_inputs")
+    cast = DTYPES[dtype] if dtype else None
+    model = model.to(device=device, dtype=cast) if cast else model.to(device)
+    return ModelFile(path, model, to_device(inputs, torch.device(device), cast), getattr(module, "LOGITS", None))

@@ -1,0 +1,157 @@
+"""Find linear sites: nn.Linear modules, F.linear calls, torch.addmm(b, x, W) and x @ W (+ b).
+
+The last two are how Hugging Face's Conv1D (GPT-2) and hand-written layers spell a linear; their
+weight is laid out (in, out). Only parameter weights count: a product of two activations is not
+a linear layer.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from lowconv.passes.trace import Region, join_fqn
+from lowconv.site import LinearInfo, Site, TensorMeta, tensor_meta
+
+MATMULS = (operator.matmul, torch.matmul)
+ADDS = (operator.add, torch.add)
+
+
+def class_names(cls: type) -> list[str]:
+    return [c.__name__ for c in cls.__mro__ if c is not object]
+
+
+def owner_classes(node: fx.Node, region: Region) -> list[str]:
+    """Classes of the innermost module whose forward made this node."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        _, cls = list(stack.values())[-1]
+        return class_names(cls)
+    return class_names(type(region.module))
+
+
+def meta_of(value) -> TensorMeta | None:
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    return None
+
+
+def parameter_at(region: Region, node) -> nn.Parameter | None:
+    """The parameter a get_attr node reads, or None (a buffer, a constant, not a get_attr)."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        return region.graph.get_parameter(node.target)
+    except AttributeError:
+        return None
+
+
+def module_site(region: Region, fqn: str, linear: nn.Linear, node: fx.Node | None) -> Site:
+    if node is not None:
+        meta_in, meta_out = tensor_meta(node.args[0]), tensor_meta(node)
+    else:
+        args = region.example_args or ()
+        meta_in = meta_of(args[0]) if args else None
+        meta_out = meta_of(region.example_output)
+    info = LinearInfo(
+        form="module",
+        in_features=linear.in_features,
+        out_features=linear.out_features,
+        bias=linear.bias is not None,
+        weight=f"{fqn}.weight",
+        bias_name=f"{fqn}.bias" if linear.bias is not None else None,
+        weight_layout="out_in",
+    )
+    return Site("linear", fqn, region.fqn, class_names(type(linear)), info, meta_in, meta_out,
+                output_node=node, module_backed=True)
+
+
+def match_functional(node: fx.Node, region: Region):
+    """(form, x, weight node, bias node or None, output node, nodes) for a functional linear."""
+    if node.op != "call_function":
+        return None
+    if node.target is F.linear:
+        x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if parameter_at(region, w) is None or (b is not None and parameter_at(region, b) is None):
+            return None
+        return "functional", x, w, b, node, [node]
+    if node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
+        b, x, w = node.args
+        if parameter_at(region, w) is None or parameter_at(region, b) is None:
+            return None
+        return "addmm", x, w, b, node, [node]
+    if node.target in MATMULS and len(node.args) == 2:
+        x, w = node.args
+        param = parameter_at(region, w)
+        if param is None or param.dim() != 2:
+            return None
+        users = list(node.users)
+        if len(users) == 1 and users[0].op == "call_function" and users[0].target in ADDS:
+            add = users[0]
+            b = add.args[1] if add.args[0] is node else add.args[0]
+            bias = parameter_at(region, b)
+            if bias is not None and bias.dim() == 1 and bias.shape[0] == param.shape[1] and not add.kwargs:
+                return "matmul", x, w, b, add, [add, node]
+        return "matmul", x, w, None, node, [node]
+    return None
+
+
+def functional_site(node: fx.Node, region: Region) -> Site | None:
+    match = match_functional(node, region)
+    if match is None:
+        return None
+    form, x, w, b, out, nodes = match
+    weight = parameter_at(region, w)
+    layout = "out_in" if form == "functional" else "in_out"
+    out_features, in_features = weight.shape if layout == "out_in" else weight.shape[::-1]
+    weight_name = join_fqn(region.fqn, w.target)
+    bias_name = join_fqn(region.fqn, b.target) if b is not None else None
+    # The op module takes the weight's place: `mlp.fc.weight` -> `mlp.fc`, `mlp.w1` -> `mlp.w1`.
+    fqn = weight_name.removesuffix(".weight") if weight_name.endswith(".weight") else weight_name
+    info = LinearInfo(form, in_features, out_features, b is not None, weight_name, bias_name, layout)
+    site = Site("linear", fqn, region.fqn, owner_classes(node, region), info,
+                tensor_meta(x), tensor_meta(out), args=(x,), output_node=out, nodes=nodes)
+    site.unsupported = functional_conflict(site, region, w, b)
+    return site
+
+
+def functional_conflict(site: Site, region: Region, w: fx.Node, b: fx.Node | None) -> str | None:
+    """Why the op module cannot take the weight's place, if it cannot."""
+    own = {w.target} | ({b.target} if b is not None else set())
+    rel = site.fqn[len(region.fqn) + 1:] if region.fqn else site.fqn
+    if not rel:
+        return "the weight belongs to the traced region itself"
+    if len(w.users) > 1 or (b is not None and len(b.users) > 1):
+        return "its weight or bias is also used by other computation"
+    for node in region.graph.graph.nodes:
+        if node is w or node is b or node.op not in ("get_attr", "call_module"):
+            continue
+        if node.target in own:
+            return "its weight or bias is read twice in the graph"
+        if node.target == rel or node.target.startswith(rel + "."):
+            return f"{site.fqn} is also used by other computation ({node.name})"
+    return None
+
+
+def find_linear_sites(region: Region) -> list[Site]:
+    if region.graph is None:
+        if isinstance(region.module, nn.Linear):
+            return [module_site(region, region.fqn, region.module, None)]
+        return []
+    sites = []
+    for node in region.graph.graph.nodes:
+        if node.op == "call_module":
+            module = region.graph.get_submodule(node.target)
+            if isinstance(module, nn.Linear):
+                sites.append(module_site(region, join_fqn(region.fqn, node.target), module, node))
+        else:
+            site = functional_site(node, region)
+            if site is not None:
+                sites.append(site)
+    return sites

@@ -1,0 +1,129 @@
+"""Put op modules in the place of the sites they convert.
+
+A site that is a whole module (nn.Linear, nn.MultiheadAttention) is swapped for the op module
+at the same FQN. A site that is a piece of graph (F.linear, addmm, SDPA, hand-written attention)
+becomes one call_module of the op module, registered at the site's FQN; the old nodes and the
+parameters only they used are removed. Each touched region's GraphModule takes the place of the
+region's module in the model. The model passed in is changed: callers pass their own copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from lowconv.passes.trace import Region, Trace
+from lowconv.site import Site
+
+
+def relative(fqn: str, region: Region) -> str:
+    return fqn[len(region.fqn) + 1:] if region.fqn else fqn
+
+
+def set_module(root: nn.Module, fqn: str, module: nn.Module) -> nn.Module:
+    """Put `module` at `fqn` under root (replacing a module or parameter there); returns the root."""
+    if not fqn:
+        return module
+    parent_name, _, name = fqn.rpartition(".")
+    parent = root.get_submodule(parent_name)
+    if hasattr(parent, name) and not isinstance(getattr(parent, name), (nn.Module, nn.Parameter)):
+        delattr(parent, name)  # a plain attribute or buffer would shadow the module
+    setattr(parent, name, module)
+    return root
+
+
+def delete_attr(root: nn.Module, target: str) -> None:
+    parent_name, _, name = target.rpartition(".")
+    parent = root.get_submodule(parent_name)
+    if hasattr(parent, name):
+        delattr(parent, name)
+
+
+def site_params(site: Site, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The site's original tensors, as `Op.from_site` takes them (weights laid out (out, in))."""
+    if site.kind == "linear":
+        weight = model.get_parameter(site.info.weight).detach()
+        params = {"weight": weight if site.info.weight_layout == "out_in" else weight.t().contiguous()}
+        if site.info.bias_name:
+            params["bias"] = model.get_parameter(site.info.bias_name).detach()
+        return params
+    if site.module_backed:
+        return {k: v.detach() for k, v in model.get_submodule(site.fqn).state_dict().items()}
+    return {}
+
+
+def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module) -> None:
+    if site.module_backed:
+        set_module(gm, rel, module)
+        return
+    graph = gm.graph
+    with graph.inserting_before(site.output_node):
+        call = graph.call_module(rel, args=tuple(site.args))
+    site.output_node.replace_all_uses_with(call)
+    for node in reversed(site.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            target = node.target
+            graph.erase_node(node)
+            if not any(n.op == "get_attr" and n.target == target for n in graph.nodes):
+                delete_attr(gm, target)
+    set_module(gm, rel, module)
+
+
+def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str, nn.Module]) -> nn.Module:
+    """Replace each site whose FQN is in `modules` by that module; returns the converted model."""
+    for region in trace.regions:
+        todo = [s for s in sites if s.region == region.fqn and s.fqn in modules]
+        if not todo:
+            continue
+        for site in todo:
+            modules[site.fqn].train(region.module.training)
+        if region.graph is None:
+            model = set_module(model, region.fqn, modules[todo[0].fqn])
+            continue
+        gm = region.graph
+        for site in todo:
+            replace_in_graph(gm, site, relative(site.fqn, region), modules[site.fqn])
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+        gm.train(region.module.training)
+        model = set_module(model, region.fqn, gm)
+    return model
+
+
+class Tap(nn.Module):
+    """Identity that hands what passes through to `record` (compare's view of an original site)."""
+
+    def __init__(self, fqn: str, record):
+        super().__init__()
+        self.fqn, self.record = fqn, record
+
+    def forward(self, x):
+        self.record(self.fqn, x)
+        return x
+
+
+def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.Module:
+    """`model` with every site's output passed to record(fqn, value); the computation unchanged."""
+    for site in sites:
+        if site.module_backed:
+            model.get_submodule(site.fqn).register_forward_hook(
+                lambda mod, args, out, fqn=site.fqn: record(fqn, out))
+    for region in trace.regions:
+        todo = [s for s in sites if s.region == region.fqn and not s.module_backed]
+        if not todo or region.graph is None:
+            continue
+        gm = region.graph
+        for i, site in enumerate(todo):
+            name = f"_lowconv_tap_{i}"
+            gm.add_submodule(name, Tap(site.fqn, record))
+            with gm.graph.inserting_after(site.output_node):
+                tap = gm.graph.call_module(name, args=(site.output_node,))
+            site.output_node.replace_all_uses_with(tap, delete_user_cb=lambda user, tap=tap: user is not tap)
+        gm.recompile()
+        gm.train(region.module.training)
+        model = set_module(model, region.fqn, gm)
+    return model

@@ -1,0 +1,46 @@
+"""The plan: one decision per site, readable by a person (`lowconv inspect`) and stored in checkpoints."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Decision:
+    site: dict  # Site.describe()
+    op: str  # the op that converts the site; "keep" when it stays as written
+    options: dict  # the op's options, every field spelled out
+    rule: int | None  # 1-based index of the recipe rule that decided, None when none matched
+    reason: str  # why, in words
+
+    @property
+    def fqn(self) -> str:
+        return self.site["fqn"]
+
+    @property
+    def converted(self) -> bool:
+        return self.op != "keep"
+
+
+@dataclass
+class Plan:
+    recipe: str  # recipe name
+    recipe_text: str  # the recipe file as written
+    decisions: list[Decision]
+    regions: list[str]  # FQNs of the traced regions
+    untraced: list[dict]  # {"fqn": ..., "error": ...} for each module whose own code did not trace
+    warnings: list[str] = field(default_factory=list)
+    gate_min_sqnr_db: float | None = None
+    model: dict = field(default_factory=dict)  # how the original was made: signature, seed, dtype, ...
+
+    def converted(self) -> list[Decision]:
+        return [d for d in self.decisions if d.converted]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        data = json.loads(text)
+        data["decisions"] = [Decision(**d) for d in data["decisions"]]
+        return Plan(**data)

@@ -1,0 +1,236 @@
+"""Recipes: a TOML file of ordered rules, validated with errors that name file, rule and key,
+and the planner that gives every site the op of the first rule that matches it.
+
+    name = "vit-fp8"
+    description = "FP8 on every linear but the head"
+
+    [[rules]]
+    kind = "linear"                      # optional: the op's kind
+    modules = ["re:blocks\\.\\d+\\..*"]  # exact FQN | "re:" fullmatch | class name; empty: all
+    ignore = ["head"]                    # same grammar
+    op = "fp8"
+    options = { granularity = "row" }
+
+    [report]
+    min_sqnr_db = 20
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowconv.errors import LowconvError
+from lowconv.ops import OPS
+from lowconv.passes.trace import Trace
+from lowconv.plan import Decision, Plan
+from lowconv.site import Site
+
+BUILTIN_DIR = Path(__file__).parent / "recipes"
+SITE_KINDS = ("linear", "attention")
+TOP_KEYS = {"name", "description", "rules", "report"}
+RULE_KEYS = {"name", "kind", "modules", "ignore", "op", "options"}
+REPORT_KEYS = {"min_sqnr_db"}
+
+
+@dataclass
+class Rule:
+    index: int  # 1-based, as people count rules in a file
+    op: str
+    options: object  # the op's Options dataclass instance
+    kind: str | None = None
+    modules: list[str] = dataclasses.field(default_factory=list)
+    ignore: list[str] = dataclasses.field(default_factory=list)
+    name: str = ""
+
+    def label(self) -> str:
+        return f"rule {self.index}" + (f" ({self.name})" if self.name else "")
+
+
+@dataclass
+class Recipe:
+    name: str
+    description: str
+    rules: list[Rule]
+    text: str
+    source: str  # the file it came from, for messages
+    min_sqnr_db: float | None = None
+
+
+def builtin_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(BUILTIN_DIR.glob("*.toml"))}
+
+
+def load_recipe(spec: str | Path | Recipe) -> Recipe:
+    """A Recipe from a file path or the name of a built-in recipe."""
+    if isinstance(spec, Recipe):
+        return spec
+    path = Path(spec)
+    if not path.is_file():
+        builtins = builtin_recipes()
+        if str(spec) not in builtins:
+            raise LowconvError(
+                f"recipe {spec!r} is neither a file nor a built-in recipe "
+                f"(built-in: {', '.join(builtins)})")
+        path = builtins[str(spec)]
+    return parse_recipe(path.read_text(), str(path))
+
+
+def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise LowconvError(f"{source}: not valid TOML: {err}") from None
+    unknown_keys(data, TOP_KEYS, source)
+    name = expect(data.get("name", Path(source).stem), str, f"{source}: name")
+    description = expect(data.get("description", ""), str, f"{source}: description")
+    rules_data = expect(data.get("rules", []), list, f"{source}: rules")
+    rules = [parse_rule(r, i + 1, source) for i, r in enumerate(rules_data)]
+    report = expect(data.get("report", {}), dict, f"{source}: [report]")
+    unknown_keys(report, REPORT_KEYS, f"{source}: [report]")
+    gate = report.get("min_sqnr_db")
+    if gate is not None:
+        gate = float(expect(gate, (int, float), f"{source}: [report].min_sqnr_db"))
+    return Recipe(name, description, rules, text, source, gate)
+
+
+def parse_rule(data, index: int, source: str) -> Rule:
+    where = f"{source}: rule {index}"
+    data = expect(data, dict, where)
+    unknown_keys(data, RULE_KEYS, where)
+    if "op" not in data:
+        raise LowconvError(f"{where}: missing key 'op' (one of: {', '.join(OPS)})")
+    op_name = expect(data["op"], str, f"{where}: op")
+    if op_name not in OPS:
+        raise LowconvError(f"{where}: op: unknown op {op_name!r} (one of: {', '.join(OPS)})")
+    op = OPS[op_name]
+    kind = data.get("kind", op.kind)
+    if kind is not None and kind not in SITE_KINDS:
+        raise LowconvError(f"{where}: kind: {kind!r} is not one of: {', '.join(SITE_KINDS)}")
+    if op.kind is not None and kind != op.kind:
+        raise LowconvError(f"{where}: op {op_name!r} converts {op.kind} sites, not {kind} sites")
+    patterns = {}
+    for key in ("modules", "ignore"):
+        value = data.get(key, [])
+        patterns[key] = [expect(p, str, f"{where}: {key}") for p in expect(value, list, f"{where}: {key}")]
+        for p in patterns[key]:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as err:
+                    raise LowconvError(f"{where}: {key}: {p!r} is not a valid regex: {err}") from None
+    options = parse_options(op.options, data.get("options", {}), f"{where}: options")
+    return Rule(index, op_name, options, kind, patterns["modules"], patterns["ignore"],
+                expect(data.get("name", ""), str, f"{where}: name"))
+
+
+def parse_options(cls: type, raw, where: str):
+    """Build an Options dataclass from a TOML table, checking every key against its annotation."""
+    raw = expect(raw, dict, where)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown_keys(raw, set(fields), where)
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        allowed = allowed_values(hints[key])
+        if not any(fits(value, a) for a in allowed):
+            raise LowconvError(f"{where}.{key}: got {value!r}; expected {describe(allowed)}")
+    return cls(**raw)
+
+
+def allowed_values(hint) -> list:
+    """A type hint as a flat list of types and literal values."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return [("literal", v) for v in typing.get_args(hint)]
+    if origin in (typing.Union, types.UnionType):
+        return [a for arg in typing.get_args(hint) for a in allowed_values(arg)]
+    return [hint]
+
+
+def fits(value, allowed) -> bool:
+    if isinstance(allowed, tuple):
+        return value == allowed[1] and type(value) is type(allowed[1])
+    if allowed is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if allowed is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if allowed is type(None):
+        return value is None
+    return isinstance(value, allowed)
+
+
+def describe(allowed: list) -> str:
+    parts = [repr(a[1]) if isinstance(a, tuple) else f"a{'n' if a is int else ''} {a.__name__}"
+             for a in allowed]
+    return "one of " + ", ".join(parts) if len(parts) > 1 else parts[0]
+
+
+def expect(value, types_, where: str):
+    if not isinstance(value, types_) or isinstance(value, bool) and types_ in ((int, float), int):
+        names = types_.__name__ if isinstance(types_, type) else " or ".join(t.__name__ for t in types_)
+        raise LowconvError(f"{where}: expected {toml_name(names)}, got {value!r}")
+    return value
+
+
+def toml_name(python_names: str) -> str:
+    return python_names.replace("dict", "table").replace("list", "array").replace("str", "string")
+
+
+def unknown_keys(data: dict, valid: set[str], where: str) -> None:
+    for key in data:
+        if key not in valid:
+            raise LowconvError(f"{where}: unknown key {key!r} (valid keys: {', '.join(sorted(valid))})")
+
+
+def pattern_matches(pattern: str, site: Site) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], site.fqn) is not None
+    return pattern == site.fqn or pattern in site.classes
+
+
+def rule_matches(rule: Rule, site: Site) -> bool:
+    if rule.kind is not None and rule.kind != site.kind:
+        return False
+    if rule.modules and not any(pattern_matches(p, site) for p in rule.modules):
+        return False
+    return not any(pattern_matches(p, site) for p in rule.ignore)
+
+
+def decide(site: Site, rules: list[Rule]) -> Decision:
+    keep_options = dataclasses.asdict(OPS["keep"].options())
+    if site.unsupported:
+        return Decision(site.describe(), "keep", keep_options, None, f"unsupported: {site.unsupported}")
+    for rule in rules:
+        if not rule_matches(rule, site):
+            continue
+        options = dataclasses.asdict(rule.options)
+        if rule.op == "keep":
+            return Decision(site.describe(), "keep", options, rule.index, f"{rule.label()} says keep")
+        why_not = OPS[rule.op].check(site, rule.options)
+        if why_not:
+            return Decision(site.describe(), "keep", keep_options, rule.index,
+                            f"{rule.label()} chose {rule.op}, but {why_not}")
+        return Decision(site.describe(), rule.op, options, rule.index, f"{rule.label()} matched")
+    return Decision(site.describe(), "keep", keep_options, None, "no rule matched")
+
+
+def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
+    decisions = [decide(site, recipe.rules) for site in sites]
+    warnings = [
+        f"{rule.label()} (op {rule.op}) matched no site"
+        for rule in recipe.rules
+        if not any(rule_matches(rule, s) for s in sites)
+    ]
+    return Plan(
+        recipe=recipe.name,
+        recipe_text=recipe.text,
+        decisions=decisions,
+        regions=[r.fqn for r in trace.regions],
+        untraced=[dataclasses.asdict(u) for u in trace.untraced],
+        warnings=warnings,
+        gate_min_sqnr_db=recipe.min_sqnr_db,
+    )
