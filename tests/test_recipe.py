@@ -1,0 +1,113 @@
+import pytest
+
+from lowconv.errors import LowconvError
+from lowconv.passes.trace import Trace
+from lowconv.recipe import builtin_recipes, load_recipe, make_plan, parse_recipe
+from lowconv.site import AttentionInfo, LinearInfo, Site, TensorMeta
+
+
+def linear(fqn, k=64, n=64, classes=("Linear", "Module"), dtype="float32"):
+    info = LinearInfo("module", k, n, True, f"{fqn}.weight", f"{fqn}.bias", "out_in")
+    meta = TensorMeta((2, k), dtype)
+    return Site("linear", fqn, "", list(classes), info, meta, TensorMeta((2, n), dtype))
+
+
+def attention(fqn):
+    return Site("attention", fqn, "", ["Attention", "Module"], AttentionInfo("sdpa", 4, 4, 16))
+
+
+def plan_for(text, sites):
+    return make_plan(sites, Trace([], []), parse_recipe(text, "r.toml"))
+
+
+def test_first_matching_rule_wins_and_unmatched_sites_are_kept():
+    text = """
+[[rules]]
+modules = ["head"]
+op = "keep"
+[[rules]]
+modules = ["re:blocks\\\\.\\\\d+\\\\.mlp\\\\..*"]
+op = "semi_sparse"
+[[rules]]
+op = "fp8"
+options = { granularity = "row" }
+"""
+    sites = [linear("blocks.0.mlp.fc1"), linear("blocks.0.attn.qkv"), linear("head"), attention("blocks.0.attn.attention")]
+    plan = plan_for(text, sites)
+    got = {d.fqn: (d.op, d.rule) for d in plan.decisions}
+    assert got == {"blocks.0.mlp.fc1": ("semi_sparse", 2), "blocks.0.attn.qkv": ("fp8", 3),
+                   "head": ("keep", 1), "blocks.0.attn.attention": ("keep", None)}
+    assert plan.decisions[1].options["granularity"] == "row"
+    assert plan.decisions[3].reason == "no rule matched"
+    assert plan.warnings == []
+
+
+def test_class_names_ignore_and_fullmatch():
+    text = """
+[[rules]]
+modules = ["Conv1D", "re:mlp"]
+ignore = ["b"]
+op = "fp8"
+"""
+    sites = [linear("a", classes=["Conv1D", "Module"]), linear("b", classes=["Conv1D", "Module"]), linear("mlp.fc")]
+    ops = {d.fqn: d.op for d in plan_for(text, sites).decisions}
+    assert ops == {"a": "fp8", "b": "keep", "mlp.fc": "keep"}  # re: is a full match, not a search
+
+
+def test_op_check_keeps_site_with_reason_and_rule_without_match_warns():
+    text = """
+[[rules]]
+op = "fp8"
+[[rules]]
+modules = ["nothing.here"]
+op = "semi_sparse"
+"""
+    plan = plan_for(text, [linear("odd", k=24, n=40)])
+    assert plan.decisions[0].op == "keep" and "divisible by 16" in plan.decisions[0].reason
+    assert plan.decisions[0].reason.startswith("rule 1 chose fp8, but")
+    assert plan.warnings == ["rule 2 (op semi_sparse) matched no site"]
+
+
+def test_unsupported_site_is_kept_with_its_reason():
+    site = linear("tied")
+    site.unsupported = "weight is tied to wte.weight; converting would untie it"
+    decision = plan_for('[[rules]]\nop = "fp8"\n', [site]).decisions[0]
+    assert decision.op == "keep" and "tied" in decision.reason
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name = ", "r.toml: not valid TOML"),
+    ("colour = 1", "r.toml: unknown key 'colour' (valid keys: description, name, report, rules)"),
+    ('[[rules]]\nop = "fp9"', "r.toml: rule 1: op: unknown op 'fp9' (one of: keep, "),
+    ("[[rules]]\nkind = 'linear'", "r.toml: rule 1: missing key 'op'"),
+    ('[[rules]]\nop = "fp8"\nmodule = ["a"]', "r.toml: rule 1: unknown key 'module' (valid keys: ignore, kind, modules, name, op, options)"),
+    ('[[rules]]\nop = "fp8"\nkind = "attention"', "r.toml: rule 1: op 'fp8' converts linear sites, not attention sites"),
+    ('[[rules]]\nop = "fp8"\nkind = "conv"', "r.toml: rule 1: kind: 'conv' is not one of: linear, attention"),
+    ('[[rules]]\nop = "fp8"\nmodules = ["re:(["]', "r.toml: rule 1: modules: 're:([' is not a valid regex"),
+    ('[[rules]]\nop = "fp8"\nmodules = "a"', "r.toml: rule 1: modules: expected array, got 'a'"),
+    ('[[rules]]\nop = "fp8"\noptions = { scaling = "lazy" }',
+     "r.toml: rule 1: options.scaling: got 'lazy'; expected one of 'dynamic', 'static', 'delayed'"),
+    ('[[rules]]\nop = "fp8"\noptions = { fast_accum = 1 }', "r.toml: rule 1: options.fast_accum: got 1; expected a bool"),
+    ('[[rules]]\nop = "fp8"\noptions = { speed = 1 }', "r.toml: rule 1: options: unknown key 'speed' (valid keys: "),
+    ('[[rules]]\nop = "fp16acc"\noptions = { splits = "many" }',
+     "r.toml: rule 1: options.splits: got 'many'; expected one of an int, 'auto'"),
+    ("[report]\nmin_sqnr_db = 'high'", "r.toml: [report].min_sqnr_db: expected int or float, got 'high'"),
+    ("[report]\nmax_kl = 1", "r.toml: [report]: unknown key 'max_kl' (valid keys: min_sqnr_db)"),
+])
+def test_recipe_mistakes_name_file_rule_key_and_choices(text, message):
+    with pytest.raises(LowconvError) as err:
+        parse_recipe(text, "r.toml")
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_unknown_recipe_name_lists_the_builtins():
+    with pytest.raises(LowconvError, match="neither a file nor a built-in recipe .*fp8-dynamic"):
+        load_recipe("no-such-recipe")
+
+
+def test_every_builtin_recipe_parses_and_has_a_description():
+    recipes = builtin_recipes()
+    assert {"keep-all", "fp8-dynamic", "semi-sparse", "fp16acc", "sparse-attention-bf16", "mixed"} <= set(recipes)
+    for name in recipes:
+        recipe = load_recipe(name)
+        assert recipe.name == name and recipe.description and recipe.rules
