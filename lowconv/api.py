@@ -215,9 +215,10 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     device = next((p.device for p in converted.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         args, kwargs = normalize_inputs(inputs)
-        perf = reports.Perf(*reports.measure_perf(original, args, kwargs, device),
-                            *reports.measure_perf(converted, args, kwargs, device))
+        original_ms, original_mb = reports.measure_perf(original, args, kwargs, device)
+        converted_ms, converted_mb = reports.measure_perf(converted, args, kwargs, device)
+        perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device))
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(
         pairs, {d.fqn: d.op for d in todo}, outputs, gate_min_sqnr_db=gate, logits=logits,
-        site_stats=stats, perf=perf, title=f"recipe {plan.recipe}")
+        site_stats=stats, perf=perf, recipe=plan.recipe)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -91,16 +92,16 @@ def cmd_inspect(args) -> int:
 
 def print_report(report: reports.Report) -> int:
     print(reports.report_to_table(report))
-    if not report.passed:
-        print(f"\nGATE FAILED: an output is below the recipe's min_sqnr_db = {report.gate_min_sqnr_db} "
-              "or has NaN/Inf", file=sys.stderr)
+    failures = reports.gate_failures(report)
+    if failures:
+        print("\nGATE FAILED: " + "; ".join(failures), file=sys.stderr)
         return 1
     return 0
 
 
 def write_outputs(out: Path, report: reports.Report) -> None:
     checkpoint.write_text_atomic(out / "report.md", reports.report_to_markdown(report))
-    checkpoint.write_text_atomic(out / "report.json", reports.report_to_json(report))
+    checkpoint.write_text_atomic(out / "report.json", json.dumps(reports.report_to_dict(report), indent=1))
 
 
 def cmd_convert(args) -> int:

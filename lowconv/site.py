@@ -44,6 +44,9 @@ class AttentionInfo:
     dropout: float = 0.0
     # nn.MultiheadAttention only: how the module was built (the op rebuilds it from these).
     embed_dim: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool | None = None
     batch_first: bool | None = None
 
 

@@ -24,8 +24,12 @@ def set_module(root: nn.Module, fqn: str, module: nn.Module) -> nn.Module:
     """Put `module` at `fqn` under root (replacing a module or parameter there); returns the root."""
     if not fqn:
         return module
-    parent_name, _, name = fqn.rpartition(".")
-    parent = root.get_submodule(parent_name)
+    *path, name = fqn.split(".")
+    parent = root
+    for item in path:  # a GraphModule holds only the modules its graph uses: add missing parents
+        if not isinstance(getattr(parent, item, None), nn.Module):
+            setattr(parent, item, nn.Module())
+        parent = getattr(parent, item)
     if hasattr(parent, name) and not isinstance(getattr(parent, name), (nn.Module, nn.Parameter)):
         delattr(parent, name)  # a plain attribute or buffer would shadow the module
     setattr(parent, name, module)
@@ -58,7 +62,8 @@ def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module
         return
     graph = gm.graph
     with graph.inserting_before(site.output_node):
-        call = graph.call_module(rel, args=tuple(site.args))
+        # create_node, not call_module: the module is registered once the old attributes are gone
+        call = graph.create_node("call_module", rel, args=tuple(site.args))
     site.output_node.replace_all_uses_with(call)
     for node in reversed(site.nodes):
         if not node.users:

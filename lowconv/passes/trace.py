@@ -48,6 +48,10 @@ class SiteTracer(fx.Tracer):
     Extra leaf classes (e.g. the op modules of an already converted model) can be given.
     """
 
+    # Buffers become get_attr nodes (not constants): `self.mask[:, :, :T, :T]` with a traced T
+    # then traces, and the attention pass can read the buffer to recognize a causal mask.
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_classes: tuple[type, ...] = ()):
         super().__init__()
         self.leaf_classes = SITE_MODULES + leaf_classes

@@ -1,0 +1,177 @@
+"""Converted checkpoints: one safetensors file per output directory, written atomically.
+
+`out/model.safetensors` holds the converted state dict; its metadata (all strings) holds the
+lowconv version, the recipe text, the plan and a signature of the original model. Tied
+tensors are stored once and restored as the same tensor on read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from lowconv.errors import LowconvError
+
+CHECKPOINT_FILE = "model.safetensors"
+
+VERSION_KEY = "lowconv.version"
+RECIPE_KEY = "lowconv.recipe"  # the recipe's TOML text
+PLAN_KEY = "lowconv.plan"  # the plan as JSON
+MODEL_KEY = "lowconv.model"  # model_signature() of the original model
+ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this file
+REQUIRED_KEYS = (VERSION_KEY, RECIPE_KEY, PLAN_KEY, MODEL_KEY)
+
+MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
+
+
+def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Write `directory/model.safetensors`; an existing checkpoint is replaced only by a complete one."""
+    missing = [key for key in REQUIRED_KEYS if key not in metadata]
+    if missing:
+        raise ValueError(f"checkpoint metadata lacks {missing}")
+    not_text = [key for key, value in metadata.items() if not isinstance(value, str)]
+    if not_text:
+        raise ValueError(f"checkpoint metadata values must be strings: {not_text}")
+    stored, aliases = _store_shared_once(tensors)
+    metadata = {key: value for key, value in metadata.items() if key != ALIASES_KEY}
+    if aliases:
+        metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    path = Path(directory) / CHECKPOINT_FILE
+    _replace_atomically(path, lambda tmp: save_file(stored, tmp, metadata=metadata))
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a text file (report.md, report.json, plan.json) so that readers never see half of it."""
+    _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (aliases restored) and the metadata of a lowconv output directory."""
+    directory = Path(directory)
+    # A user may well point at the file itself.
+    path = directory if directory.suffix == ".safetensors" else directory / CHECKPOINT_FILE
+    if not path.is_file():
+        raise LowconvError(f"no {path.name} in {path.parent}/: is this a lowconv output directory?")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = f.get_tensors()
+    except (SafetensorError, OSError) as e:
+        raise LowconvError(
+            f"{path} cannot be read ({e}): the file is truncated or corrupt; run lowconv convert again to rewrite it"
+        ) from e
+    if VERSION_KEY not in metadata:
+        raise LowconvError(f"{path} is not a lowconv checkpoint: its metadata has no {VERSION_KEY!r}")
+    missing = [key for key in REQUIRED_KEYS if key not in metadata]
+    if missing:
+        raise LowconvError(f"{path} is not a complete lowconv checkpoint: its metadata lacks {missing}")
+    aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
+    for alias, stored_name in aliases.items():
+        tensors[alias] = tensors[stored_name]
+    return tensors, metadata
+
+
+def check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Raise one LowconvError that lists every way `found` (the checkpoint) differs from `expected` (the model)."""
+    missing = [name for name in expected if name not in found]
+    unexpected = [name for name in found if name not in expected]
+    wrong = [
+        f"{name}: expected {_describe(expected[name])} vs found {_describe(found[name])}"
+        for name in expected
+        if name in found and _describe(expected[name]) != _describe(found[name])
+    ]
+    if not (missing or unexpected or wrong):
+        return
+    lines = [f"{path} does not match the converted model (written for another model or recipe?):"]
+    lines += _listing("missing from the checkpoint", missing)
+    lines += _listing("in the checkpoint but not in the model", unexpected)
+    lines += _listing("wrong shape or dtype", wrong)
+    raise LowconvError("\n".join(lines))
+
+
+def model_signature(state_dict: dict[str, torch.Tensor]) -> str:
+    """A short hash of the original model's tensor names, shapes and dtypes (not values)."""
+    entries = sorted(
+        f"{name}:{list(value.shape)}:{_dtype_name(value.dtype)}"
+        for name, value in state_dict.items()
+        if isinstance(value, torch.Tensor)  # skips modules' `_extra_state` objects
+    )
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
+def _store_shared_once(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tied tensors become aliases of the first name; safetensors refuses any other storage sharing."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    name_of_view: dict[tuple, str] = {}
+    storages_in_use: set[tuple] = set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        view = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if view in name_of_view:
+            aliases[name] = name_of_view[view]
+            continue
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        if storage in storages_in_use or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        name_of_view[view] = name
+        storages_in_use.add((tensor.device, tensor.untyped_storage().data_ptr()))
+        stored[name] = tensor
+    return stored, aliases
+
+
+def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if os.name == "posix":  # the rename itself survives a crash only once the directory is synced
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def _parse_aliases(text: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
+    try:
+        aliases = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} is not valid JSON ({e})") from e
+    dangling = {alias: name for alias, name in aliases.items() if name not in tensors}
+    if dangling:
+        raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} names tensors the file does not hold: {dangling}")
+    return aliases
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"({list(tensor.shape)}, {_dtype_name(tensor.dtype)})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _listing(heading: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    lines = [f"  {heading} ({len(items)}):"]
+    lines += [f"    {item}" for item in items[:MAX_LISTED]]
+    if len(items) > MAX_LISTED:
+        lines.append(f"    and {len(items) - MAX_LISTED} more")
+    return lines

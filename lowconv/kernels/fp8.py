@@ -1,0 +1,135 @@
+"""FP8 quantization and FP8 linear: torch references that emulate the GPU numerics.
+
+Scales follow torch._scaled_mm: a float32 *dequant* scale, x ~= x_fp8.float() * scale.
+Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1).
+Quantizers saturate: values beyond the format's max are clamped to it, never cast to NaN/inf.
+"""
+import torch
+
+E4M3 = torch.float8_e4m3fn  # forward: weights and activations
+E5M2 = torch.float8_e5m2  # backward: gradients (wider range, fewer mantissa bits)
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The dequant scale that maps amax to the format's max; 1 where amax is 0 (all-zero data)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / FP8_MAX[fp8_dtype], torch.ones_like(amax))
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    """(x_fp8, scale) with x_fp8 = saturate(x / scale); scale broadcasts against x."""
+    scale = scale.float()
+    fp8_max = FP8_MAX[fp8_dtype]
+    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype), scale
+
+
+def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype):
+    """(x_fp8, scale (1,)): one scale for the whole tensor."""
+    amax = x.detach().abs().amax().reshape(1)
+    return quantize_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
+
+
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
+    """(x_fp8, scale (..., 1)): one scale per row (per token of x, per output channel of W)."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True)
+    return quantize_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
+
+
+def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
+    """Dynamic quantization at `granularity` ("tensor" | "row")."""
+    if granularity == "tensor":
+        return quantize_tensorwise(x, fp8_dtype)
+    if granularity == "row":
+        return quantize_rowwise(x, fp8_dtype)
+    raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+
+
+def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor | None = None):
+    """e4m3 x with a fixed dequant `scale` (static or delayed scaling), or dynamically at granularity."""
+    return quantize(x, granularity) if scale is None else quantize_with_scale(x, scale, E4M3)
+
+
+def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.dtype):
+    """(w_fp8, scale in scale_dtype) for storing: (1,) per tensor or (out, 1) per output channel.
+
+    The scale is rounded *up* to scale_dtype and the weight quantized with that rounded scale, so
+    the stored pair is self-consistent (w ~= w_fp8 * stored scale) and the max still fits.
+    """
+    _, scale = quantize(weight, granularity)
+    stored = scale.to(scale_dtype)
+    stored = torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
+    return quantize_with_scale(weight, stored, E4M3)[0], stored
+
+
+def count_clipped(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """How many elements of x saturate when quantized with `scale` (an int64 scalar tensor)."""
+    return (x.detach().float().abs() / scale.float() > FP8_MAX[fp8_dtype]).sum()
+
+
+def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x_fp8.float() * scale.float()
+
+
+def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
+    """y = (x_fp8 @ w_fp8^T) * x_scale * w_scale^T + bias, as cuBLASLt computes it.
+
+    Products of two fp8 values are exact in fp32 and the sum is accumulated in fp32 (fast_accum's
+    reduced-precision accumulation on Hopper is not emulated); the scales are applied to the fp32
+    result, then the bias, then one rounding to out_dtype.
+    """
+    y = (x_fp8.float() @ w_fp8.float().t()) * x_scale.float() * w_scale.float().reshape(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
+    """The FP8 linear entry point: checks its inputs, then runs the reference (on every device
+    for now; the CUDA path through torch._scaled_mm plugs in here).
+
+    x_fp8 (..., K) e4m3 with x_scale (1,) or (..., 1); w_fp8 (N, K) e4m3 with w_scale (1,) or (N, 1).
+    """
+    if x_fp8.dtype != E4M3 or w_fp8.dtype != E4M3:
+        raise TypeError(f"fp8_linear takes float8_e4m3fn operands, got x {x_fp8.dtype} and w {w_fp8.dtype}")
+    if w_fp8.dim() != 2 or x_fp8.shape[-1] != w_fp8.shape[1]:
+        raise ValueError(f"fp8_linear: x {tuple(x_fp8.shape)} and w {tuple(w_fp8.shape)} do not match (w is (N, K))")
+    if w_scale.numel() not in (1, w_fp8.shape[0]):
+        raise ValueError(f"fp8_linear: w_scale has {w_scale.numel()} elements, expected 1 or N={w_fp8.shape[0]}")
+    if x_scale.numel() != 1 and x_scale.shape != (*x_fp8.shape[:-1], 1):
+        raise ValueError(f"fp8_linear: x_scale has shape {tuple(x_scale.shape)}, "
+                         f"expected (1,) or {(*x_fp8.shape[:-1], 1)}")
+    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """Training: y = x W^T + b with x and W in e4m3 forward, grad_output in e5m2 backward.
+
+    x_scale: a fixed dequant scale for x (static or delayed scaling), or None to quantize x
+    dynamically at `granularity`; W is always quantized dynamically (it changes every step).
+    Backward dequantizes the saved fp8 operands and runs both GEMMs in fp32; dbias comes from
+    the unquantized grad, as in TransformerEngine.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_scale, granularity):
+        x_fp8, x_scale = quantize_activation(x, granularity, x_scale)
+        w_fp8, w_scale = quantize(weight, granularity)
+        ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_fp8, x_scale, w_fp8, w_scale = ctx.saved_tensors
+        x_dtype, w_dtype, bias_dtype = ctx.dtypes
+        needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
+        g = dequantize(*quantize_tensorwise(grad, E5M2))
+        grad_x = (g @ dequantize(w_fp8, w_scale)).to(x_dtype) if needs_x else None
+        if needs_w:
+            x = dequantize(x_fp8, x_scale)
+            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
+        else:
+            grad_w = None
+        grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if needs_bias else None
+        return grad_x, grad_w, grad_bias, None, None

@@ -1,0 +1,74 @@
+"""`fp16acc`: fp16 linear layers with fp16 accumulation, split along K to bound its error.
+
+State dict: `weight` (out, in) float16, `bias` (out,) float16 if the site has one (nn.Linear's).
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lowconv.kernels.fp16acc import auto_splits, fp16acc_matmul
+from lowconv.ops.linear_site import linear_info, linear_params
+from lowconv.ops.registry import Op, register
+
+
+@dataclass
+class Fp16AccOptions:
+    splits: int | Literal["auto"] = "auto"  # chunks of K, each with its own fp16 accumulator
+    combine: Literal["fp32", "fp16"] = "fp32"  # how the chunks' partial sums are added up
+    backend: Literal["triton", "cublas"] = "triton"  # CUDA only; the CPU runs the reference
+
+
+class Fp16AccLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, options: Fp16AccOptions):
+        super().__init__()
+        self.in_features, self.out_features, self.options = in_features, out_features, options
+        self.splits = auto_splits(in_features) if options.splits == "auto" else options.splits
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float16))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=torch.float16)) if bias else None
+
+    @torch.no_grad()
+    def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight.copy_(weight)
+        if bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp16acc_matmul(x, self.weight, self.bias, self.splits, self.options.combine)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"splits={self.splits}, combine={self.options.combine}")
+
+
+def check(site, options: Fp16AccOptions) -> str | None:
+    meta = site.input or site.output
+    dtype = meta.dtype if meta else "unknown"
+    if dtype != "float16":
+        return f"fp16acc runs fp16 models only (site dtype is {dtype})"
+    if options.splits != "auto" and options.splits < 1:
+        return f"fp16acc needs splits >= 1 (got {options.splits})"
+    return None
+
+
+def empty(site, options: Fp16AccOptions) -> Fp16AccLinear:
+    info = linear_info(site)
+    return Fp16AccLinear(info.in_features, info.out_features, info.bias, options)
+
+
+def from_site(site, options: Fp16AccOptions, params: dict[str, torch.Tensor]) -> Fp16AccLinear:
+    module = empty(site, options)
+    module.set_params(*linear_params(site, params))
+    return module
+
+
+FP16ACC = register(Op(
+    name="fp16acc",
+    kind="linear",
+    description="fp16 linear with fp16 accumulation, split along K (fp32 or fp16 combine) to bound the error",
+    options=Fp16AccOptions,
+    check=check,
+    from_site=from_site,
+    empty=empty,
+))

@@ -1,0 +1,166 @@
+"""`fp8`: linear layers in FP8 (e4m3 weights and activations forward, e5m2 gradients backward).
+
+State dict (inference, compressed-tensors names):
+    weight        float8_e4m3fn (out, in)
+    weight_scale  (1,) per tensor | (out, 1) per channel, in the model's dtype (dequant scale)
+    bias          (out,) in the model's dtype, if the site has one
+    input_scale   (1,) float32, static scaling only
+    amax_history  (amax_history_len,) float32, delayed scaling only
+Training (options.training): `weight` is the high-precision master weight; no weight_scale.
+
+Static and delayed scales take x per tensor (tokens vary; a per-token scale cannot be fixed);
+`granularity` then applies to W only.
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowconv.kernels.fp8 import (
+    E4M3, Fp8LinearFunction, amax_to_scale, count_clipped, dequantize, fp8_linear, quantize_activation,
+    quantize_weight,
+)
+from lowconv.ops.linear_site import linear_info, linear_params, site_dtype
+from lowconv.ops.registry import Op, register
+
+
+@dataclass
+class Fp8Options:
+    scaling: Literal["dynamic", "static", "delayed"] = "dynamic"  # how x's scale is chosen
+    granularity: Literal["tensor", "row"] = "tensor"  # row: per output channel of W, per token of x
+    fast_accum: bool = True  # cuBLASLt's fast accumulation (CUDA only; the reference accumulates in fp32)
+    training: bool = False  # keep a high-precision master weight and train through FP8 GEMMs
+    amax_history_len: int = 16  # delayed scaling: x's scale is max(last N amaxes) / 448
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, options: Fp8Options):
+        super().__init__()
+        self.in_features, self.out_features, self.options = in_features, out_features, options
+        if options.training:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        else:
+            scale_shape = (1,) if options.granularity == "tensor" else (out_features, 1)
+            self.register_buffer("weight", torch.empty(out_features, in_features, dtype=E4M3))
+            self.register_buffer("weight_scale", torch.empty(scale_shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        if options.scaling == "static":
+            self.register_buffer("input_scale", torch.zeros(1))  # 0 until calibrated or loaded
+            self._input_scale_checked = False
+        if options.scaling == "delayed":
+            self.register_buffer("amax_history", torch.zeros(options.amax_history_len))
+        if options.scaling != "dynamic":
+            # Saturation counters for report_stats; run-time state, not part of the checkpoint.
+            self.register_buffer("clipped", torch.zeros((), dtype=torch.int64), persistent=False)
+            self.register_buffer("elements", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.calibrating = False
+        self.calibration_amax = None
+
+    @torch.no_grad()
+    def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        if self.options.training:
+            self.weight.copy_(weight)
+        else:
+            granularity, scale_dtype = self.options.granularity, self.weight_scale.dtype
+            self.weight, self.weight_scale = quantize_weight(weight, granularity, scale_dtype)
+        if bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calibrating:
+            return self.calibration_forward(x)
+        x_scale = self.fixed_input_scale(x)
+        if self.options.training:
+            return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, self.options.granularity)
+        x_fp8, x_scale = quantize_activation(x, self.options.granularity, x_scale)
+        return fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+
+    def fixed_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x's scale for static/delayed scaling (None: dynamic), counting what it clips."""
+        if self.options.scaling == "dynamic":
+            return None
+        if self.options.scaling == "static":
+            if not self._input_scale_checked:  # checked once: a per-call check would sync the GPU
+                if not (self.input_scale > 0).all():
+                    raise RuntimeError("fp8 static scaling: input_scale is not set; calibrate the module "
+                                       "(begin_calibration, run inputs, end_calibration) or load a checkpoint")
+                self._input_scale_checked = True
+            scale = self.input_scale
+        else:
+            amax = x.detach().abs().amax().float().reshape(1)
+            history_max = self.amax_history.max().reshape(1)
+            # An empty history (never calibrated, first step) falls back to the current amax.
+            scale = amax_to_scale(torch.where(history_max > 0, history_max, amax), E4M3)
+            if self.training:  # only training updates the history, so eval outputs are reproducible
+                self.amax_history.copy_(torch.cat([amax, self.amax_history[:-1]]))
+        self.clipped += count_clipped(x, scale)
+        self.elements += x.numel()
+        return scale
+
+    def calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Record x's amax and compute with the unquantized x (its scale is what is being measured)."""
+        amax = x.detach().abs().amax().float()
+        self.calibration_amax = amax if self.calibration_amax is None else torch.maximum(self.calibration_amax, amax)
+        weight = self.weight if self.options.training else dequantize(self.weight, self.weight_scale)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+
+    def begin_calibration(self):
+        self.calibrating = self.options.scaling != "dynamic"
+        self.calibration_amax = None
+
+    @torch.no_grad()
+    def end_calibration(self):
+        if self.calibrating and self.calibration_amax is not None:
+            if self.options.scaling == "static":
+                self.input_scale.copy_(amax_to_scale(self.calibration_amax, E4M3).reshape(1))
+            else:
+                self.amax_history.zero_()
+                self.amax_history[0] = self.calibration_amax
+        self.calibrating = False
+        self.calibration_amax = None
+
+    def report_stats(self) -> dict[str, float]:
+        if self.options.scaling == "dynamic":
+            return {}
+        return {"clipped": float(self.clipped), "elements": float(self.elements)}
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scaling={o.scaling}, granularity={o.granularity}, training={o.training}")
+
+
+def check(site, options: Fp8Options) -> str | None:
+    info = linear_info(site)
+    if info.in_features % 16 or info.out_features % 16:
+        return (f"fp8 GEMM needs in_features and out_features divisible by 16 "
+                f"(got K={info.in_features}, N={info.out_features})")
+    if options.scaling == "delayed" and options.amax_history_len < 1:
+        return f"fp8 delayed scaling needs amax_history_len >= 1 (got {options.amax_history_len})"
+    return None
+
+
+def empty(site, options: Fp8Options) -> Fp8Linear:
+    info = linear_info(site)
+    return Fp8Linear(info.in_features, info.out_features, info.bias, site_dtype(site), options)
+
+
+def from_site(site, options: Fp8Options, params: dict[str, torch.Tensor]) -> Fp8Linear:
+    module = empty(site, options)
+    weight, bias = linear_params(site, params)
+    module.set_params(weight.to(site_dtype(site)), bias)
+    return module
+
+
+FP8 = register(Op(
+    name="fp8",
+    kind="linear",
+    description="FP8 linear: e4m3 weights and activations (tensor or per-row scales), e5m2 gradients",
+    options=Fp8Options,
+    check=check,
+    from_site=from_site,
+    empty=empty,
+))

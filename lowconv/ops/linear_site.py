@@ -1,0 +1,40 @@
+"""What the linear ops (fp8, semi_sparse, fp16acc) share: reading a linear Site and its params."""
+import torch
+from torch import nn
+
+from lowconv.site import LinearInfo, Site
+
+
+def site_dtype(site: Site) -> torch.dtype:
+    """The dtype the site computes in: its input's, else its output's (from shape propagation).
+
+    `empty` has no tensors to look at, so both constructors take the dtype from here: that keeps
+    a module built by `from_site` and one rebuilt by `empty` identical.
+    """
+    meta = site.input or site.output
+    if meta is None:
+        raise ValueError(f"site {site.fqn!r} has no input or output dtype (shapes were not propagated)")
+    return getattr(torch, meta.dtype)
+
+
+def linear_info(site: Site) -> LinearInfo:
+    if not isinstance(site.info, LinearInfo):
+        raise ValueError(f"site {site.fqn!r} is not a linear site ({type(site.info).__name__})")
+    return site.info
+
+
+def linear_params(site: Site, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The site's (weight (out, in), bias (out,) or None), checked against its LinearInfo."""
+    info = linear_info(site)
+    weight, bias = params["weight"], params.get("bias")
+    if tuple(weight.shape) != (info.out_features, info.in_features):
+        raise ValueError(f"site {site.fqn!r}: weight has shape {tuple(weight.shape)}, "
+                         f"expected (out, in) = ({info.out_features}, {info.in_features})")
+    if info.bias != (bias is not None):
+        raise ValueError(f"site {site.fqn!r}: bias is {'missing' if info.bias else 'unexpected'}")
+    return weight.detach(), None if bias is None else bias.detach()
+
+
+def new_bias(info: LinearInfo, dtype: torch.dtype) -> nn.Parameter | None:
+    """An uninitialized bias Parameter when the site has one (kept in high precision by every op)."""
+    return nn.Parameter(torch.empty(info.out_features, dtype=dtype)) if info.bias else None

@@ -1,0 +1,675 @@
+"""Find attention sites in a traced region.
+
+Three forms:
+- `F.scaled_dot_product_attention(q, k, v, ...)` calls;
+- hand-written `softmax(q @ k^T * scale [+ mask], dim=-1) [dropout] @ v`, read from the softmax
+  up to `q @ k^T` and down to `@ v`, through dtype casts, constant scalings (of the scores, or of
+  q or k before the matmul), one mask (`+ m`, `masked_fill(m, -inf)`, `where(m, s, -inf)`) and a
+  dropout;
+- nn.MultiheadAttention modules: call_module nodes, or lone regions of their own.
+
+Matching reads node targets and constant arguments only. Shapes, when shape propagation left
+them, fill in heads/head_dim/dtypes and decide an SDPA mask's kind: a bool mask keeps (True
+attends), any other is added. Without shapes an SDPA mask is taken as bool only when the graph
+visibly makes it so (comparisons, logical ops, `~`, `.bool()`, bool factories or buffers, and
+shape ops or tril/triu of those), and as additive otherwise.
+
+A mask that is a top-left slice of a lower-triangular constant (nanoGPT's
+`self.bias[:, :, :T, :T] == 0`) is recognized from the constant's value and becomes
+causal=True. That the slice covers the whole score matrix is checked on the shapes; without
+shapes it is assumed when rows and columns are sliced to the same length.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from functools import reduce
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from lowconv.passes.trace import Region, join_fqn
+from lowconv.site import AttentionInfo, Site, TensorMeta, tensor_meta
+
+# A masked_fill/where fill at or below this is a mask: exp() of it is 0 in every float dtype.
+# (A finite fill differs from -inf only on rows where every key is masked.)
+LARGE_NEGATIVE = -1e4
+MAX_SCORE_STEPS = 8  # ops between q @ k^T and the softmax that the matcher follows
+TRIAL_HEAD_DIMS = (16, 64)  # where a scale computed from the head_dim is evaluated
+
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+
+MATMULS = (operator.matmul, torch.matmul)
+SOFTMAXES = (F.softmax, torch.softmax)
+MULS = (operator.mul, torch.mul)
+DIVS = (operator.truediv, torch.div)
+ADDS = (operator.add, torch.add)
+SCALAR_OPS = (operator.mul, operator.truediv, operator.floordiv, operator.pow, operator.add,
+              operator.sub, operator.neg, math.sqrt)
+CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous")
+COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+               torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge)
+COMPARISON_METHODS = ("eq", "ne", "lt", "le", "gt", "ge")
+# Elementwise ops that a causal mask may apply to its lower-triangular constant.
+MASK_OPS = COMPARISONS + (operator.invert, torch.logical_not)
+MASK_METHODS = COMPARISON_METHODS + ("logical_not", "bool", "float", "to")
+# Ops whose result is bool, and ops whose result has their first argument's dtype.
+BOOL_OPS = MASK_OPS + (torch.logical_and, torch.logical_or, torch.logical_xor)
+BOOL_METHODS = COMPARISON_METHODS + ("bool", "logical_not", "logical_and", "logical_or",
+                                     "logical_xor")
+SAME_DTYPE_OPS = (operator.getitem, operator.and_, operator.or_, operator.xor, torch.tril,
+                  torch.triu, torch.reshape, torch.unsqueeze, torch.squeeze, torch.transpose,
+                  torch.permute, torch.broadcast_to)
+SAME_DTYPE_METHODS = ("view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze",
+                      "transpose", "permute", "contiguous", "repeat", "flatten", "tril", "triu",
+                      "clone", "logical_and", "logical_or")
+FACTORIES = (torch.ones, torch.zeros, torch.empty, torch.full, torch.ones_like,
+             torch.zeros_like, torch.empty_like, torch.full_like, torch.tensor)
+
+
+@dataclass
+class Mask:
+    node: fx.Node
+    kind: str  # "additive" | "keep" | "drop"
+    scaled: bool = False  # the scores are scaled after this mask is applied
+
+
+@dataclass
+class Match:
+    """What the matcher read off one functional attention in the graph."""
+
+    form: str  # "sdpa" | "handwritten"
+    q: fx.Node
+    k: fx.Node | None  # None: not found (then there is a problem)
+    v: fx.Node
+    output: fx.Node
+    nodes: list[fx.Node]
+    scale: float | None
+    causal: bool = False
+    dropout: float = 0.0
+    masks: list[Mask] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    """One op between q @ k^T and the softmax."""
+
+    node: fx.Node
+    factor: float | None = None  # it multiplies the scores by this constant
+    scaled_at_run_time: bool = False  # it multiplies the scores by a computed value
+    mask: fx.Node | None = None
+    kind: str | None = None
+    problem: str | None = None
+
+
+def find_attention_sites(region: Region) -> list[Site]:
+    """The attention sites of `region`, in graph order."""
+    if region.graph is None:
+        if isinstance(region.module, nn.MultiheadAttention):
+            return [lone_mha_site(region)]
+        return []
+    sites: list[Site] = []
+    names: dict[str, set[str]] = {}  # owner FQN -> names given to sites in it
+    mha_targets: set[str] = set()
+    for node in region.graph.graph.nodes:
+        if is_mha_call(region, node):
+            if node.target not in mha_targets:
+                mha_targets.add(node.target)
+                sites.append(mha_site(region, node.target))
+            continue
+        match = match_sdpa(region, node) or match_handwritten(region, node)
+        if match is not None:
+            sites.append(functional_site(region, match, names))
+    order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
+    for site in sites:
+        site.nodes.sort(key=order.__getitem__)
+    return sites
+
+
+# ---- SDPA ----
+
+def match_sdpa(region: Region, node: fx.Node) -> Match | None:
+    if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
+        return None
+    args = call_args(node, SDPA_ARGS)
+    q, k, v = args.get("query"), args.get("key"), args.get("value")
+    if not all(isinstance(x, fx.Node) for x in (q, k, v)):
+        return None
+    match = Match("sdpa", q, k, v, output=node, nodes=[node], scale=None)
+    match.scale = constant(match, "SDPA's scale", args.get("scale"), None)
+    match.causal = constant(match, "SDPA's is_causal", args.get("is_causal", False), False)
+    match.dropout = constant(match, "SDPA's dropout_p", args.get("dropout_p", 0.0), 0.0)
+    mask = args.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        meta = tensor_meta(mask)
+        boolean = meta.dtype == "bool" if meta else looks_boolean(region, mask)
+        match.masks.append(Mask(mask, "keep" if boolean else "additive"))
+    return match
+
+
+def constant(match: Match, what: str, value, default):
+    """`value`, or `default` and a problem when it is computed at run time."""
+    if isinstance(value, fx.Node):
+        match.problems.append(f"{what} is computed at run time (a tensor), not a constant")
+        return default
+    return value
+
+
+# ---- hand-written softmax(q k^T) v ----
+
+def match_handwritten(region: Region, softmax: fx.Node) -> Match | None:
+    scores = softmax_input(region, softmax)
+    found = trace_scores(scores) if scores is not None else None
+    probs = trace_probs(region, softmax) if found is not None else None
+    if probs is None:
+        return None
+    scores_matmul, steps = found
+    pv_matmul, prob_nodes, dropout = probs
+
+    q, q_factor, q_nodes = strip_scale(scores_matmul.args[0])
+    kt, kt_factor, kt_nodes = strip_scale(scores_matmul.args[1])
+    k = untranspose(kt)
+    k, k_factor, k_nodes = strip_scale(k) if k is not None else (None, 1.0, [])
+    nodes = [*q_nodes, *kt_nodes, *([kt] if k is not None else []), *k_nodes, scores_matmul,
+             *(s.node for s in steps), softmax, *prob_nodes, pv_matmul]
+    match = Match("handwritten", q, k, pv_matmul.args[1], output=pv_matmul, nodes=nodes,
+                  scale=q_factor * kt_factor * k_factor)
+    match.dropout = constant(match, "the dropout probability", dropout, 0.0)
+    if k is None:
+        match.problems.append(f"k^T ({kt.name}) is not k.transpose(-2, -1) of a "
+                              f"(batch, heads, seq, head_dim) k")
+
+    scaled = False  # steps run softmax side first: a scale seen here applies after later masks
+    computed = []  # (step, the scores it scales) for scalings by a computed value
+    for step, up in zip(steps, [*(s.node for s in steps[1:]), scores_matmul]):
+        if step.problem:
+            match.problems.append(step.problem)
+        if step.factor is not None:
+            match.scale *= step.factor
+        if step.scaled_at_run_time:
+            computed.append((step.node, up))
+        scaled = scaled or step.factor is not None or step.scaled_at_run_time
+        if step.mask is not None:
+            match.masks.append(Mask(step.mask, step.kind, scaled))
+    if computed:
+        fold_computed_scale(match, computed)
+    for node in (scores_matmul, *(s.node for s in steps), softmax, *prob_nodes):
+        changed = next((u for u in node.users if mutates(u)), None)
+        if changed is not None:
+            match.problems.append(f"an in-place op ({changed.name}) changes {node.name}")
+    return match
+
+
+def fold_computed_scale(match: Match, scalings: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Fold scalings by values computed from q's or k's head_dim (nanoGPT's
+    `* (1.0 / math.sqrt(k.size(-1)))`) into match.scale: None when they make it
+    1/sqrt(head_dim), SDPA's default; a number when shapes give the head_dim."""
+    def factor(head_dim):
+        values = [scalar_value(node, {up: 1.0}, (match.q, match.k), head_dim)
+                  for node, up in scalings]
+        return None if None in values else math.prod(values)
+
+    meta = tensor_meta(match.q)
+    if factor(TRIAL_HEAD_DIMS[0]) is None:
+        names = ", ".join(node.name for node, _ in scalings)
+        match.problems.append(f"the scores are scaled by a tensor ({names}), not a constant")
+    elif match.scale == 1.0 and all(math.isclose(factor(d), d ** -0.5) for d in TRIAL_HEAD_DIMS):
+        match.scale = None
+    elif meta is not None:
+        match.scale *= factor(meta.shape[-1])
+    else:
+        match.problems.append("the scale is computed from shapes: trace with example inputs")
+
+
+def scalar_value(node, env: dict, sized: tuple, head_dim: int) -> float | None:
+    """The value of a scalar expression of constants, `env`'s nodes and the head_dim (the
+    last size of a node in `sized`), or None when it is anything else."""
+    if is_number(node):
+        return node
+    if not isinstance(node, fx.Node):
+        return None
+    if node in env:
+        return env[node]
+    if is_last_size(node, sized):
+        return head_dim
+    if node.op == "call_function" and node.target in SCALAR_OPS and not node.kwargs:
+        values = [scalar_value(a, env, sized, head_dim) for a in node.args]
+        return None if None in values else node.target(*values)
+    return None
+
+
+def is_last_size(node: fx.Node, sized: tuple) -> bool:
+    """Whether `node` is `x.size(-1)`, `x.size()[-1]` or `x.shape[-1]` of an x in `sized`."""
+    if op_is(node, (), ("size",)) and len(node.args) == 2:
+        x, dim = node.args
+    elif is_slice(node) and is_shape_of(node.args[0]):
+        x, dim = node.args[0].args[0], node.args[1]
+    else:
+        return False
+    return any(x is s for s in sized) and is_last_dim(x, dim)
+
+
+def is_shape_of(node) -> bool:
+    """Whether `node` is `x.size()` or `x.shape`."""
+    return (op_is(node, (), ("size",)) and len(node.args) == 1
+            or op_is(node, (getattr,)) and node.args[1] == "shape")
+
+
+def is_last_dim(x: fx.Node, dim) -> bool:
+    """Whether `dim` is x's last dim (without shapes, x is taken to be 4-D)."""
+    meta = tensor_meta(x)
+    return dim in (-1, len(meta.shape) - 1 if meta else 3)
+
+
+def softmax_input(region: Region, node: fx.Node) -> fx.Node | None:
+    """The input of `node` when it is a softmax over the last dim, else None."""
+    if op_is(node, SOFTMAXES, ("softmax",)):
+        args = call_args(node, ("input", "dim"))
+        x, dim = args.get("input"), args.get("dim")
+    elif node.op == "call_module" and isinstance(module := submodule(region, node), nn.Softmax):
+        x, dim = node.args[0], module.dim
+    else:
+        return None
+    return x if isinstance(x, fx.Node) and is_last_dim(x, dim) else None
+
+
+def trace_scores(node: fx.Node, depth: int = 0) -> tuple[fx.Node, list[Step]] | None:
+    """From the softmax's input up to q @ k^T: the matmul and the steps, softmax side first."""
+    if op_is(node, MATMULS, ("matmul",)):
+        return node, []
+    if depth == MAX_SCORE_STEPS:
+        return None
+    for up, step in score_steps(node):
+        found = trace_scores(up, depth + 1)
+        if found is not None:
+            return found[0], [step, *found[1]]
+    return None
+
+
+def score_steps(node: fx.Node) -> list[tuple[fx.Node, Step]]:
+    """The readings of `node` as a step on the scores: (the scores before it, the step)."""
+    if not isinstance(node, fx.Node):
+        return []
+    if is_cast(node):
+        return [(node.args[0], Step(node))]
+    scalings = scale_operands(node)
+    if scalings:
+        return [(x, Step(node, factor=c) if is_number(c) else Step(node, scaled_at_run_time=True))
+                for x, c in scalings]
+    if op_is(node, ADDS, ("add",)) and not node.kwargs and len(node.args) == 2:
+        a, b = node.args
+        return [(x, Step(node, mask=m, kind="additive"))
+                for x, m in ((a, b), (b, a)) if isinstance(x, fx.Node) and isinstance(m, fx.Node)]
+    if op_is(node, (torch.masked_fill,), ("masked_fill",)):
+        args = call_args(node, ("input", "mask", "value"))
+        if is_mask_fill(args.get("value")):
+            return [(args["input"], Step(node, mask=args["mask"], kind="drop"))]
+        return [(args["input"], Step(node, problem=f"masked_fill({node.name}) fills "
+                                                   f"{args.get('value')!r}, not -inf"))]
+    if node.op == "call_function" and node.target is torch.where and len(node.args) == 3:
+        cond, x, y = node.args
+        if is_mask_fill(y):
+            return [(x, Step(node, mask=cond, kind="keep"))]
+        if is_mask_fill(x):
+            return [(y, Step(node, mask=cond, kind="drop"))]
+    return []
+
+
+def trace_probs(region: Region, softmax: fx.Node):
+    """From the softmax down to P @ V: (that matmul, the nodes between, the dropout p), or None."""
+    node, nodes, dropout = softmax, [], 0.0
+    while True:
+        nexts = [u for u in node.users if u.args and u.args[0] is node and
+                 (is_cast(u) or op_is(u, MATMULS, ("matmul",))
+                  or (dropout == 0.0 and dropout_p(region, u) is not None))]
+        if len(nexts) != 1:
+            return None
+        node = nexts[0]
+        if op_is(node, MATMULS, ("matmul",)):
+            return node, nodes, dropout
+        nodes.append(node)
+        if not is_cast(node):
+            dropout = dropout_p(region, node)
+
+
+def dropout_p(region: Region, node: fx.Node):
+    """The probability of a dropout call (a number, or a node when computed), else None."""
+    if node.op == "call_function" and node.target is F.dropout:
+        return call_args(node, ("input", "p")).get("p", 0.5)
+    if node.op == "call_function" and node.target is torch.dropout:
+        return call_args(node, ("input", "p")).get("p")
+    if node.op == "call_module" and isinstance(module := submodule(region, node), nn.Dropout):
+        return module.p
+    return None
+
+
+def strip_scale(node: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
+    """(x, c, [node]) when `node` is x * c or x / c for a constant c and used once; else
+    (node, 1.0, []): a scaling with other users stays outside the site, as its input."""
+    if isinstance(node, fx.Node) and len(node.users) == 1:
+        for x, c in scale_operands(node):
+            if is_number(c):
+                return x, c, [node]
+    return node, 1.0, []
+
+
+def scale_operands(node: fx.Node) -> list[tuple[fx.Node, object]]:
+    """The readings of `node` as x * c: (x, c), c a number or a node."""
+    if node.kwargs or len(node.args) != 2:
+        return []
+    a, b = node.args
+    if op_is(node, MULS, ("mul",)):
+        return [(x, c) for x, c in ((a, b), (b, a)) if isinstance(x, fx.Node)
+                and (is_number(c) or isinstance(c, fx.Node))]
+    if op_is(node, DIVS, ("div",)) and isinstance(a, fx.Node):
+        return [(a, 1.0 / b if is_number(b) else b)]
+    return []
+
+
+def untranspose(kt: fx.Node) -> fx.Node | None:
+    """k when `kt` is k with its last two dims swapped, else None."""
+    if not isinstance(kt, fx.Node):
+        return None
+    if op_is(kt, (torch.transpose,), ("transpose",)) and len(kt.args) == 3:
+        meta = tensor_meta(kt)
+        ndim = len(meta.shape) if meta else 4  # without shapes, the 4-D form
+        dims = kt.args[1:]
+        swapped = all_ints(dims) and {d % ndim for d in dims} == {ndim - 2, ndim - 1}
+    elif op_is(kt, (torch.permute,), ("permute",)) and len(kt.args) >= 2:
+        dims = kt.args[1] if isinstance(kt.args[1], (tuple, list)) else kt.args[1:]
+        n = len(dims)
+        swapped = all_ints(dims) and [d % n for d in dims] == [*range(n - 2), n - 1, n - 2]
+    else:
+        swapped = kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT"
+    return kt.args[0] if swapped else None
+
+
+# ---- the Site ----
+
+def functional_site(region: Region, match: Match, names: dict[str, set[str]]) -> Site:
+    """The Site of an SDPA or hand-written match; causal masks become causal=True."""
+    q_meta, k_meta = tensor_meta(match.q), tensor_meta(match.k)
+    scores_shape = (*q_meta.shape[:-1], k_meta.shape[-2]) if q_meta and k_meta else None
+    mask = None
+    for m in match.masks:
+        chain = causal_chain(region, m, scores_shape)
+        if chain is not None:
+            match.causal = True
+            match.nodes.extend(chain)
+        elif mask is not None:
+            match.problems.append("more than one attention mask")
+        elif m.scaled and m.kind == "additive":
+            match.problems.append(f"the additive mask {m.node.name} is scaled with the scores")
+        else:
+            mask = m
+    heads_known = q_meta is not None and len(q_meta.shape) >= 4
+    info = AttentionInfo(
+        form=match.form,
+        heads=q_meta.shape[-3] if heads_known else None,
+        kv_heads=k_meta.shape[-3] if heads_known and k_meta else None,
+        head_dim=q_meta.shape[-1] if q_meta else None,
+        scale=None if match.scale is None else float(match.scale),
+        mask=mask.kind if mask else "none",
+        causal=bool(match.causal),
+        dropout=float(match.dropout),
+    )
+    owner_fqn, owner = owner_of(region, match.output)
+    args = (match.q, match.k, match.v) + ((mask.node,) if mask else ())
+    return Site(
+        kind="attention",
+        fqn=site_fqn(owner_fqn, owner, names),
+        region=region.fqn,
+        classes=class_names(owner),
+        info=info,
+        input=q_meta,
+        output=tensor_meta(match.output),
+        unsupported="; ".join(match.problems) or None,
+        args=() if match.problems else args,
+        output_node=match.output,
+        nodes=list(dict.fromkeys(match.nodes)),
+    )
+
+
+def owner_of(region: Region, node: fx.Node) -> tuple[str, nn.Module]:
+    """The FQN and module of the innermost module whose forward made `node`."""
+    stack = node.meta.get("nn_module_stack")
+    path = list(stack.values())[-1][0] if stack else ""
+    return join_fqn(region.fqn, path), region.module.get_submodule(path)
+
+
+def site_fqn(owner_fqn: str, owner: nn.Module, names: dict[str, set[str]]) -> str:
+    """owner.attention, or attention_1, ...: a name that no attribute or other site has."""
+    taken = names.setdefault(owner_fqn, set())
+    name, i = "attention", 0
+    while name in taken or hasattr(owner, name):
+        i += 1
+        name = f"attention_{i}"
+    taken.add(name)
+    return join_fqn(owner_fqn, name)
+
+
+def class_names(module: nn.Module) -> list[str]:
+    return [c.__name__ for c in type(module).__mro__ if c is not object]
+
+
+# ---- causal masks ----
+
+def causal_chain(region: Region, mask: Mask, scores_shape) -> list[fx.Node] | None:
+    """The nodes that make `mask` when it is a top-left slice of a lower-triangular constant,
+    so that causal=True says all it says; else None."""
+    chain, node, index = [], mask.node, None
+    while node.op != "get_attr":
+        if is_slice(node) and index is None:
+            index = node.args[1]
+        elif not is_mask_op(node):
+            return None
+        chain.append(node)
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return None
+    value = reduce(getattr, node.target.split("."), region.graph)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    if index is not None and not is_top_left_slice(index, value.dim()):
+        return None
+    with torch.no_grad():
+        for op in reversed(chain):  # elementwise ops commute with the slice: apply them whole
+            if op.target is not operator.getitem:
+                value = apply(op, value)
+    allowed = allowed_by(value, mask.kind)
+    if allowed is None or not torch.equal(allowed, torch.ones_like(allowed).tril()):
+        return None
+    meta = tensor_meta(mask.node)
+    if meta and scores_shape:
+        covers = meta.shape[-2:] == tuple(scores_shape[-2:])
+    elif index is not None:
+        rows, cols = index[-2].stop, index[-1].stop
+        covers = rows is cols or (not isinstance(rows, fx.Node) and rows == cols)
+    else:
+        covers = value.shape[-2] == value.shape[-1]
+    return [*chain, node] if covers else None
+
+
+def allowed_by(value: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """Where a mask of `kind` with this value lets a query attend (None: not a plain mask)."""
+    if kind in ("keep", "drop") and value.dtype == torch.bool:
+        return value if kind == "keep" else ~value
+    if kind == "additive" and value.is_floating_point():
+        if ((value == 0) | (value <= LARGE_NEGATIVE)).all():
+            return value == 0
+    return None
+
+
+def is_slice(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_top_left_slice(index, ndim: int) -> bool:
+    """Whether `index` takes [:a, :b] of a tensor's last two dims."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis not in index and sum(i is not None for i in index) != ndim:
+        return False
+    return all(isinstance(s, slice) and s.start in (None, 0) and s.step in (None, 1)
+               for s in index[-2:])
+
+
+def is_mask_op(node: fx.Node) -> bool:
+    """An elementwise op of its first argument with constant other arguments."""
+    constants = not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values()))
+    return op_is(node, MASK_OPS, MASK_METHODS) and constants
+
+
+def apply(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
+    if node.op == "call_method":
+        return getattr(value, node.target)(*node.args[1:], **node.kwargs)
+    return node.target(value, *node.args[1:], **node.kwargs)
+
+
+def looks_boolean(region: Region, node) -> bool:
+    """Whether the graph visibly makes `node` a bool tensor (see the module docstring)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "get_attr":
+        value = reduce(getattr, node.target.split("."), region.graph)
+        return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    if op_is(node, BOOL_OPS, BOOL_METHODS):
+        return True
+    if op_is(node, FACTORIES, ("to", "type")):
+        return any(a is torch.bool for a in (*node.args[1:], *node.kwargs.values()))
+    if op_is(node, SAME_DTYPE_OPS, SAME_DTYPE_METHODS):
+        return looks_boolean(region, node.args[0])
+    return False
+
+
+# ---- nn.MultiheadAttention ----
+
+def is_mha_call(region: Region, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(submodule(region, node), nn.MultiheadAttention)
+
+
+def mha_site(region: Region, target: str) -> Site:
+    """The module-backed site of the MHA at `target`, over all of its calls in the graph."""
+    calls = [n for n in region.graph.graph.nodes if n.op == "call_module" and n.target == target]
+    mha = region.module.get_submodule(target)
+    outputs = [u for c in calls for u in c.users if is_getitem(u, c, 0)]
+    unsupported = mha_problem(mha)
+    if unsupported is None and any(weights_used(c) for c in calls):
+        unsupported = "the attention weights it returns are used"
+    return Site(
+        kind="attention",
+        fqn=join_fqn(region.fqn, target),
+        region=region.fqn,
+        classes=class_names(mha),
+        info=mha_info(mha),
+        input=tensor_meta(call_args(calls[0], MHA_ARGS).get("query")),
+        output=tensor_meta(outputs[0]) if outputs else None,
+        unsupported=unsupported,
+        output_node=calls[0],
+        module_backed=True,
+    )
+
+
+def lone_mha_site(region: Region) -> Site:
+    """An MHA region of its own: its caller is not traced, so whether the weights it returns
+    are used is unknown (a caller that uses them fails on the converted model's None)."""
+    args, output = region.example_args, region.example_output
+    return Site(
+        kind="attention",
+        fqn=region.fqn,
+        region=region.fqn,
+        classes=class_names(region.module),
+        info=mha_info(region.module),
+        input=meta_of_tensor(args[0]) if args else None,
+        output=meta_of_tensor(output[0]) if isinstance(output, tuple) else None,
+        unsupported=mha_problem(region.module),
+        module_backed=True,
+    )
+
+
+def mha_info(mha: nn.MultiheadAttention) -> AttentionInfo:
+    return AttentionInfo(form="mha", heads=mha.num_heads, kv_heads=mha.num_heads,
+                         head_dim=mha.head_dim, dropout=float(mha.dropout),
+                         embed_dim=mha.embed_dim, kdim=mha.kdim, vdim=mha.vdim,
+                         bias=mha.in_proj_bias is not None, batch_first=mha.batch_first)
+
+
+def mha_problem(mha: nn.MultiheadAttention) -> str | None:
+    """Why this MHA's configuration cannot be converted (None: it can)."""
+    if mha.bias_k is not None:
+        return "nn.MultiheadAttention with add_bias_kv"
+    if mha.add_zero_attn:
+        return "nn.MultiheadAttention with add_zero_attn"
+    return None
+
+
+def weights_used(call: fx.Node) -> bool:
+    """Whether anything uses the attention weights that this MHA call returns."""
+    if call_args(call, MHA_ARGS).get("need_weights", True) is False:
+        return False
+    return any(not is_getitem(u, call, 0) and not (is_getitem(u, call, 1) and not u.users)
+               for u in call.users)
+
+
+def is_getitem(node: fx.Node, of: fx.Node, index: int) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem
+            and node.args[0] is of and node.args[1] == index)
+
+
+def meta_of_tensor(value) -> TensorMeta | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return TensorMeta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
+
+
+# ---- node helpers ----
+
+def op_is(node, functions=(), methods=()) -> bool:
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target in functions)
+        or (node.op == "call_method" and node.target in methods))
+
+
+def call_args(node: fx.Node, names: tuple[str, ...]) -> dict:
+    """The node's arguments by parameter name; `names` names the positional ones in order."""
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
+def submodule(region: Region, node: fx.Node) -> nn.Module:
+    return region.module.get_submodule(node.target)
+
+
+def is_cast(node: fx.Node) -> bool:
+    """A cast of its first argument to a floating dtype (or `.contiguous()`)."""
+    if not op_is(node, (), CAST_METHODS):
+        return False
+    dtypes = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
+    return all(d.is_floating_point for d in dtypes)
+
+
+def mutates(node: fx.Node) -> bool:
+    """Whether `node` changes its first argument in place."""
+    return ((node.op == "call_method" and node.target.endswith("_")
+             and not node.target.startswith("_"))
+            or (node.op == "call_function" and node.target is operator.setitem))
+
+
+def all_ints(values) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_mask_fill(value) -> bool:
+    """Whether a masked_fill/where fill is -inf or a large negative number (a constant, or a
+    `torch.full`/`torch.tensor` of one)."""
+    if isinstance(value, fx.Node) and value.op == "call_function" and value.target in (
+            torch.full, torch.tensor):
+        value = value.args[-1] if value.target is torch.full else value.args[0]
+    return is_number(value) and value <= LARGE_NEGATIVE

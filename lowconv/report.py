@@ -1,0 +1,406 @@
+"""How far the converted model is from the original: metrics, the gate, and their renderings.
+
+Metrics follow torch.ao's numeric suite (SQNR, relative L2, cosine, max abs error), plus
+KL(p_orig || p_conv) and top-1 agreement for outputs that are logits. Everything is computed
+in float64, so the report measures the conversion and not the measuring.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Mapping
+
+import torch
+from tabulate import tabulate
+
+
+@dataclass
+class TensorMetrics:
+    sqnr_db: float  # 20 log10(||ref|| / ||ref - test||); +inf when identical
+    cosine: float
+    rel_l2: float  # ||ref - test|| / ||ref||
+    max_abs: float
+    nan: int  # NaNs in test
+    inf: int  # Infs in test
+    numel: int
+    new_nonfinite: int  # elements that are finite in ref but NaN/Inf in test
+
+
+@dataclass
+class LogitMetrics:
+    kl: float  # mean over rows of KL(p_ref || p_test)
+    top1: float  # fraction of rows whose argmax agrees
+    rows: int
+
+
+@dataclass
+class SiteRow:
+    fqn: str
+    op: str
+    metrics: TensorMetrics | None  # None: the inputs did not reach the site
+    stats: dict[str, float] = field(default_factory=dict)  # the op module's report_stats()
+    note: str = ""
+
+
+@dataclass
+class OutputRow:
+    name: str
+    metrics: TensorMetrics
+    logits: LogitMetrics | None = None
+
+
+@dataclass
+class Perf:
+    original_ms: float
+    converted_ms: float
+    original_peak_mb: float
+    converted_peak_mb: float
+    device: str = ""  # timings mean something only next to the device they were taken on
+
+
+@dataclass
+class Report:
+    sites: list[SiteRow]
+    outputs: list[OutputRow]
+    gate_min_sqnr_db: float | None = None
+    perf: Perf | None = None
+    title: str = ""
+    recipe: str = ""  # the recipe's name
+
+    @property
+    def passed(self) -> bool:
+        return not gate_failures(self)
+
+
+def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
+    if ref.shape != test.shape:
+        raise ValueError(
+            f"cannot compare an original tensor of shape {tuple(ref.shape)} with a converted one of shape {tuple(test.shape)}"
+        )
+    x, y = _float64_pair(ref, test)
+    diff = x - y
+    ref_norm = torch.linalg.vector_norm(x)
+    test_norm = torch.linalg.vector_norm(y)
+    noise = torch.linalg.vector_norm(diff)
+    identical = bool(noise == 0)
+    if identical:
+        sqnr, rel_l2, cosine = math.inf, 0.0, 1.0
+    else:
+        # Tensor arithmetic, so that a zero ref gives -inf/inf and NaN propagates instead of raising.
+        sqnr = float(20 * torch.log10(ref_norm / noise))
+        rel_l2 = float(noise / ref_norm)
+        norms = ref_norm * test_norm
+        cosine = 0.0 if bool(norms == 0) else float(torch.clamp(torch.dot(x.flatten(), y.flatten()) / norms, -1, 1))
+    return TensorMetrics(
+        sqnr_db=sqnr,
+        cosine=cosine,
+        rel_l2=rel_l2,
+        max_abs=float(diff.abs().max()) if diff.numel() else 0.0,
+        nan=int(torch.isnan(y).sum()),
+        inf=int(torch.isinf(y).sum()),
+        numel=y.numel(),
+        new_nonfinite=int((torch.isfinite(x) & ~torch.isfinite(y)).sum()),
+    )
+
+
+def logit_metrics(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> LogitMetrics:
+    """Rows are all leading dimensions; the last dimension holds the classes."""
+    if ref_logits.shape != test_logits.shape:
+        raise ValueError(
+            f"cannot compare original logits of shape {tuple(ref_logits.shape)} with converted ones of shape {tuple(test_logits.shape)}"
+        )
+    if ref_logits.ndim == 0 or ref_logits.numel() == 0:
+        raise ValueError(f"logits need a class dimension and at least one row, got shape {tuple(ref_logits.shape)}")
+    x, y = _float64_pair(ref_logits, test_logits)
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    log_p, log_q = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
+    p = log_p.exp()
+    # Classes the original gives no probability add nothing, even where the converted gives -inf.
+    kl_rows = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+    agree = x.argmax(-1) == y.argmax(-1)
+    return LogitMetrics(kl=float(kl_rows.mean()), top1=float(agree.double().mean()), rows=x.shape[0])
+
+
+def flatten_outputs(obj: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
+    """Name every floating-point tensor in a model's output: "output", "output[0]", "output.logits"."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)] if obj.is_floating_point() else []
+    if isinstance(obj, Mapping):  # dicts and HF ModelOutput (an OrderedDict of its non-None fields)
+        items = obj.items()
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        items = zip(obj._fields, obj)
+    elif isinstance(obj, (tuple, list)):
+        items = enumerate(obj)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        items = ((f.name, getattr(obj, f.name)) for f in fields(obj))
+    elif callable(getattr(obj, "to_tuple", None)):
+        items = enumerate(obj.to_tuple())
+    else:
+        return []
+    named = []
+    for key, value in items:
+        name = f"{prefix}.{key}" if isinstance(key, str) else f"{prefix}[{key!r}]"
+        named += flatten_outputs(value, name)
+    return named
+
+
+def build_report(
+    site_pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    site_ops: dict[str, str],
+    output_pairs: list[tuple[str, torch.Tensor, torch.Tensor]],
+    *,
+    gate_min_sqnr_db: float | None = None,
+    logits: bool | None = None,
+    site_stats: dict[str, dict[str, float]] | None = None,
+    perf: Perf | None = None,
+    title: str = "",
+    recipe: str = "",
+) -> Report:
+    """site_pairs: fqn -> (original, converted) output of each site; site_ops: fqn -> op name, in plan order.
+
+    logits: None -> logit metrics for outputs named "...logits"; True -> for every output with
+    ndim >= 2 (last dim = classes); False -> never.
+    """
+    unplanned = [fqn for fqn in site_pairs if fqn not in site_ops]
+    if unplanned:
+        raise ValueError(f"captured sites that have no op: {unplanned}")
+    site_stats = site_stats or {}
+    sites = []
+    for fqn, op in site_ops.items():
+        stats = {name: float(value) for name, value in site_stats.get(fqn, {}).items()}
+        if fqn in site_pairs:
+            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), stats))
+        else:
+            sites.append(SiteRow(fqn, op, None, stats, note="not reached by the inputs"))
+    outputs = []
+    for name, ref, test in output_pairs:
+        logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None
+        outputs.append(OutputRow(name, tensor_metrics(ref, test), logit_row))
+    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe)
+
+
+def _wants_logit_metrics(name: str, ref: torch.Tensor, logits: bool | None) -> bool:
+    if logits is None:
+        return name.endswith("logits") and ref.ndim >= 1
+    return logits and ref.ndim >= 2
+
+
+def gate_failures(report: Report) -> list[str]:
+    """Why the report fails its gate; empty when it passes."""
+    failures = []
+    gate = report.gate_min_sqnr_db
+    if gate is not None and not report.outputs:
+        failures.append("the model has no floating-point output to hold to the SQNR gate")
+    for row in report.outputs:
+        m = row.metrics
+        if m.new_nonfinite:
+            failures.append(f"{row.name}: {m.new_nonfinite} NaN/Inf values where the original output is finite")
+        # `not >=` so that a NaN SQNR fails too.
+        if gate is not None and not m.sqnr_db >= gate:
+            failures.append(f"{row.name}: SQNR {_db(m.sqnr_db)} dB is below the gate of {_db(gate)} dB")
+    return failures
+
+
+def report_to_table(report: Report) -> str:
+    """The terminal rendering."""
+    parts = [" ".join(filter(None, [report.title or "lowconv report", f"(recipe {report.recipe})" if report.recipe else ""]))]
+    for heading, headers, rows in _tables(report):
+        parts.append(f"\n{heading}\n" + tabulate(rows, headers, tablefmt="simple", disable_numparse=True))
+    parts.append("\n" + _verdict(report))
+    return "\n".join(parts)
+
+
+def report_to_markdown(report: Report) -> str:
+    """report.md"""
+    parts = [f"# {report.title or 'lowconv report'}"]
+    if report.recipe:
+        parts.append(f"Recipe: `{report.recipe}`")
+    parts.append(_verdict(report))
+    for heading, headers, rows in _tables(report):
+        parts.append(f"## {heading}\n\n" + tabulate(rows, headers, tablefmt="github", disable_numparse=True))
+    parts.append(
+        "SQNR = 20 log10(‖original‖ / ‖original − converted‖), higher is better; rel L2 = "
+        "‖original − converted‖ / ‖original‖; KL = KL(p_original ‖ p_converted), mean over rows. "
+        "NaN/Inf counts are in the converted tensors. Computed in float64."
+    )
+    return "\n\n".join(parts) + "\n"
+
+
+def report_to_dict(report: Report) -> dict:
+    """report.json; non-finite numbers become the strings "inf", "-inf", "nan"."""
+    d = _json_safe(asdict(report))
+    d["passed"] = report.passed
+    d["failures"] = gate_failures(report)
+    return d
+
+
+def report_from_dict(d: dict) -> Report:
+    """The inverse of report_to_dict (the derived "passed" and "failures" are recomputed)."""
+    perf = d["perf"]
+    return Report(
+        sites=[
+            SiteRow(
+                fqn=s["fqn"],
+                op=s["op"],
+                metrics=_tensor_metrics_from_dict(s["metrics"]),
+                stats={name: _number(value) for name, value in s["stats"].items()},
+                note=s["note"],
+            )
+            for s in d["sites"]
+        ],
+        outputs=[
+            OutputRow(
+                name=o["name"],
+                metrics=_tensor_metrics_from_dict(o["metrics"]),
+                logits=None if o["logits"] is None else LogitMetrics(**{k: _number(v) for k, v in o["logits"].items()}),
+            )
+            for o in d["outputs"]
+        ],
+        gate_min_sqnr_db=None if d["gate_min_sqnr_db"] is None else _number(d["gate_min_sqnr_db"]),
+        perf=None if perf is None else Perf(
+            original_ms=_number(perf["original_ms"]),
+            converted_ms=_number(perf["converted_ms"]),
+            original_peak_mb=_number(perf["original_peak_mb"]),
+            converted_peak_mb=_number(perf["converted_peak_mb"]),
+            device=perf["device"],
+        ),
+        title=d["title"],
+        recipe=d["recipe"],
+    )
+
+
+def measure_perf(model: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device | str) -> tuple[float, float]:
+    """(median ms per forward, peak MB: the model's tensors plus the forward's working memory). CUDA only."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_perf times CUDA kernels; it got device {device}")
+    if device.index is None:  # "cuda" must equal the "cuda:0" of the model's tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def forward():
+        with torch.no_grad():
+            model(*args, **kwargs)
+
+    forward()  # warmup: lazy init, kernel compilation and autotuning stay out of the numbers
+    torch.cuda.synchronize(device)
+    # Counted from the model's own tensors, so another model resident on the GPU does not count.
+    model_bytes = sum(t.untyped_storage().nbytes() for t in _unique_storages(model, device))
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    forward()
+    torch.cuda.synchronize(device)
+    peak_mb = (model_bytes + torch.cuda.max_memory_allocated(device) - before) / 2**20
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(forward, return_mode="median")), peak_mb
+    except ImportError:
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times), peak_mb
+
+
+def _unique_storages(model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """One tensor per distinct storage on `device` (tied weights count once)."""
+    by_storage = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device == device:
+            by_storage.setdefault(t.untyped_storage().data_ptr(), t)
+    return list(by_storage.values())
+
+
+def _float64_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # float64 on the ref's device where it exists (CPU, CUDA); elsewhere (MPS) on the CPU.
+    device = ref.device if ref.device.type in ("cpu", "cuda") else torch.device("cpu")
+    return ref.detach().to(device, torch.float64), test.detach().to(device, torch.float64)
+
+
+def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(heading, headers, rows) of every table, shared by the terminal and markdown renderings."""
+    metric_headers = ["SQNR dB", "cosine", "rel L2", "max abs", "NaN/Inf"]
+    tables = [(
+        "Model outputs",
+        ["output", *metric_headers, "KL", "top-1"],
+        [[row.name, *_metric_cells(row.metrics), *_logit_cells(row.logits)] for row in report.outputs],
+    )]
+    if report.sites:
+        tables.append((
+            "Converted sites",
+            ["site", "op", *metric_headers, "notes"],
+            [[row.fqn, row.op, *_metric_cells(row.metrics), _notes(row)] for row in report.sites],
+        ))
+    if report.perf:
+        p = report.perf
+        tables.append((
+            f"Time and memory{f' ({p.device})' if p.device else ''}",
+            ["", "original", "converted", "converted / original"],
+            [
+                ["median ms", _sig3(p.original_ms), _sig3(p.converted_ms), _ratio(p.converted_ms, p.original_ms)],
+                ["peak MB", _sig3(p.original_peak_mb), _sig3(p.converted_peak_mb), _ratio(p.converted_peak_mb, p.original_peak_mb)],
+            ],
+        ))
+    return tables
+
+
+def _verdict(report: Report) -> str:
+    gate = "no SQNR gate" if report.gate_min_sqnr_db is None else f"gate: SQNR >= {_db(report.gate_min_sqnr_db)} dB at every output"
+    failures = gate_failures(report)
+    if not failures:
+        return f"PASS ({gate}, no new NaN/Inf)"
+    return "\n".join([f"FAIL ({gate}, no new NaN/Inf):", *(f"  - {failure}" for failure in failures)])
+
+
+def _metric_cells(m: TensorMetrics | None) -> list[str]:
+    if m is None:
+        return ["-"] * 5
+    # Cosine keeps 5 decimals: at 3 significant digits every usable conversion would read "1".
+    return [_db(m.sqnr_db), f"{m.cosine:.5f}", _sig3(m.rel_l2), _sig3(m.max_abs), f"{m.nan}/{m.inf}"]
+
+
+def _logit_cells(logits: LogitMetrics | None) -> list[str]:
+    if logits is None:
+        return ["-", "-"]
+    # A count, not a rounded fraction: 999 of 1000 rows must not read as 100%.
+    return [_sig3(logits.kl), f"{round(logits.top1 * logits.rows)}/{logits.rows}"]
+
+
+def _notes(row: SiteRow) -> str:
+    stats = ", ".join(f"{name}={_sig3(value)}" for name, value in row.stats.items())
+    return "; ".join(filter(None, [row.note, stats]))
+
+
+def _db(x: float) -> str:
+    return f"{x:.1f}"  # Python prints inf, -inf and nan as such
+
+
+def _sig3(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _ratio(converted: float, original: float) -> str:
+    return f"{converted / original:.2f}x" if original else "-"
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)  # "inf", "-inf", "nan"
+    if isinstance(obj, dict):
+        return {key: _json_safe(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(value) for value in obj]
+    return obj
+
+
+def _number(value: float | int | str) -> float | int:
+    return float(value) if isinstance(value, str) else value
+
+
+def _tensor_metrics_from_dict(d: dict | None) -> TensorMetrics | None:
+    return None if d is None else TensorMetrics(**{name: _number(value) for name, value in d.items()})

@@ -1,0 +1,220 @@
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lowconv import checkpoint
+from lowconv.checkpoint import (
+    ALIASES_KEY,
+    CHECKPOINT_FILE,
+    check_tensors,
+    model_signature,
+    read_checkpoint,
+    save_checkpoint,
+    write_text_atomic,
+)
+from lowconv.errors import LowconvError
+
+METADATA = {
+    "lowconv.version": "0.1.0",
+    "lowconv.recipe": 'name = "t"\n',
+    "lowconv.plan": json.dumps([{"fqn": "fc", "op": "fp8"}]),
+    "lowconv.model": "0123456789abcdef",
+}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality for any dtype (float8 has no CPU `==`, and NaN != NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def mixed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 16, generator=g)
+    return {
+        "fc.weight": (w * 10).to(torch.float8_e4m3fn),
+        "fc.weight_scale": torch.tensor([0.0123], dtype=torch.bfloat16),
+        "grad_like": (w * 1000).to(torch.float8_e5m2),
+        "sparse.bitmask": torch.randint(0, 256, (32, 2), dtype=torch.uint8, generator=g),
+        "sparse.shape": torch.tensor([32, 16], dtype=torch.int64),
+        "mask": torch.rand(4, 4, generator=g) > 0.5,
+        "half": torch.randn(3, 5, generator=g).half(),
+        "double": torch.randn(7, generator=g, dtype=torch.float64),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_roundtrip_mixed_dtypes(tmp_path):
+    tensors = mixed_tensors()
+    path = save_checkpoint(tmp_path / "out", tensors, METADATA)
+    assert path == tmp_path / "out" / CHECKPOINT_FILE
+    loaded, metadata = read_checkpoint(tmp_path / "out")
+    assert metadata == METADATA
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert same_bits(loaded[name], tensor), name
+
+
+def test_tied_tensors_are_stored_once_and_restored(tmp_path):
+    embedding = torch.randn(10, 8)
+    tensors = {"embed.weight": embedding, "head.weight": embedding, "other": torch.randn(8)}
+    save_checkpoint(tmp_path, tensors, METADATA)
+    with safe_open(tmp_path / CHECKPOINT_FILE, framework="pt") as f:
+        assert sorted(f.keys()) == ["embed.weight", "other"]
+        assert json.loads(f.metadata()[ALIASES_KEY]) == {"head.weight": "embed.weight"}
+    loaded, metadata = read_checkpoint(tmp_path)
+    assert ALIASES_KEY not in metadata
+    assert torch.equal(loaded["head.weight"], embedding)
+    assert loaded["head.weight"].data_ptr() == loaded["embed.weight"].data_ptr()
+
+
+def test_overlapping_and_non_contiguous_views_are_saved_as_copies(tmp_path):
+    base = torch.randn(6, 4)
+    tensors = {"base": base, "rows": base[2:], "transposed": base.t()}
+    save_checkpoint(tmp_path, tensors, METADATA)
+    loaded, _ = read_checkpoint(tmp_path)
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor), name
+        assert loaded[name].is_contiguous()
+
+
+def test_same_storage_with_another_dtype_is_not_an_alias(tmp_path):
+    packed = torch.arange(8, dtype=torch.uint8)
+    tensors = {"packed": packed, "as_fp8": packed.view(torch.float8_e4m3fn)}
+    save_checkpoint(tmp_path, tensors, METADATA)
+    loaded, _ = read_checkpoint(tmp_path)
+    assert loaded["as_fp8"].dtype == torch.float8_e4m3fn
+    assert same_bits(loaded["as_fp8"], tensors["as_fp8"])
+
+
+def test_save_refuses_metadata_without_lowconv_keys(tmp_path):
+    with pytest.raises(ValueError, match="lowconv.plan"):
+        save_checkpoint(tmp_path, {"a": torch.ones(1)}, {k: v for k, v in METADATA.items() if k != "lowconv.plan"})
+
+
+def test_failed_save_leaves_old_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
+    old = {"w": torch.randn(4, 4)}
+    save_checkpoint(tmp_path, old, METADATA)
+    old_bytes = (tmp_path / CHECKPOINT_FILE).read_bytes()
+
+    def half_written(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, {"w": torch.zeros(4, 4)}, METADATA)
+    assert os.listdir(tmp_path) == [CHECKPOINT_FILE]
+    assert (tmp_path / CHECKPOINT_FILE).read_bytes() == old_bytes
+    loaded, _ = read_checkpoint(tmp_path)
+    assert torch.equal(loaded["w"], old["w"])
+
+
+def test_write_text_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "report.json"
+    write_text_atomic(path, "first ✓")
+    assert path.read_text(encoding="utf-8") == "first ✓"
+
+    def failing_replace(src, dst):
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="rename failed"):
+        write_text_atomic(path, "second")
+    assert path.read_text(encoding="utf-8") == "first ✓"
+    assert os.listdir(tmp_path) == ["report.json"]
+
+
+def test_missing_directory_or_file(tmp_path):
+    with pytest.raises(LowconvError, match=r"no model\.safetensors in .*nowhere/: is this a lowconv output directory"):
+        read_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(LowconvError, match=str(tmp_path)):
+        read_checkpoint(tmp_path)
+
+
+def test_truncated_file(tmp_path):
+    path = save_checkpoint(tmp_path, mixed_tensors(), METADATA)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 17])
+    with pytest.raises(LowconvError, match=rf"{path}.*truncated or corrupt"):
+        read_checkpoint(tmp_path)
+
+
+def test_garbage_file(tmp_path):
+    (tmp_path / CHECKPOINT_FILE).write_bytes(b"this is not a safetensors file at all")
+    with pytest.raises(LowconvError, match=rf"{tmp_path / CHECKPOINT_FILE}.*truncated or corrupt"):
+        read_checkpoint(tmp_path)
+
+
+def test_foreign_safetensors_file(tmp_path):
+    save_file({"w": torch.ones(2)}, tmp_path / CHECKPOINT_FILE, metadata={"format": "pt"})
+    with pytest.raises(LowconvError, match="not a lowconv checkpoint"):
+        read_checkpoint(tmp_path)
+    save_file({"w": torch.ones(2)}, tmp_path / CHECKPOINT_FILE, metadata={"lowconv.version": "0.1.0"})
+    with pytest.raises(LowconvError, match="lowconv.recipe"):
+        read_checkpoint(tmp_path)
+
+
+def test_reading_the_file_itself(tmp_path):
+    path = save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA)
+    loaded, _ = read_checkpoint(path)
+    assert torch.equal(loaded["w"], torch.ones(2))
+
+
+def test_check_tensors_accepts_a_match():
+    tensors = mixed_tensors()
+    check_tensors(tensors, {name: t.clone() for name, t in tensors.items()}, "out/model.safetensors")
+
+
+def test_check_tensors_lists_every_problem():
+    expected = {
+        "fc.weight": torch.empty(32, 16, dtype=torch.float8_e4m3fn),
+        "fc.weight_scale": torch.empty(1),
+        "head.weight": torch.empty(10, 16),
+        "head.bias": torch.empty(10),
+    }
+    found = {
+        "fc.weight": torch.empty(32, 16),  # dtype wrong
+        "fc.weight_scale": torch.empty(32, 1),  # shape wrong
+        "head.weight": torch.empty(10, 16),
+        "head.extra": torch.empty(3),
+    }
+    with pytest.raises(LowconvError) as e:
+        check_tensors(expected, found, "out/model.safetensors")
+    message = str(e.value)
+    assert message.startswith("out/model.safetensors")
+    assert "missing from the checkpoint (1):\n    head.bias" in message
+    assert "not in the model (1):\n    head.extra" in message
+    assert "fc.weight: expected ([32, 16], float8_e4m3fn) vs found ([32, 16], float32)" in message
+    assert "fc.weight_scale: expected ([1], float32) vs found ([32, 1], float32)" in message
+    assert "head.weight:" not in message
+
+
+def test_check_tensors_caps_long_lists():
+    expected = {f"layer{i}.weight": torch.empty(2) for i in range(25)}
+    with pytest.raises(LowconvError) as e:
+        check_tensors(expected, {}, "ckpt")
+    message = str(e.value)
+    assert "missing from the checkpoint (25)" in message
+    assert "layer9.weight" in message and "layer10.weight" not in message
+    assert "and 15 more" in message
+
+
+def test_model_signature():
+    state = {"fc.weight": torch.randn(8, 4), "fc.bias": torch.randn(8)}
+    signature = model_signature(state)
+    assert signature == model_signature(state)
+    assert len(signature) == 16
+    assert signature == model_signature({"fc.bias": torch.zeros(8), "fc.weight": torch.ones(8, 4)})
+    assert signature != model_signature({"fc.weight": torch.randn(8, 5), "fc.bias": torch.randn(8)})
+    assert signature != model_signature({"fc.weight": torch.randn(8, 4).half(), "fc.bias": torch.randn(8)})
+    assert signature != model_signature({"fc2.weight": torch.randn(8, 4), "fc.bias": torch.randn(8)})

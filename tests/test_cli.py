@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from lowconv.cli import main
+
+
+def test_recipes_lists_builtins_with_descriptions(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8-dynamic" in out and "2:4" in out
+
+
+def test_inspect_lists_sites_and_with_a_recipe_the_decisions(capsys):
+    assert main(["inspect", "examples/vit.py", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0.attn.qkv" in out and "blocks.1.attn.attention" in out and "4x65x64" in out
+    assert main(["inspect", "examples/gpt.py", "mixed", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "h.0.mlp.0" in out and "semi_sparse" in out and "rule 1 says keep" not in out
+    assert "tied to wte.weight" in out
+
+
+def test_convert_then_compare(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["convert", "examples/text_classifier.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 0
+    for name in ("model.safetensors", "report.md", "report.json", "plan.json"):
+        assert (out / name).is_file()
+    captured = capsys.readouterr()
+    assert "[1/" in captured.err  # progress
+    assert "blocks.0.ff.0" in captured.out and "SQNR" in captured.out.upper()
+    assert json.loads((out / "plan.json").read_text())["recipe"] == "fp8-dynamic"
+    assert main(["compare", "examples/text_classifier.py", str(out)]) == 0
+
+
+def test_gate_failure_exits_1(tmp_path):
+    recipe = tmp_path / "strict.toml"
+    recipe.write_text('[[rules]]\nop = "fp8"\n[report]\nmin_sqnr_db = 90\n')
+    assert main(["convert", "examples/vit.py", str(recipe), "-o", str(tmp_path / "out"), "--device", "cpu"]) == 1
+    assert main(["compare", "examples/vit.py", str(tmp_path / "out")]) == 1
+
+
+def test_bad_recipe_is_exit_2_with_the_file_and_key(tmp_path, capsys):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text('[[rules]]\nop = "fp8"\noptions = { scaling = "lazy" }\n')
+    assert main(["convert", "examples/vit.py", str(recipe), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe}: rule 1: options.scaling" in err and "'dynamic'" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def example_inputs():\n    return ()\n", "does not define build_model()"),
+    ("def build_model():\n    raise ValueError('no weights')\ndef example_inputs():\n    return ()\n",
+     "build_model() failed: ValueError: no weights"),
+    ("def build_model():\n    return 3\ndef example_inputs():\n    return ()\n", "not a torch.nn.Module"),
+])
+def test_model_file_mistakes_name_the_file_and_function(tmp_path, capsys, body, message):
+    path = tmp_path / "m.py"
+    path.write_text(body)
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err

@@ -1,0 +1,105 @@
+"""convert -> save -> load -> compare for every example and every built-in recipe."""
+import copy
+import math
+
+import pytest
+import torch
+
+import lowconv
+from lowconv.errors import LowconvError
+from lowconv.model_file import load_model_file
+from lowconv.recipe import builtin_recipes
+
+EXAMPLES = ["examples/vit.py", "examples/gpt.py", "examples/text_classifier.py"]
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(*inputs)
+
+
+@pytest.mark.parametrize("recipe", sorted(builtin_recipes()))
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_convert_save_load_compare(example, recipe, tmp_path):
+    dtype = "float16" if recipe == "fp16acc" else None  # fp16acc converts fp16 models only
+    loaded = load_model_file(example, dtype=dtype)
+    model, inputs = loaded.model, loaded.inputs
+    before = copy.deepcopy(model.state_dict())
+
+    converted = lowconv.convert(model, recipe, inputs)
+    plan = converted.lowconv_plan
+    if recipe != "keep-all":
+        assert plan.converted(), f"{recipe} converted nothing in {example}"
+    lowconv.save(converted, tmp_path)
+    again = lowconv.load(model, tmp_path)
+    assert torch.equal(run(again, inputs), run(converted, inputs))
+
+    report = lowconv.compare(model, converted, inputs, logits=True)
+    assert {row.fqn for row in report.sites} == {d.fqn for d in plan.converted()}
+    assert all(row.metrics is not None for row in report.sites)
+    out = report.outputs[0].metrics
+    assert out.nan == 0 and out.inf == 0
+    if recipe == "keep-all":
+        assert math.isinf(out.sqnr_db) and out.max_abs == 0
+    assert report.passed, lowconv.report.report_to_table(report)
+    # the user's model is untouched
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_fp8_report_numbers_are_real():
+    loaded = load_model_file("examples/vit.py")
+    converted = lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs)
+    report = lowconv.compare(loaded.model, converted, loaded.inputs, logits=True)
+    qkv = next(r for r in report.sites if r.fqn == "blocks.0.attn.qkv")
+    assert 20 < qkv.metrics.sqnr_db < 40  # fp8 e4m3 per-tensor lands in the high 20s to low 30s dB
+    assert report.outputs[0].logits is not None and report.outputs[0].logits.top1 > 0.5
+
+
+def test_plan_lists_why_sites_are_kept():
+    loaded = load_model_file("examples/gpt.py")
+    converted = lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs)
+    head = next(d for d in converted.lowconv_plan.decisions if d.fqn == "lm_head")
+    assert head.op == "keep" and "tied to wte.weight" in head.reason
+
+
+def test_load_refuses_a_different_model(tmp_path):
+    loaded = load_model_file("examples/vit.py")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)
+    other = load_model_file("examples/gpt.py").model
+    with pytest.raises(LowconvError, match="converted from a different model"):
+        lowconv.load(other, tmp_path)
+
+
+def test_load_names_missing_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    loaded = load_model_file("examples/vit.py")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)
+    path = tmp_path / "model.safetensors"
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    del tensors["blocks.0.attn.qkv.weight_scale"]
+    save_file(tensors, path, metadata=metadata)
+    with pytest.raises(LowconvError, match="blocks.0.attn.qkv.weight_scale"):
+        lowconv.load(loaded.model, tmp_path)
+
+
+def test_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
+    loaded = load_model_file("examples/vit.py")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(LowconvError, match="model.safetensors"):
+        lowconv.load(loaded.model, tmp_path)
+
+
+def test_converted_model_trains():
+    loaded = load_model_file("examples/vit.py")
+    converted = lowconv.convert(loaded.model, "mixed", loaded.inputs)
+    converted.train()
+    loss = converted(*loaded.inputs).logsumexp(-1).mean()
+    loss.backward()
+    grads = [p.grad for p in converted.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)

@@ -1,0 +1,144 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowconv.kernels.fp16acc import auto_splits, fp16acc_matmul
+from lowconv.ops.fp16acc import Fp16AccOptions, check, empty, from_site
+from lowconv.site import LinearInfo, Site, TensorMeta
+
+
+def linear_site(in_features, out_features, bias=True, dtype="float16"):
+    info = LinearInfo("module", in_features, out_features, bias, "fc.weight", "fc.bias" if bias else None, "out_in")
+    return Site("linear", "fc", "", ["Linear"], info,
+                input=TensorMeta((8, in_features), dtype), output=TensorMeta((8, out_features), dtype))
+
+
+def relative_error(y, ref):
+    assert torch.isfinite(y).all()
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def scalar_emulation(x, w, bias, splits, combine):
+    """The kernel's arithmetic written out one output at a time, in numpy: an independent check."""
+    x, w = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
+    (M, K), N = x.shape, w.shape[0]
+    blocks = [(k, min(k + 16, K)) for k in range(0, K, 16)]
+    per_split = math.ceil(len(blocks) / splits)
+    chunks = [blocks[i:i + per_split] for i in range(0, len(blocks), per_split)]
+    y = np.zeros((M, N), dtype=np.float16)
+    for m in range(M):
+        for n in range(N):
+            partials = []
+            for chunk in chunks:
+                acc = np.float16(0)
+                for a, b in chunk:
+                    block = np.float32(np.dot(x[m, a:b], w[n, a:b]))
+                    acc = np.float16(np.float32(acc) + block)
+                partials.append(acc)
+            if combine == "fp32":
+                total = np.float32(sum(np.float32(p) for p in partials))
+            else:
+                total = partials[0]
+                for p in partials[1:]:
+                    total = np.float16(np.float32(total) + np.float32(p))
+            y[m, n] = np.float16(np.float32(total) + (np.float32(bias[n]) if bias is not None else np.float32(0)))
+    return torch.from_numpy(y)
+
+
+@pytest.mark.parametrize("K", [40, 100])
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("combine", ["fp32", "fp16"])
+def test_reference_matches_scalar_emulation(K, splits, combine):
+    # Integer data: every block sum is exact in fp32, so the only roundings are the fp16 ones and
+    # the two emulations must agree bit for bit.
+    torch.manual_seed(K + splits)
+    x = torch.randint(-20, 21, (3, K)).half()
+    w = torch.randint(-20, 21, (5, K)).half()
+    bias = torch.randint(-100, 101, (5,)).half()
+    y = fp16acc_matmul(x, w, bias, splits, combine)
+    assert y.dtype == torch.float16 and y.shape == (3, 5)
+    assert torch.equal(y, scalar_emulation(x, w, bias, splits, combine))
+
+
+def test_fp16_rounding_is_exercised():
+    torch.manual_seed(0)
+    x = torch.randint(-20, 21, (3, 100)).half()
+    w = torch.randint(-20, 21, (5, 100)).half()
+    exact = x.double() @ w.double().t()
+    assert not torch.equal(fp16acc_matmul(x, w, None, 1).double(), exact)  # sums past 2048 round
+
+
+def test_splits_reduce_error_vs_float64():
+    torch.manual_seed(0)
+    M, N, K = 32, 64, 4096
+    x, w = torch.randn(M, K).half(), torch.randn(N, K).half()
+    ref = x.double() @ w.double().t()
+    one_chain = relative_error(fp16acc_matmul(x, w, None, 1), ref)
+    split = relative_error(fp16acc_matmul(x, w, None, auto_splits(K)), ref)
+    fp32_accumulated = relative_error((x.float() @ w.float().t()).half(), ref)
+    assert 1e-3 < one_chain < 1e-2  # what fp16 accumulation costs over K=4096 (cuBLAS: 2.4e-3)
+    assert one_chain > 2 * split
+    assert one_chain > 5 * fp32_accumulated
+
+
+def test_fp16_combine_costs_accuracy():
+    torch.manual_seed(0)
+    M, N, K = 32, 64, 4096
+    x, w = torch.randn(M, K).half(), torch.randn(N, K).half()
+    ref = x.double() @ w.double().t()
+    fp32_combine = relative_error(fp16acc_matmul(x, w, None, 64, "fp32"), ref)
+    fp16_combine = relative_error(fp16acc_matmul(x, w, None, 64, "fp16"), ref)
+    assert fp16_combine > 2 * fp32_combine  # 63 more fp16 roundings of the running total
+
+
+def test_tails_vs_float64():
+    M, N, K = 7, 9, 100  # K is not a multiple of 16; odd M and N
+    x, w, b = torch.randn(2, M, K).half(), torch.randn(N, K).half(), torch.randn(N).half()
+    y = fp16acc_matmul(x, w, b, 3, "fp32")
+    assert y.shape == (2, M, N)
+    assert relative_error(y, F.linear(x.double(), w.double(), b.double())) < 2e-3
+
+
+def test_auto_splits():
+    assert [auto_splits(K) for K in (1, 16, 512, 513, 1024, 4096, 4100)] == [1, 1, 1, 2, 2, 8, 9]
+
+
+def test_module_vs_float64_and_grads():
+    K, N = 96, 40
+    w, b = torch.randn(N, K).half(), torch.randn(N).half()
+    module = from_site(linear_site(K, N), Fp16AccOptions(splits=2), {"weight": w, "bias": b})
+    x = torch.randn(5, K).half().requires_grad_()
+    y = module(x)
+    assert y.dtype == torch.float16
+    grad_out = torch.randn(5, N).half()
+    (y.float() * grad_out.float()).sum().backward()
+    x64, w64 = x.detach().double(), w.double()
+    assert relative_error(y, F.linear(x64, w64, b.double())) < 2e-3
+    assert relative_error(x.grad, grad_out.double() @ w64) < 2e-3
+    assert relative_error(module.weight.grad, grad_out.double().t() @ x64) < 2e-3
+
+
+@pytest.mark.parametrize("options", [Fp16AccOptions(), Fp16AccOptions(splits=3, combine="fp16")], ids=repr)
+def test_from_site_equals_empty_plus_load(options):
+    site = linear_site(80, 24)
+    original = from_site(site, options, {"weight": torch.randn(24, 80).half(), "bias": torch.randn(24).half()})
+    sd = original.state_dict()
+    assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == {
+        "weight": ((24, 80), torch.float16), "bias": ((24,), torch.float16)}
+    rebuilt = empty(site, options)
+    rebuilt.load_state_dict(sd, strict=True)
+    x = torch.randn(3, 4, 80).half()
+    y = original(x)
+    assert torch.isfinite(y).all() and torch.equal(y, rebuilt(x))
+
+
+def test_check_reasons():
+    assert check(linear_site(64, 32), Fp16AccOptions()) is None
+    assert check(linear_site(64, 32, dtype="float32"), Fp16AccOptions()) == (
+        "fp16acc runs fp16 models only (site dtype is float32)")
+    assert check(linear_site(64, 32), Fp16AccOptions(splits=0)) == "fp16acc needs splits >= 1 (got 0)"
+    with pytest.raises(TypeError, match="float16"):
+        fp16acc_matmul(torch.randn(2, 16), torch.randn(4, 16), None, 1)

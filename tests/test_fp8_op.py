@@ -1,0 +1,244 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowconv.kernels.fp8 import (
+    E4M3, E5M2, FP8_MAX, quantize_rowwise, quantize_tensorwise, quantize_weight, quantize_with_scale,
+)
+from lowconv.ops.fp8 import Fp8Options, check, empty, from_site
+from lowconv.site import LinearInfo, Site, TensorMeta
+
+# (mantissa bits, exponent of the smallest normal) of each format
+FORMATS = {E4M3: (3, -6), E5M2: (2, -14)}
+
+
+def linear_site(in_features, out_features, bias=True, dtype="bfloat16"):
+    info = LinearInfo("module", in_features, out_features, bias, "fc.weight", "fc.bias" if bias else None, "out_in")
+    return Site("linear", "fc", "", ["Linear"], info,
+                input=TensorMeta((8, in_features), dtype), output=TensorMeta((8, out_features), dtype))
+
+
+def sqnr_db(ref, y):
+    assert torch.isfinite(y).all()
+    return (20 * torch.log10(ref.norm() / (ref - y.double()).norm())).item()
+
+
+def assert_rounded(x, x_fp8, scale, fp8_dtype):
+    """x_fp8 * scale is x rounded to the format: within half an ulp, relative for normals."""
+    mantissa, min_exp = FORMATS[fp8_dtype]
+    x64 = x.double()
+    error = (x_fp8.double() * scale.double() - x64).abs()
+    bound = torch.maximum(x64.abs() * 2.0 ** -(mantissa + 1), scale.double() * 2.0 ** (min_exp - mantissa - 1))
+    assert (error <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_quantize_tensorwise_vs_float64(fp8_dtype):
+    x = torch.randn(64, 48) * 7
+    x_fp8, scale = quantize_tensorwise(x, fp8_dtype)
+    assert x_fp8.dtype == fp8_dtype and scale.dtype == torch.float32 and scale.shape == (1,)
+    assert scale.double().item() == pytest.approx(x.abs().max().double().item() / FP8_MAX[fp8_dtype], rel=1e-6)
+    assert x_fp8.float().abs().max().item() == FP8_MAX[fp8_dtype]  # amax lands on the format's max
+    assert_rounded(x, x_fp8, scale, fp8_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_quantize_rowwise_scales_per_row(fp8_dtype):
+    x = torch.randn(2, 3, 32) * torch.logspace(-3, 3, 6).reshape(2, 3, 1)
+    x_fp8, scale = quantize_rowwise(x, fp8_dtype)
+    assert scale.shape == (2, 3, 1) and scale.dtype == torch.float32
+    expected = x.abs().amax(-1, keepdim=True).double() / FP8_MAX[fp8_dtype]
+    torch.testing.assert_close(scale.double(), expected, rtol=1e-6, atol=0)
+    assert_rounded(x, x_fp8, scale, fp8_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_quantize_with_scale_saturates(fp8_dtype):
+    fp8_max = FP8_MAX[fp8_dtype]
+    x = torch.tensor([3 * fp8_max, -1e30, 1.5, -0.0])
+    x_fp8, scale = quantize_with_scale(x, torch.tensor([1.0]), fp8_dtype)
+    assert x_fp8.float().tolist() == [fp8_max, -fp8_max, 1.5, 0.0]
+    assert scale.dtype == torch.float32
+
+
+def test_zero_input_gives_finite_scale():
+    x_fp8, scale = quantize_tensorwise(torch.zeros(4, 16), E4M3)
+    assert scale.item() > 0 and torch.isfinite(scale).all() and (x_fp8.float() == 0).all()
+    x = torch.randn(3, 16)
+    x[1] = 0
+    x_fp8, scale = quantize_rowwise(x, E4M3)
+    assert torch.isfinite(scale).all() and (scale > 0).all() and (x_fp8[1].float() == 0).all()
+    assert_rounded(x, x_fp8, scale, E4M3)
+
+
+def test_weight_scale_rounded_up_to_storage_dtype():
+    w = torch.randn(32, 64) * 1e-3
+    for dtype in (torch.float16, torch.bfloat16):
+        w_fp8, scale = quantize_weight(w, "row", dtype)
+        assert scale.dtype == dtype and scale.shape == (32, 1)
+        assert (scale.float() * FP8_MAX[E4M3] >= w.abs().amax(-1, keepdim=True)).all()  # nothing saturates
+        assert_rounded(w, w_fp8, scale.float(), E4M3)
+
+
+def test_linear_sqnr_vs_float64():
+    K, N, M = 256, 128, 64
+    w, b, x = torch.randn(N, K), torch.randn(N), torch.randn(M, K)
+    ref = F.linear(x.double(), w.double(), b.double())
+    site = linear_site(K, N, dtype="float32")
+    db = {g: sqnr_db(ref, from_site(site, Fp8Options(granularity=g), {"weight": w, "bias": b})(x))
+          for g in ("tensor", "row")}
+    assert 25 < db["tensor"] < 40
+    assert db["row"] > db["tensor"] - 0.5  # N(0,1) rows are alike: per-row scales help little here
+
+    # Tokens whose magnitudes span 6 decades: one tensorwise scale flushes the small ones.
+    x = torch.randn(M, K) * torch.logspace(-4, 2, M).unsqueeze(1)
+    ref = F.linear(x.double(), w.double())
+    worst = {}
+    for g in ("tensor", "row"):
+        y = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity=g), {"weight": w})(x)
+        worst[g] = min(sqnr_db(ref[i], y[i]) for i in range(M))
+    assert worst["row"] > 20
+    assert worst["tensor"] < worst["row"] - 10
+
+
+@pytest.mark.parametrize("scaling", ["dynamic", "static", "delayed"])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_state_dict_layout(scaling, granularity):
+    site = linear_site(32, 48)
+    sd = empty(site, Fp8Options(scaling=scaling, granularity=granularity, amax_history_len=5)).state_dict()
+    expected = {
+        "weight": ((48, 32), E4M3),
+        "weight_scale": ((1,) if granularity == "tensor" else (48, 1), torch.bfloat16),
+        "bias": ((48,), torch.bfloat16),
+    }
+    if scaling == "static":
+        expected["input_scale"] = ((1,), torch.float32)
+    if scaling == "delayed":
+        expected["amax_history"] = ((5,), torch.float32)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == expected
+
+
+def test_training_state_dict_keeps_master_weight():
+    sd = empty(linear_site(32, 48, bias=False), Fp8Options(training=True)).state_dict()
+    assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == {"weight": ((48, 32), torch.bfloat16)}
+
+
+def test_weight_bytes():
+    def tensor_bytes(module):  # every tensor the module holds but the bias
+        tensors = [t for name, t in [*module.named_parameters(), *module.named_buffers()] if name != "bias"]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    K, N = 256, 128
+    for dtype, ratio in (("bfloat16", 1 / 2), ("float32", 1 / 4)):
+        w = torch.randn(N, K, dtype=getattr(torch, dtype))
+        params = {"weight": w, "bias": torch.zeros(N)}
+        module = from_site(linear_site(K, N, dtype=dtype), Fp8Options(granularity="row"), params)
+        assert tensor_bytes(module) / (w.numel() * w.element_size()) == pytest.approx(ratio, rel=0.02)
+
+
+def calibrate(module, *inputs):
+    module.begin_calibration()
+    for x in inputs:
+        module(x)
+    module.end_calibration()
+
+
+@pytest.mark.parametrize("options", [
+    Fp8Options(), Fp8Options(granularity="row"), Fp8Options(scaling="static"), Fp8Options(scaling="delayed"),
+    Fp8Options(training=True), Fp8Options(training=True, scaling="static", granularity="row"),
+], ids=repr)
+def test_from_site_equals_empty_plus_load(options):
+    site = linear_site(64, 32)
+    params = {"weight": torch.randn(32, 64, dtype=torch.bfloat16), "bias": torch.randn(32, dtype=torch.bfloat16)}
+    original = from_site(site, options, params).eval()
+    calibrate(original, torch.randn(16, 64, dtype=torch.bfloat16))
+    rebuilt = empty(site, options).eval()
+    rebuilt.load_state_dict(original.state_dict(), strict=True)
+    x = torch.randn(4, 7, 64, dtype=torch.bfloat16) * 2
+    y = original(x)
+    assert y.shape == (4, 7, 32) and y.dtype == torch.bfloat16
+    assert torch.isfinite(y).all() and torch.equal(y, rebuilt(x))
+
+
+def test_static_calibration_sets_scale_and_counts_clipping():
+    site = linear_site(64, 32, dtype="float32")
+    module = from_site(site, Fp8Options(scaling="static"), {"weight": torch.randn(32, 64), "bias": torch.randn(32)})
+    with pytest.raises(RuntimeError, match="input_scale is not set"):
+        module(torch.randn(2, 64))
+
+    a, b = torch.randn(8, 64), torch.randn(8, 64) * 3
+    calibrate(module, a, b)
+    amax = torch.cat([a, b]).abs().max()
+    assert module.input_scale.item() == pytest.approx(amax.item() / 448, rel=1e-6)
+    assert module.report_stats() == {"clipped": 0.0, "elements": 0.0}  # calibration quantizes nothing
+
+    x = torch.randn(10, 64) * 6
+    module(x)
+    assert module.report_stats() == {"clipped": float((x.abs() > amax).sum()), "elements": float(x.numel())}
+    assert module.report_stats()["clipped"] > 0
+
+
+def test_delayed_history_updates_only_in_training_mode():
+    site = linear_site(64, 32, dtype="float32")
+    params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+    module = from_site(site, Fp8Options(scaling="delayed", amax_history_len=3), params)
+    calibrate(module, torch.full((2, 64), 2.0))
+    assert module.amax_history.tolist() == [2.0, 0.0, 0.0]
+
+    x = torch.randn(5, 64)
+    module.eval()
+    y = module(x)
+    assert torch.equal(module(x), y) and module.amax_history.tolist() == [2.0, 0.0, 0.0]
+    module.train()
+    module(torch.full((1, 64), 4.0))
+    module(torch.full((1, 64), 1.0))
+    assert module.amax_history.tolist() == [1.0, 4.0, 2.0]
+    # The 4.0s exceeded the history's 2.0, as did the tail of x in both eval calls.
+    assert module.report_stats() == {"clipped": 64 + 2 * float((x.abs() > 2).sum()), "elements": 2 * 5 * 64 + 2 * 64}
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_training_grads_vs_float64(granularity):
+    K, N, M = 128, 64, 32
+    w, b, x, grad_out = torch.randn(N, K), torch.randn(N), torch.randn(M, K), torch.randn(M, N)
+    module = from_site(linear_site(K, N, dtype="float32"), Fp8Options(granularity=granularity, training=True),
+                       {"weight": w, "bias": b})
+    x_q = x.clone().requires_grad_()
+    y = module(x_q)
+    (y * grad_out).sum().backward()
+
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    y64 = F.linear(x64, w64, b64)
+    (y64 * grad_out.double()).sum().backward()
+    assert 25 < sqnr_db(y64.detach(), y.detach()) < 35
+    # e5m2 gradients land near 24.5 dB; unquantized ones (e4m3 operands only) would give ~32 dB.
+    assert 21 < sqnr_db(x64.grad, x_q.grad) < 28
+    assert 21 < sqnr_db(w64.grad, module.weight.grad) < 28
+    assert sqnr_db(b64.grad, module.bias.grad) > 100  # dbias uses the unquantized gradient
+    assert x_q.grad.dtype == torch.float32 and module.weight.grad.dtype == torch.float32
+
+
+def test_training_reduces_loss():
+    torch.manual_seed(0)
+    K, N = 32, 16
+    target = torch.nn.Linear(K, N)
+    module = from_site(linear_site(K, N, dtype="float32"), Fp8Options(training=True, scaling="delayed"),
+                       {"weight": torch.randn(N, K) * 0.1, "bias": torch.zeros(N)})
+    optimizer = torch.optim.Adam(module.parameters(), lr=3e-2)
+    losses = []
+    for _ in range(30):
+        x = torch.randn(64, K)
+        loss = F.mse_loss(module(x), target(x).detach())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+
+
+def test_check_reasons():
+    assert check(linear_site(64, 32), Fp8Options()) is None
+    assert check(linear_site(60, 32), Fp8Options()) == (
+        "fp8 GEMM needs in_features and out_features divisible by 16 (got K=60, N=32)")
+    assert "N=40" in check(linear_site(64, 40), Fp8Options())
+    assert "amax_history_len" in check(linear_site(64, 32), Fp8Options(scaling="delayed", amax_history_len=0))

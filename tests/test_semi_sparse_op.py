@@ -1,0 +1,184 @@
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowconv.kernels.sparse24 import compress_bitmask, decompress_bitmask, mask_24, prune_24
+from lowconv.ops.semi_sparse import (
+    CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparseOptions, check, empty,
+    from_site,
+)
+from lowconv.site import LinearInfo, Site, TensorMeta
+
+
+def linear_site(in_features, out_features, bias=True, dtype="float16"):
+    info = LinearInfo("module", in_features, out_features, bias, "fc.weight", "fc.bias" if bias else None, "out_in")
+    return Site("linear", "fc", "", ["Linear"], info,
+                input=TensorMeta((8, in_features), dtype), output=TensorMeta((8, out_features), dtype))
+
+
+def assert_24(w):
+    groups = w.reshape(*w.shape[:-1], -1, 4)
+    assert ((groups != 0).sum(-1) == 2).all()
+
+
+def test_prune_24_keeps_the_two_largest_magnitudes():
+    x = torch.randn(3, 5, 32)
+    pruned = prune_24(x)
+    assert_24(pruned)
+    groups, kept = x.reshape(3, 5, 8, 4).abs(), mask_24(x).reshape(3, 5, 8, 4)
+    smallest_kept = groups.masked_fill(~kept, float("inf")).amin(-1)
+    largest_dropped = groups.masked_fill(kept, -1).amax(-1)
+    assert (smallest_kept > largest_dropped).all()
+    assert torch.equal(pruned[mask_24(x)], x[mask_24(x)])  # kept values are untouched
+
+
+def test_prune_24_ties_are_deterministic():
+    x = torch.tensor([[1.0, -1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0, -3.0, 2.0]])
+    assert mask_24(x).tolist() == [[True, True, False, False, True, True, False, False, False, True, True, False]]
+    with pytest.raises(ValueError, match="divisible by 4"):
+        mask_24(torch.zeros(2, 6))
+
+
+def test_bitmask_format():
+    w = torch.tensor([[0.0, 5.0, 0.0, 7.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 3.0, 0.0]])
+    compressed, bitmask, shape = compress_bitmask(w)
+    assert compressed.tolist() == [[5.0, 7.0, 1.0, 2.0, 0.0, 3.0]]
+    # columns 1, 3, 4, 7 -> bits 1+3+4+7 of byte 0; the last group keeps 3.0 and its lower tie (column 8)
+    assert bitmask.dtype == torch.uint8 and bitmask.tolist() == [[0b10011010, 0b0101]]
+    assert shape.dtype == torch.int64 and shape.tolist() == [[1], [12]]
+    with pytest.raises(ValueError, match="not 2:4"):
+        compress_bitmask(torch.ones(2, 8))
+
+
+@pytest.mark.parametrize("cols", [4, 8, 12, 16, 20, 36])
+def test_compress_roundtrip(cols):
+    w = prune_24(torch.randn(5, cols, dtype=torch.bfloat16))
+    w[0, :4] = torch.tensor([0.0, 0.0, 0.0, -2.0])  # a group with fewer than 2 nonzeros
+    compressed, bitmask, shape = compress_bitmask(w)
+    assert compressed.shape == (5, cols // 2) and bitmask.shape == (5, -(-cols // 8))
+    little_endian = np.packbits(mask_24(w).numpy(), axis=-1, bitorder="little")  # compressed-tensors' packing
+    assert np.array_equal(bitmask.numpy(), little_endian)
+    dense = decompress_bitmask(compressed, bitmask, shape)
+    assert dense.dtype == torch.bfloat16 and torch.equal(dense, w)
+
+
+def state_bytes(module):
+    return {k: v.numel() * v.element_size() for k, v in module.state_dict().items()}
+
+
+def test_compressed_bytes():
+    w = torch.randn(256, 512, dtype=torch.float16)
+    module = from_site(linear_site(512, 256, bias=False), SemiSparseOptions(), {"weight": w})
+    sizes = state_bytes(module)
+    assert set(sizes) == {"compressed", "bitmask", "shape"}
+    ratio = (sizes["compressed"] + sizes["bitmask"]) / (w.numel() * w.element_size())
+    assert ratio == pytest.approx(0.5625)  # cols/2 fp16 values + cols/8 bitmask bytes per row
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_module_vs_float64_masked_reference(dtype, tolerance):
+    K, N = 64, 48
+    t = getattr(torch, dtype)
+    w, b, x = torch.randn(N, K, dtype=t), torch.randn(N, dtype=t), torch.randn(3, 7, K, dtype=t)
+    module = from_site(linear_site(K, N, dtype=dtype), SemiSparseOptions(), {"weight": w, "bias": b})
+    assert isinstance(module, CompressedSemiSparseLinear)
+    y = module(x)
+    assert y.shape == (3, 7, N) and y.dtype == t and torch.isfinite(y).all()
+    ref = F.linear(x.double(), prune_24(w).double(), b.double())
+    relative = ((y.double() - ref).norm() / ref.norm()).item()
+    assert relative < tolerance
+    dense = F.linear(x.double(), w.double(), b.double())
+    assert ((y.double() - dense).norm() / dense.norm()).item() > 0.1  # half the weight really is gone
+
+
+OPTIONS = [
+    SemiSparseOptions(),
+    SemiSparseOptions(training=True),
+    SemiSparseOptions(mask="runtime"),
+    SemiSparseOptions(target="activation"),
+]
+
+
+@pytest.mark.parametrize("options, cls, keys", [
+    (OPTIONS[0], CompressedSemiSparseLinear, {"compressed", "bitmask", "shape", "bias"}),
+    (OPTIONS[1], MaskedSemiSparseLinear, {"weight", "mask", "bias"}),
+    (OPTIONS[2], RuntimeSemiSparseLinear, {"weight", "bias"}),
+    (OPTIONS[3], RuntimeSemiSparseLinear, {"weight", "bias"}),
+], ids=repr)
+def test_from_site_equals_empty_plus_load(options, cls, keys):
+    site = linear_site(64, 32, dtype="bfloat16")
+    params = {"weight": torch.randn(32, 64, dtype=torch.bfloat16), "bias": torch.randn(32, dtype=torch.bfloat16)}
+    original = from_site(site, options, params)
+    assert isinstance(original, cls) and set(original.state_dict()) == keys
+    rebuilt = empty(site, options)
+    rebuilt.load_state_dict(original.state_dict(), strict=True)
+    x = torch.randn(4, 5, 64, dtype=torch.bfloat16)
+    y = original(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all() and torch.equal(y, rebuilt(x))
+
+
+def test_compressed_module_follows_a_later_load():
+    site = linear_site(16, 8, dtype="float32")
+    module = from_site(site, SemiSparseOptions(), {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    other = from_site(site, SemiSparseOptions(), {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    x = torch.randn(2, 16)
+    model = torch.nn.Sequential(module)  # checkpoints load at the model level
+    model.load_state_dict(torch.nn.Sequential(other).state_dict())
+    assert torch.equal(module(x), other(x))
+
+
+def test_fixed_mask_training_keeps_24():
+    torch.manual_seed(0)
+    K, N = 32, 16
+    target = torch.nn.Linear(K, N)
+    module = from_site(linear_site(K, N, dtype="float32"), SemiSparseOptions(training=True),
+                       {"weight": torch.randn(N, K), "bias": torch.zeros(N)})
+    mask = module.mask.clone()
+    assert torch.equal(mask, mask_24(module.weight))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+    losses = []
+    for _ in range(20):
+        x = torch.randn(64, K)
+        loss = F.mse_loss(module(x), target(x).detach())
+        optimizer.zero_grad()
+        loss.backward()
+        assert (module.weight.grad[~mask] == 0).all() and (module.weight.grad[mask] != 0).any()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert_24(module.weight.detach())
+    assert (module.weight[~mask] == 0).all()
+
+
+def test_runtime_mask_straight_through_grads():
+    K, N = 32, 16
+    w, x, grad_out = torch.randn(N, K), torch.randn(8, K), torch.randn(8, N)
+    site = linear_site(K, N, bias=False, dtype="float32")
+    module = from_site(site, SemiSparseOptions(mask="runtime"), {"weight": w})
+    y = module(x)
+    (y * grad_out).sum().backward()
+    torch.testing.assert_close(y.double(), F.linear(x.double(), prune_24(w).double()), rtol=1e-5, atol=1e-5)
+    # Straight-through: the dense weight gets the dense gradient, pruned entries included.
+    torch.testing.assert_close(module.weight.grad.double(), grad_out.double().t() @ x.double(), rtol=1e-5, atol=1e-5)
+    assert (module.weight.grad[~mask_24(w)] != 0).all()
+
+
+def test_activation_target():
+    K, N = 32, 16
+    w, b, grad_out = torch.randn(N, K), torch.randn(N), torch.randn(2, 3, N)
+    x = torch.randn(2, 3, K, requires_grad=True)
+    site = linear_site(K, N, dtype="float32")
+    module = from_site(site, SemiSparseOptions(target="activation"), {"weight": w, "bias": b})
+    y = module(x)
+    (y * grad_out).sum().backward()
+    ref = F.linear(prune_24(x.detach()).double(), w.double(), b.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), grad_out.double() @ w.double(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(module.weight.detach(), w)  # the weight stays dense
+
+
+def test_check_reasons():
+    assert check(linear_site(64, 30), SemiSparseOptions()) is None
+    assert check(linear_site(30, 64), SemiSparseOptions()) == (
+        "2:4 sparsity needs in_features divisible by 4 (weight is (64, 30))")
