@@ -80,7 +80,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
     """Run the batches through modules that observe their inputs (static/delayed scales)."""
-    observers = [m for m in model.modules() if hasattr(m, "begin_calibration")]
+    observers = [m for m in model.modules() if getattr(m, "needs_calibration", False)]
     if not observers:
         return
     progress(f"calibrating {len(observers)} modules")
@@ -164,11 +164,10 @@ def first_tensor(value):
 
 
 @torch.no_grad()
-def run_eval(model: nn.Module, inputs) -> object:
-    """model(inputs) in eval mode (modes restored after), seeded so both models see the same."""
+def run_eval(model: nn.Module, args: tuple, kwargs: dict) -> object:
+    """model(*args, **kwargs) in eval mode (modes restored after), seeded so both models see the same."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
-    args, kwargs = normalize_inputs(inputs)
     try:
         torch.manual_seed(0)
         return model(*args, **kwargs)
@@ -177,38 +176,61 @@ def run_eval(model: nn.Module, inputs) -> object:
             m.training = mode
 
 
-def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool | None = None,
-            min_sqnr_db: float | None = None) -> reports.Report:
-    """Run both models on `inputs`; metrics per converted site and at every output."""
-    plan = plan_of(converted)
+@dataclass
+class SiteCall:
+    """What one site saw on its first call: its inputs and its output."""
+
+    args: tuple
+    kwargs: dict
+    output: torch.Tensor
+
+
+def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[str, SiteCall]]:
+    """The original's outputs, and the inputs and output of each site the plan converts."""
     todo = plan.converted()
-    captured: dict[str, dict] = {"original": {}, "converted": {}}
-
-    def recorder(side):
-        def record(fqn, value):
-            captured[side].setdefault(fqn, first_tensor(value).detach().clone())
-        return record
-
+    wanted = {d.fqn for d in todo}
     work = copy.deepcopy(original)
     trace = find_regions(work, only=sorted({d.site["region"] for d in todo}))
-    wanted = {d.fqn for d in todo}
-    original_sites = [s for s in find_sites(work, trace) if s.fqn in wanted]
-    tapped = tap_sites(work, trace, original_sites, recorder("original"))
-    handles = [
-        converted.get_submodule(fqn).register_forward_hook(
-            lambda mod, args, out, fqn=fqn: recorder("converted")(fqn, out))
-        for fqn in wanted
-    ]
+    calls: dict[str, SiteCall] = {}
+
+    def record(fqn, output, args, kwargs):
+        if fqn not in calls:
+            calls[fqn] = SiteCall(args, kwargs, first_tensor(output).clone())
+
+    tapped = tap_sites(work, trace, [s for s in find_sites(work, trace) if s.fqn in wanted], record)
+    return run_eval(tapped, *normalize_inputs(inputs)), calls
+
+
+def run_converted(converted: nn.Module, fqns: list[str], inputs) -> tuple[object, dict[str, torch.Tensor]]:
+    """The converted model's outputs, and each op module's output."""
+    outputs: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, output, fqn):
+        outputs.setdefault(fqn, first_tensor(output).clone())
+
+    handles = [converted.get_submodule(fqn).register_forward_hook(
+        lambda m, a, o, fqn=fqn: hook(m, a, o, fqn)) for fqn in fqns]
     try:
-        out_original = run_eval(tapped, inputs)
-        out_converted = run_eval(converted, inputs)
+        return run_eval(converted, *normalize_inputs(inputs)), outputs
     finally:
         for h in handles:
             h.remove()
-    pairs = {fqn: (captured["original"][fqn], captured["converted"][fqn])
-             for fqn in wanted if fqn in captured["original"] and fqn in captured["converted"]}
-    stats = {fqn: converted.get_submodule(fqn).report_stats() for fqn in wanted
-             if hasattr(converted.get_submodule(fqn), "report_stats")}
+
+
+def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool | None = None,
+            min_sqnr_db: float | None = None) -> reports.Report:
+    """Run both models on `inputs`: metrics at every output and per converted site, both in the
+    model (errors of earlier sites included) and alone (the op on the original's inputs)."""
+    plan = plan_of(converted)
+    fqns = [d.fqn for d in plan.converted()]
+    out_original, calls = run_original(original, plan, inputs)
+    out_converted, site_outputs = run_converted(converted, fqns, inputs)
+    ops = {fqn: converted.get_submodule(fqn) for fqn in fqns}
+    stats = {fqn: op.report_stats() for fqn, op in ops.items() if hasattr(op, "report_stats")}
+    in_model = {fqn: (calls[fqn].output, site_outputs[fqn]) for fqn in fqns
+                if fqn in calls and fqn in site_outputs}
+    alone = {fqn: (calls[fqn].output, first_tensor(run_eval(ops[fqn], calls[fqn].args, calls[fqn].kwargs)))
+             for fqn in in_model}
     outputs = [(name, ref, test) for (name, ref), (_, test) in
                zip(reports.flatten_outputs(out_original), reports.flatten_outputs(out_converted))]
     perf = None
@@ -220,5 +242,5 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
         perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device))
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(
-        pairs, {d.fqn: d.op for d in todo}, outputs, gate_min_sqnr_db=gate, logits=logits,
-        site_stats=stats, perf=perf, recipe=plan.recipe)
+        in_model, {d.fqn: d.op for d in plan.converted()}, outputs, site_alone=alone,
+        gate_min_sqnr_db=gate, logits=logits, site_stats=stats, perf=perf, recipe=plan.recipe)

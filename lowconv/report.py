@@ -38,7 +38,8 @@ class LogitMetrics:
 class SiteRow:
     fqn: str
     op: str
-    metrics: TensorMetrics | None  # None: the inputs did not reach the site
+    metrics: TensorMetrics | None  # in the model: earlier sites' errors included; None: not reached
+    alone: TensorMetrics | None = None  # the op on the original's inputs: this site's own error
     stats: dict[str, float] = field(default_factory=dict)  # the op module's report_stats()
     note: str = ""
 
@@ -152,12 +153,14 @@ def build_report(
     *,
     gate_min_sqnr_db: float | None = None,
     logits: bool | None = None,
+    site_alone: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     site_stats: dict[str, dict[str, float]] | None = None,
     perf: Perf | None = None,
     title: str = "",
     recipe: str = "",
 ) -> Report:
-    """site_pairs: fqn -> (original, converted) output of each site; site_ops: fqn -> op name, in plan order.
+    """site_pairs: fqn -> (original, converted) output of each site in the model; site_alone: the
+    same with the op run on the original's inputs; site_ops: fqn -> op name, in plan order.
 
     logits: None -> logit metrics for outputs named "...logits"; True -> for every output with
     ndim >= 2 (last dim = classes); False -> never.
@@ -165,14 +168,15 @@ def build_report(
     unplanned = [fqn for fqn in site_pairs if fqn not in site_ops]
     if unplanned:
         raise ValueError(f"captured sites that have no op: {unplanned}")
-    site_stats = site_stats or {}
+    site_stats, site_alone = site_stats or {}, site_alone or {}
     sites = []
     for fqn, op in site_ops.items():
         stats = {name: float(value) for name, value in site_stats.get(fqn, {}).items()}
+        alone = tensor_metrics(*site_alone[fqn]) if fqn in site_alone else None
         if fqn in site_pairs:
-            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), stats))
+            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), alone, stats))
         else:
-            sites.append(SiteRow(fqn, op, None, stats, note="not reached by the inputs"))
+            sites.append(SiteRow(fqn, op, None, alone, stats, note="not reached by the inputs"))
     outputs = []
     for name, ref, test in output_pairs:
         logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None
@@ -244,6 +248,7 @@ def report_from_dict(d: dict) -> Report:
                 fqn=s["fqn"],
                 op=s["op"],
                 metrics=_tensor_metrics_from_dict(s["metrics"]),
+                alone=_tensor_metrics_from_dict(s.get("alone")),
                 stats={name: _number(value) for name, value in s["stats"].items()},
                 note=s["note"],
             )
@@ -332,9 +337,10 @@ def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
     )]
     if report.sites:
         tables.append((
-            "Converted sites",
-            ["site", "op", *metric_headers, "notes"],
-            [[row.fqn, row.op, *_metric_cells(row.metrics), _notes(row)] for row in report.sites],
+            "Converted sites (in the model: earlier sites' errors included; alone: the op on the original's inputs)",
+            ["site", "op", "alone SQNR dB", *metric_headers, "notes"],
+            [[row.fqn, row.op, _db(row.alone.sqnr_db) if row.alone else "-", *_metric_cells(row.metrics), _notes(row)]
+             for row in report.sites],
         ))
     if report.perf:
         p = report.perf

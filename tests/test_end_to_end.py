@@ -52,7 +52,17 @@ def test_fp8_report_numbers_are_real():
     report = lowconv.compare(loaded.model, converted, loaded.inputs, logits=True)
     qkv = next(r for r in report.sites if r.fqn == "blocks.0.attn.qkv")
     assert 20 < qkv.metrics.sqnr_db < 40  # fp8 e4m3 per-tensor lands in the high 20s to low 30s dB
+    for row in report.sites:  # alone, each site shows its own error, not the accumulated one
+        assert 25 < row.alone.sqnr_db < 40 and row.alone.sqnr_db >= row.metrics.sqnr_db - 1, row
     assert report.outputs[0].logits is not None and report.outputs[0].logits.top1 > 0.5
+
+
+def test_attention_alone_error_fits_its_dtype():
+    loaded = load_model_file("examples/gpt.py")
+    converted = lowconv.convert(loaded.model, "sparse-attention-bf16", loaded.inputs)
+    report = lowconv.compare(loaded.model, converted, loaded.inputs)
+    assert [row.op for row in report.sites] == ["sparse_attention"] * 2
+    assert all(40 < row.alone.sqnr_db < 70 for row in report.sites)  # bf16: 8 mantissa bits
 
 
 def test_plan_lists_why_sites_are_kept():

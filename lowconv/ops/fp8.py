@@ -107,8 +107,12 @@ class Fp8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), weight.float(), bias).to(x.dtype)
 
+    @property
+    def needs_calibration(self) -> bool:
+        return self.options.scaling != "dynamic"
+
     def begin_calibration(self):
-        self.calibrating = self.options.scaling != "dynamic"
+        self.calibrating = self.needs_calibration
         self.calibration_amax = None
 
     @torch.no_grad()

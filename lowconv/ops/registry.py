@@ -4,6 +4,11 @@ An op turns one Site into one nn.Module. `from_site` does the one-time work (qua
 compress) from the site's original parameters; `empty` builds the same module with
 uninitialized tensors of the right shapes and dtypes, which `load_state_dict` then fills, so a
 module rebuilt from a checkpoint equals the one built by `from_site`.
+
+Op modules may also have:
+- `needs_calibration` (True) with `begin_calibration()` / `end_calibration()`: convert runs the
+  example or calibration inputs through the model between the two (static/delayed FP8 scales);
+- `report_stats() -> dict[str, float]`: counters the report shows per site (e.g. clipped values).
 """
 from __future__ import annotations
 

@@ -99,24 +99,25 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
     return model
 
 
-class Tap(nn.Module):
-    """Identity that hands what passes through to `record` (compare's view of an original site)."""
+class SiteTap(nn.Module):
+    """Identity on a site's output that hands record(fqn, output, args, kwargs) what the site saw."""
 
     def __init__(self, fqn: str, record):
         super().__init__()
         self.fqn, self.record = fqn, record
 
-    def forward(self, x):
-        self.record(self.fqn, x)
-        return x
+    def forward(self, output, *args):
+        self.record(self.fqn, output, args, {})
+        return output
 
 
 def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.Module:
-    """`model` with every site's output passed to record(fqn, value); the computation unchanged."""
+    """`model` with each site's output and inputs passed to record(fqn, output, args, kwargs);
+    the computation is unchanged."""
     for site in sites:
         if site.module_backed:
             model.get_submodule(site.fqn).register_forward_hook(
-                lambda mod, args, out, fqn=site.fqn: record(fqn, out))
+                lambda mod, args, kwargs, out, fqn=site.fqn: record(fqn, out, args, kwargs), with_kwargs=True)
     for region in trace.regions:
         todo = [s for s in sites if s.region == region.fqn and not s.module_backed]
         if not todo or region.graph is None:
@@ -124,9 +125,9 @@ def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.M
         gm = region.graph
         for i, site in enumerate(todo):
             name = f"_lowconv_tap_{i}"
-            gm.add_submodule(name, Tap(site.fqn, record))
+            gm.add_submodule(name, SiteTap(site.fqn, record))
             with gm.graph.inserting_after(site.output_node):
-                tap = gm.graph.call_module(name, args=(site.output_node,))
+                tap = gm.graph.call_module(name, args=(site.output_node, *site.args))
             site.output_node.replace_all_uses_with(tap, delete_user_cb=lambda user, tap=tap: user is not tap)
         gm.recompile()
         gm.train(region.module.training)
