@@ -70,11 +70,19 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
-        modules[site.fqn] = op.from_site(site, options, site_params(site, found.model))
+        modules[site.fqn] = op.from_site(site, options, site_params(site, found.model)).to(site_device(site, found.model))
     converted = rewrite(found.model, found.trace, found.sites, modules)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     setattr(converted, PLAN_ATTR, plan)
     return converted
+
+
+def site_device(site: Site, model: nn.Module) -> torch.device:
+    """Where the site's op module must live: beside the site's own tensors, else the model's."""
+    if site.kind == "linear":
+        return model.get_parameter(site.info.weight).device
+    owner = model.get_submodule(site.fqn) if site.module_backed else model
+    return next(owner.parameters(), torch.empty(0)).device
 
 
 @torch.no_grad()
@@ -142,7 +150,8 @@ def load(model: nn.Module, directory: str | Path) -> nn.Module:
             raise LowconvError(f"{path}: the plan converts {decision.fqn}, which this model does not have")
         restore_site(site, decision.site)
         op = OPS[decision.op]
-        modules[site.fqn] = op.empty(site, parse_options(op.options, decision.options, f"{path}: {decision.fqn}"))
+        options = parse_options(op.options, decision.options, f"{path}: {decision.fqn}")
+        modules[site.fqn] = op.empty(site, options).to(site_device(site, work))
     converted = rewrite(work, trace, list(found.values()), modules)
     expected = converted.state_dict()
     checkpoint.check_tensors(expected, tensors, path)
