@@ -6,16 +6,14 @@ from lowconv.kernels.fp8 import (
     E4M3, E5M2, FP8_MAX, quantize_rowwise, quantize_tensorwise, quantize_weight, quantize_with_scale,
 )
 from lowconv.ops.fp8 import Fp8Options, check, empty, from_site
-from lowconv.site import LinearInfo, Site, TensorMeta
+from tests import sites
 
 # (mantissa bits, exponent of the smallest normal) of each format
 FORMATS = {E4M3: (3, -6), E5M2: (2, -14)}
 
 
 def linear_site(in_features, out_features, bias=True, dtype="bfloat16"):
-    info = LinearInfo("module", in_features, out_features, bias, "fc.weight", "fc.bias" if bias else None, "out_in")
-    return Site("linear", "fc", "", ["Linear"], info,
-                input=TensorMeta((8, in_features), dtype), output=TensorMeta((8, out_features), dtype))
+    return sites.linear_site(in_features, out_features, bias, dtype)
 
 
 def sqnr_db(ref, y):

@@ -3,13 +3,12 @@ import pytest
 from lowconv.errors import LowconvError
 from lowconv.passes.trace import Trace
 from lowconv.recipe import builtin_recipes, load_recipe, make_plan, parse_recipe
-from lowconv.site import AttentionInfo, LinearInfo, Site, TensorMeta
+from lowconv.site import AttentionInfo, Site
+from tests.sites import linear_site
 
 
-def linear(fqn, k=64, n=64, classes=("Linear", "Module"), dtype="float32"):
-    info = LinearInfo("module", k, n, True, f"{fqn}.weight", f"{fqn}.bias", "out_in")
-    meta = TensorMeta((2, k), dtype)
-    return Site("linear", fqn, "", list(classes), info, meta, TensorMeta((2, n), dtype))
+def linear(fqn, k=64, n=64, classes=("Linear", "Module")):
+    return linear_site(k, n, fqn=fqn, classes=classes, dtype="float32")
 
 
 def attention(fqn):

@@ -8,13 +8,7 @@ from lowconv.ops.semi_sparse import (
     CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparseOptions, check, empty,
     from_site,
 )
-from lowconv.site import LinearInfo, Site, TensorMeta
-
-
-def linear_site(in_features, out_features, bias=True, dtype="float16"):
-    info = LinearInfo("module", in_features, out_features, bias, "fc.weight", "fc.bias" if bias else None, "out_in")
-    return Site("linear", "fc", "", ["Linear"], info,
-                input=TensorMeta((8, in_features), dtype), output=TensorMeta((8, out_features), dtype))
+from tests.sites import linear_site
 
 
 def assert_24(w):
