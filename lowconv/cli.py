@@ -113,12 +113,13 @@ def cmd_convert(args) -> int:
     plan.model.update(file=str(args.model), seed=args.seed, dtype=args.dtype)
     print(plan_table(plan))
     print(plan_notes(plan))
+    progress("comparing original and converted on the example inputs")
+    report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
+    # Everything is computed before the first write, so a failure leaves out/ as it was.
     out = Path(args.output)
     progress(f"writing {out / 'model.safetensors'}")
     api.save(converted, out)
     checkpoint.write_text_atomic(out / "plan.json", plan.to_json())
-    progress("comparing original and converted on the example inputs")
-    report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     write_outputs(out, report)
     print()
     status = print_report(report)
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except LowconvError as err:
+    except (LowconvError, OSError) as err:
         print(f"lowconv: error: {err}", file=sys.stderr)
         return 2
 

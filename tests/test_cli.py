@@ -61,3 +61,10 @@ def test_model_file_mistakes_name_the_file_and_function(tmp_path, capsys, body, 
     assert main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and message in err
+
+
+def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.write_text("mine")
+    assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 2
+    assert str(out) in capsys.readouterr().err and out.read_text() == "mine"

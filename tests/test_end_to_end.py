@@ -113,3 +113,32 @@ def test_converted_model_trains():
     loss.backward()
     grads = [p.grad for p in converted.parameters() if p.requires_grad]
     assert any(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+class Branchy(torch.nn.Module):
+    """Data-dependent control flow at the root: only its children trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        if x.mean() > 0:
+            x = x.flip(0)
+        return self.head(self.body(x))
+
+
+def test_untraceable_model_converts_its_traceable_parts(tmp_path):
+    torch.manual_seed(0)
+    model, inputs = Branchy().eval(), (torch.randn(8, 32),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    plan = converted.lowconv_plan
+    assert plan.untraced == [{"fqn": "", "error": "TraceError: symbolically traced variables cannot be used "
+                                                  "as inputs to control flow"}]
+    assert plan.regions == ["body", "head"]
+    assert {d.fqn: d.op for d in plan.decisions} == {"body.0": "fp8", "body.2": "fp8", "head": "fp8"}
+    lowconv.save(converted, tmp_path)
+    assert torch.equal(run(lowconv.load(model, tmp_path), inputs), run(converted, inputs))
+    report = lowconv.compare(model, converted, inputs)
+    assert [r.fqn for r in report.sites] == ["body.0", "body.2", "head"] and report.outputs[0].metrics.sqnr_db > 20
