@@ -1,6 +1,5 @@
 """What the linear ops (fp8, semi_sparse, fp16acc) share: reading a linear Site and its params."""
 import torch
-from torch import nn
 
 from lowconv.site import LinearInfo, Site
 
@@ -34,7 +33,3 @@ def linear_params(site: Site, params: dict[str, torch.Tensor]) -> tuple[torch.Te
         raise ValueError(f"site {site.fqn!r}: bias is {'missing' if info.bias else 'unexpected'}")
     return weight.detach(), None if bias is None else bias.detach()
 
-
-def new_bias(info: LinearInfo, dtype: torch.dtype) -> nn.Parameter | None:
-    """An uninitialized bias Parameter when the site has one (kept in high precision by every op)."""
-    return nn.Parameter(torch.empty(info.out_features, dtype=dtype)) if info.bias else None
