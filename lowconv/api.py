@@ -14,7 +14,7 @@ from lowconv.errors import LowconvError
 from lowconv.ops import OPS
 from lowconv.passes.rewrite import rewrite, site_params, tap_sites
 from lowconv.passes.sites import find_sites
-from lowconv.passes.trace import Trace, find_regions, normalize_inputs, trace_model
+from lowconv.passes.trace import Trace, evaluating, find_regions, normalize_inputs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
 from lowconv.site import Site, TensorMeta
@@ -85,7 +85,6 @@ def site_device(site: Site, model: nn.Module) -> torch.device:
     return next(owner.parameters(), torch.empty(0)).device
 
 
-@torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
     """Run the batches through modules that observe their inputs (static/delayed scales)."""
     observers = [m for m in model.modules() if getattr(m, "needs_calibration", False)]
@@ -95,8 +94,7 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
     for m in observers:
         m.begin_calibration()
     for batch in batches:
-        args, kwargs = normalize_inputs(batch)
-        model(*args, **kwargs)
+        run_eval(model, *normalize_inputs(batch))
     for m in observers:
         m.end_calibration()
 
@@ -125,39 +123,52 @@ def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:
     return Plan.from_json(metadata["lowconv.plan"]), tensors
 
 
-def load(model: nn.Module, directory: str | Path) -> nn.Module:
+def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Module:
     """Rebuild the converted model from `model` (the original) and a saved checkpoint.
 
     The plan's structure is replayed without redoing the conversion work: each op module is
-    built empty and filled from the checkpoint, strictly.
+    built empty and filled from the checkpoint, strictly. `example_inputs` are needed only for
+    sites whose matching depends on shapes (load says so when they are).
     """
     plan, tensors = read_plan(directory)
-    path = Path(directory) / "model.safetensors"
+    path = checkpoint.checkpoint_path(directory)
     signature = checkpoint.model_signature(model.state_dict())
     if plan.model.get("signature") not in (None, signature):
         raise LowconvError(
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
     work = copy.deepcopy(model)
-    todo = plan.converted()
-    regions = sorted({d.site["region"] for d in todo})
-    trace = find_regions(work, only=regions)
-    found = {s.fqn: s for s in find_sites(work, trace)}
+    trace, sites = refind_sites(work, plan, example_inputs, str(path))
     modules = {}
-    for decision in todo:
-        site = found.get(decision.fqn)
-        if site is None:
-            raise LowconvError(f"{path}: the plan converts {decision.fqn}, which this model does not have")
-        restore_site(site, decision.site)
+    for decision in plan.converted():
         op = OPS[decision.op]
         options = parse_options(op.options, decision.options, f"{path}: {decision.fqn}")
+        site = sites[decision.fqn]
         modules[site.fqn] = op.empty(site, options).to(site_device(site, work))
-    converted = rewrite(work, trace, list(found.values()), modules)
-    expected = converted.state_dict()
-    checkpoint.check_tensors(expected, tensors, path)
+    converted = rewrite(work, trace, list(sites.values()), modules)
+    checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)
     setattr(converted, PLAN_ATTR, plan)
     return converted
+
+
+def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> tuple[Trace, dict[str, Site]]:
+    """Trace `model` (a copy of the original) again and find the sites the plan converts, each
+    checked to be the same graph as at conversion and given what the conversion learned."""
+    todo = plan.converted()
+    trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in todo}))
+    found = {s.fqn: s for s in find_sites(model, trace)}
+    sites = {}
+    for decision in todo:
+        site = found.get(decision.fqn)
+        if site is None:
+            raise LowconvError(f"{source}: the plan converts {decision.fqn}, which this model does not have")
+        if site.graph_signature() != decision.site["graph"]:
+            hint = "" if example_inputs is not None else " (pass example_inputs: its matching depends on shapes)"
+            raise LowconvError(f"{source}: {decision.fqn} is not the site that was converted{hint}")
+        restore_site(site, decision.site)
+        sites[site.fqn] = site
+    return trace, sites
 
 
 def restore_site(site: Site, saved: dict) -> None:
@@ -172,17 +183,10 @@ def first_tensor(value):
     return leaves[0][1] if leaves else None
 
 
-@torch.no_grad()
 def run_eval(model: nn.Module, args: tuple, kwargs: dict) -> object:
-    """model(*args, **kwargs) in eval mode (modes restored after), seeded so both models see the same."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        torch.manual_seed(0)
+    """model(*args, **kwargs) in eval mode, the model's modes and the global RNG left as they were."""
+    with evaluating(model):
         return model(*args, **kwargs)
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
 
 
 @dataclass
@@ -196,17 +200,15 @@ class SiteCall:
 
 def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[str, SiteCall]]:
     """The original's outputs, and the inputs and output of each site the plan converts."""
-    todo = plan.converted()
-    wanted = {d.fqn for d in todo}
     work = copy.deepcopy(original)
-    trace = find_regions(work, only=sorted({d.site["region"] for d in todo}))
+    trace, sites = refind_sites(work, plan, inputs, "compare")
     calls: dict[str, SiteCall] = {}
 
     def record(fqn, output, args, kwargs):
         if fqn not in calls:
             calls[fqn] = SiteCall(args, kwargs, first_tensor(output).clone())
 
-    tapped = tap_sites(work, trace, [s for s in find_sites(work, trace) if s.fqn in wanted], record)
+    tapped = tap_sites(work, trace, list(sites.values()), record)
     return run_eval(tapped, *normalize_inputs(inputs)), calls
 
 

@@ -53,11 +53,15 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def checkpoint_path(directory: str | Path) -> Path:
+    """directory/model.safetensors, or the file itself when a user points at it."""
+    directory = Path(directory)
+    return directory if directory.suffix == ".safetensors" else directory / CHECKPOINT_FILE
+
+
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (aliases restored) and the metadata of a lowconv output directory."""
-    directory = Path(directory)
-    # A user may well point at the file itself.
-    path = directory if directory.suffix == ".safetensors" else directory / CHECKPOINT_FILE
+    path = checkpoint_path(directory)
     if not path.is_file():
         raise LowconvError(f"no {path.name} in {path.parent}/: is this a lowconv output directory?")
     try:

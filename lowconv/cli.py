@@ -50,7 +50,8 @@ def site_details(site: dict) -> str:
 
 def sites_table(plan: Plan) -> str:
     rows = [[d.fqn, d.site["kind"], d.site["info"]["form"], shape(d.site["input"]), shape(d.site["output"]),
-             (d.site["input"] or d.site["output"] or {}).get("dtype", "?"), site_details(d.site)]
+             (d.site["input"] or d.site["output"] or {}).get("dtype") or d.site["info"]["dtype"] or "?",
+             site_details(d.site)]
             for d in plan.decisions]
     return tabulate(rows, ["site", "kind", "form", "input", "output", "dtype", "details"])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
 import torch.fx as fx
 
 
@@ -28,6 +29,7 @@ class LinearInfo:
     weight: str  # FQN of the weight parameter in the model
     bias_name: str | None  # FQN of the bias parameter, if any
     weight_layout: str  # "out_in" (nn.Linear) | "in_out" (Conv1D, x @ W)
+    dtype: str  # the weight's dtype
 
 
 @dataclass
@@ -48,6 +50,7 @@ class AttentionInfo:
     vdim: int | None = None
     bias: bool | None = None
     batch_first: bool | None = None
+    dtype: str | None = None  # its parameters' dtype
 
 
 @dataclass
@@ -67,6 +70,11 @@ class Site:
     nodes: list[fx.Node] = field(default_factory=list, repr=False, compare=False)
     module_backed: bool = field(default=False, compare=False)  # site is a whole submodule at fqn
 
+    def compute_dtype(self) -> str:
+        """The dtype the site computes in: its input's as traced, else its parameters'."""
+        meta = self.input or self.output
+        return meta.dtype if meta else (self.info.dtype or "float32")
+
     def describe(self) -> dict:
         """The JSON-able part: what `inspect` prints and the plan stores."""
         return {
@@ -78,6 +86,19 @@ class Site:
             "input": asdict(self.input) if self.input else None,
             "output": asdict(self.output) if self.output else None,
             "unsupported": self.unsupported,
+            "graph": self.graph_signature(),
+        }
+
+    def graph_signature(self) -> dict:
+        """The graph nodes the rewrite touches, by name: a site found again in a new trace of the
+        same model is the same site exactly when these match."""
+        def name(a):
+            return a.name if isinstance(a, fx.Node) else repr(a)
+
+        return {
+            "args": [name(a) for a in self.args],
+            "output": name(self.output_node) if self.output_node is not None else None,
+            "nodes": [n.name for n in self.nodes],
         }
 
     @staticmethod
@@ -87,9 +108,27 @@ class Site:
         return cls(**d)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def class_names(cls: type) -> list[str]:
+    """A class's MRO names (what a recipe's class-name patterns match), `object` left out."""
+    return [c.__name__ for c in cls.__mro__ if c is not object]
+
+
 def tensor_meta(node) -> TensorMeta | None:
     """The shape/dtype that ShapeProp left on an fx node (None when shapes were not propagated)."""
     meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
     if meta is None or not hasattr(meta, "shape"):
         return None
-    return TensorMeta(tuple(meta.shape), str(meta.dtype).removeprefix("torch."))
+    return TensorMeta(tuple(meta.shape), dtype_name(meta.dtype))
+
+
+def value_meta(value) -> TensorMeta | None:
+    """The shape/dtype of a captured value: a tensor, or the first item of a tuple (a module's output)."""
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(value.shape), dtype_name(value.dtype))
+    return None

@@ -43,8 +43,7 @@ class Fp16AccLinear(nn.Module):
 
 
 def check(site, options: Fp16AccOptions) -> str | None:
-    meta = site.input or site.output
-    dtype = meta.dtype if meta else "unknown"
+    dtype = site.compute_dtype()
     if dtype != "float16":
         return f"fp16acc runs fp16 models only (site dtype is {dtype})"
     if options.splits != "auto" and options.splits < 1:

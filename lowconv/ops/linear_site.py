@@ -5,15 +5,12 @@ from lowconv.site import LinearInfo, Site
 
 
 def site_dtype(site: Site) -> torch.dtype:
-    """The dtype the site computes in: its input's, else its output's (from shape propagation).
+    """The dtype the op module computes and keeps its tensors in.
 
     `empty` has no tensors to look at, so both constructors take the dtype from here: that keeps
     a module built by `from_site` and one rebuilt by `empty` identical.
     """
-    meta = site.input or site.output
-    if meta is None:
-        raise ValueError(f"site {site.fqn!r} has no input or output dtype (shapes were not propagated)")
-    return getattr(torch, meta.dtype)
+    return getattr(torch, site.compute_dtype())
 
 
 def linear_info(site: Site) -> LinearInfo:

@@ -172,7 +172,7 @@ def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
     info: AttentionInfo = site.info
     if info.form != "mha":
         return functional_module(info, options)
-    dtype = getattr(torch, site.input.dtype) if site.input else None
+    dtype = getattr(torch, site.info.dtype)
     return SparseMultiheadAttention(
         info.embed_dim, info.heads, kdim=info.kdim, vdim=info.vdim, bias=info.bias,
         batch_first=info.batch_first, dropout=info.dropout,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.passes.trace import Region, join_fqn
-from lowconv.site import AttentionInfo, Site, TensorMeta, tensor_meta
+from lowconv.site import AttentionInfo, Site, class_names, dtype_name, tensor_meta, value_meta
 
 # A masked_fill/where fill at or below this is a mask: exp() of it is 0 in every float dtype.
 # (A finite fill differs from -inf only on rows where every key is masked.)
@@ -424,12 +424,12 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
         kind="attention",
         fqn=site_fqn(owner_fqn, owner, names),
         region=region.fqn,
-        classes=class_names(owner),
+        classes=class_names(type(owner)),
         info=info,
         input=q_meta,
         output=tensor_meta(match.output),
         unsupported="; ".join(match.problems) or None,
-        args=() if match.problems else args,
+        args=args,
         output_node=match.output,
         nodes=list(dict.fromkeys(match.nodes)),
     )
@@ -451,10 +451,6 @@ def site_fqn(owner_fqn: str, owner: nn.Module, names: dict[str, set[str]]) -> st
         name = f"attention_{i}"
     taken.add(name)
     return join_fqn(owner_fqn, name)
-
-
-def class_names(module: nn.Module) -> list[str]:
-    return [c.__name__ for c in type(module).__mro__ if c is not object]
 
 
 # ---- causal masks ----
@@ -564,7 +560,7 @@ def mha_site(region: Region, target: str) -> Site:
         kind="attention",
         fqn=join_fqn(region.fqn, target),
         region=region.fqn,
-        classes=class_names(mha),
+        classes=class_names(type(mha)),
         info=mha_info(mha),
         input=tensor_meta(call_args(calls[0], MHA_ARGS).get("query")),
         output=tensor_meta(outputs[0]) if outputs else None,
@@ -582,10 +578,10 @@ def lone_mha_site(region: Region) -> Site:
         kind="attention",
         fqn=region.fqn,
         region=region.fqn,
-        classes=class_names(region.module),
+        classes=class_names(type(region.module)),
         info=mha_info(region.module),
-        input=meta_of_tensor(args[0]) if args else None,
-        output=meta_of_tensor(output[0]) if isinstance(output, tuple) else None,
+        input=value_meta(args[0]) if args else None,
+        output=value_meta(output),
         unsupported=mha_problem(region.module),
         module_backed=True,
     )
@@ -595,7 +591,8 @@ def mha_info(mha: nn.MultiheadAttention) -> AttentionInfo:
     return AttentionInfo(form="mha", heads=mha.num_heads, kv_heads=mha.num_heads,
                          head_dim=mha.head_dim, dropout=float(mha.dropout),
                          embed_dim=mha.embed_dim, kdim=mha.kdim, vdim=mha.vdim,
-                         bias=mha.in_proj_bias is not None, batch_first=mha.batch_first)
+                         bias=mha.in_proj_bias is not None, batch_first=mha.batch_first,
+                         dtype=dtype_name(mha.out_proj.weight.dtype))
 
 
 def mha_problem(mha: nn.MultiheadAttention) -> str | None:
@@ -618,12 +615,6 @@ def weights_used(call: fx.Node) -> bool:
 def is_getitem(node: fx.Node, of: fx.Node, index: int) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem
             and node.args[0] is of and node.args[1] == index)
-
-
-def meta_of_tensor(value) -> TensorMeta | None:
-    if not isinstance(value, torch.Tensor):
-        return None
-    return TensorMeta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
 
 
 # ---- node helpers ----

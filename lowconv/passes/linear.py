@@ -14,14 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.passes.trace import Region, join_fqn
-from lowconv.site import LinearInfo, Site, TensorMeta, tensor_meta
+from lowconv.site import LinearInfo, Site, class_names, dtype_name, tensor_meta, value_meta
 
 MATMULS = (operator.matmul, torch.matmul)
 ADDS = (operator.add, torch.add)
-
-
-def class_names(cls: type) -> list[str]:
-    return [c.__name__ for c in cls.__mro__ if c is not object]
 
 
 def owner_classes(node: fx.Node, region: Region) -> list[str]:
@@ -31,14 +27,6 @@ def owner_classes(node: fx.Node, region: Region) -> list[str]:
         _, cls = list(stack.values())[-1]
         return class_names(cls)
     return class_names(type(region.module))
-
-
-def meta_of(value) -> TensorMeta | None:
-    if isinstance(value, (tuple, list)) and value:
-        value = value[0]
-    if isinstance(value, torch.Tensor):
-        return TensorMeta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
-    return None
 
 
 def parameter_at(region: Region, node) -> nn.Parameter | None:
@@ -56,16 +44,17 @@ def module_site(region: Region, fqn: str, linear: nn.Linear, node: fx.Node | Non
         meta_in, meta_out = tensor_meta(node.args[0]), tensor_meta(node)
     else:
         args = region.example_args or ()
-        meta_in = meta_of(args[0]) if args else None
-        meta_out = meta_of(region.example_output)
+        meta_in = value_meta(args[0]) if args else None
+        meta_out = value_meta(region.example_output)
     info = LinearInfo(
         form="module",
         in_features=linear.in_features,
         out_features=linear.out_features,
         bias=linear.bias is not None,
-        weight=f"{fqn}.weight",
-        bias_name=f"{fqn}.bias" if linear.bias is not None else None,
+        weight=join_fqn(fqn, "weight"),
+        bias_name=join_fqn(fqn, "bias") if linear.bias is not None else None,
         weight_layout="out_in",
+        dtype=dtype_name(linear.weight.dtype),
     )
     return Site("linear", fqn, region.fqn, class_names(type(linear)), info, meta_in, meta_out,
                 output_node=node, module_backed=True)
@@ -114,7 +103,8 @@ def functional_site(node: fx.Node, region: Region) -> Site | None:
     bias_name = join_fqn(region.fqn, b.target) if b is not None else None
     # The op module takes the weight's place: `mlp.fc.weight` -> `mlp.fc`, `mlp.w1` -> `mlp.w1`.
     fqn = weight_name.removesuffix(".weight") if weight_name.endswith(".weight") else weight_name
-    info = LinearInfo(form, in_features, out_features, b is not None, weight_name, bias_name, layout)
+    info = LinearInfo(form, in_features, out_features, b is not None, weight_name, bias_name, layout,
+                      dtype_name(weight.dtype))
     site = Site("linear", fqn, region.fqn, owner_classes(node, region), info,
                 tensor_meta(x), tensor_meta(out), args=(x,), output_node=out, nodes=nodes)
     site.unsupported = functional_conflict(site, region, w, b)

@@ -10,6 +10,7 @@ Tracing works on the module it is given; callers pass a copy, never the user's m
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,23 @@ def trace_module(module: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(module, graph, class_name=type(module).__name__)
 
 
+def has_own_forward(module: nn.Module) -> bool:
+    """False for containers called only through their items (ModuleList, ModuleDict)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def opaque_calls(graph: fx.GraphModule) -> list[str]:
+    """Targets of call_modules that hide sites: torch.nn modules with children (fx keeps every
+    torch.nn module a leaf; nn.TransformerEncoderLayer holds an nn.MultiheadAttention)."""
+    targets = []
+    for node in graph.graph.nodes:
+        if node.op == "call_module" and node.target not in targets:
+            module = graph.get_submodule(node.target)
+            if not isinstance(module, SITE_MODULES) and next(module.children(), None) is not None:
+                targets.append(node.target)
+    return targets
+
+
 def find_regions(model: nn.Module, only: list[str] | None = None) -> Trace:
     """Trace `model`, or where it does not trace, its largest traceable submodules.
 
@@ -90,16 +108,26 @@ def find_regions(model: nn.Module, only: list[str] | None = None) -> Trace:
     regions: list[Region] = []
     untraced: list[Untraced] = []
 
+    def visit_children(fqn: str, module: nn.Module):
+        for name, child in module.named_children():
+            visit(join_fqn(fqn, name), child)
+
     def visit(fqn: str, module: nn.Module):
-        if isinstance(module, SITE_MODULES) and fqn:
+        if isinstance(module, SITE_MODULES):
             regions.append(Region(fqn, module, None))
             return
+        if not has_own_forward(module):
+            visit_children(fqn, module)
+            return
         try:
-            regions.append(Region(fqn, module, trace_module(module)))
+            graph = trace_module(module)
         except Exception as err:  # any trace failure: fall back to the children
             untraced.append(Untraced(fqn, first_line(err)))
-            for name, child in module.named_children():
-                visit(join_fqn(fqn, name), child)
+            visit_children(fqn, module)
+            return
+        regions.append(Region(fqn, module, graph))
+        for target in opaque_calls(graph):
+            visit_children(join_fqn(fqn, target), graph.get_submodule(target))
 
     visit("", model)
     return Trace(regions, untraced)
@@ -127,7 +155,20 @@ def bind_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
     return tuple(bound.arguments.values())
 
 
-@torch.no_grad()
+@contextmanager
+def evaluating(model: nn.Module):
+    """The model in eval mode (no BatchNorm statistics updated, no dropout), modes restored after;
+    the global RNG is left as it was."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            yield model
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
 def capture_region_inputs(model: nn.Module, regions: list[Region], example_inputs) -> None:
     """Run the model once and record each region's inputs (and lone modules' outputs)."""
     handles = []
@@ -145,23 +186,24 @@ def capture_region_inputs(model: nn.Module, regions: list[Region], example_input
             handles.append(region.module.register_forward_hook(post_hook))
     args, kwargs = normalize_inputs(example_inputs)
     try:
-        model(*args, **kwargs)
+        with evaluating(model):
+            model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
 
 
-@torch.no_grad()
 def propagate_shapes(region: Region) -> None:
     """Leave tensor_meta on the region's graph nodes (no-op when its inputs are unknown)."""
     if region.graph is None or region.example_args is None:
         return
-    ShapeProp(region.graph).propagate(*region.example_args)
+    with evaluating(region.graph):
+        ShapeProp(region.graph).propagate(*region.example_args)
 
 
-def trace_model(model: nn.Module, example_inputs=None) -> Trace:
-    """Find regions in `model` and, given example inputs, propagate shapes through them."""
-    trace = find_regions(model)
+def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None) -> Trace:
+    """Find regions in `model` (or replay `only`) and, given example inputs, propagate shapes."""
+    trace = find_regions(model, only)
     if example_inputs is not None:
         capture_region_inputs(model, trace.regions, example_inputs)
         for region in trace.regions:
