@@ -228,22 +228,32 @@ def run_converted(converted: nn.Module, fqns: list[str], inputs) -> tuple[object
             h.remove()
 
 
+def paired_outputs(original, converted) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, original, converted) for every floating-point output, matched by name."""
+    ref, test = reports.flatten_outputs(original), dict(reports.flatten_outputs(converted))
+    if [name for name, _ in ref] != list(test):
+        raise LowconvError(f"the converted model's outputs ({', '.join(test)}) are not the "
+                           f"original's ({', '.join(name for name, _ in ref)})")
+    return [(name, value, test[name]) for name, value in ref]
+
+
 def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool | None = None,
             min_sqnr_db: float | None = None) -> reports.Report:
     """Run both models on `inputs`: metrics at every output and per converted site, both in the
     model (errors of earlier sites included) and alone (the op on the original's inputs)."""
     plan = plan_of(converted)
     fqns = [d.fqn for d in plan.converted()]
-    out_original, calls = run_original(original, plan, inputs)
-    out_converted, site_outputs = run_converted(converted, fqns, inputs)
     ops = {fqn: converted.get_submodule(fqn) for fqn in fqns}
-    stats = {fqn: op.report_stats() for fqn, op in ops.items() if hasattr(op, "report_stats")}
+    out_original, calls = run_original(original, plan, inputs)
+    counters = {fqn: op.report_stats() for fqn, op in ops.items() if hasattr(op, "report_stats")}
+    out_converted, site_outputs = run_converted(converted, fqns, inputs)
+    stats = {fqn: {k: v - before[k] for k, v in ops[fqn].report_stats().items()}  # this run's counts
+             for fqn, before in counters.items()}
     in_model = {fqn: (calls[fqn].output, site_outputs[fqn]) for fqn in fqns
                 if fqn in calls and fqn in site_outputs}
     alone = {fqn: (calls[fqn].output, first_tensor(run_eval(ops[fqn], calls[fqn].args, calls[fqn].kwargs)))
              for fqn in in_model}
-    outputs = [(name, ref, test) for (name, ref), (_, test) in
-               zip(reports.flatten_outputs(out_original), reports.flatten_outputs(out_converted))]
+    outputs = paired_outputs(out_original, out_converted)
     perf = None
     device = next((p.device for p in converted.parameters()), torch.device("cpu"))
     if device.type == "cuda":

@@ -138,7 +138,11 @@ def parse_options(cls: type, raw, where: str):
         allowed = allowed_values(hints[key])
         if not any(fits(value, a) for a in allowed):
             raise LowconvError(f"{where}.{key}: got {value!r}; expected {describe(allowed)}")
-    return cls(**raw)
+    try:
+        return cls(**raw)
+    except ValueError as err:  # an Options' __post_init__: (message, key)
+        message, key = err.args
+        raise LowconvError(f"{where}.{key}: {message}") from None
 
 
 def allowed_values(hint) -> list:

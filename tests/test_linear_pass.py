@@ -72,3 +72,24 @@ def test_shared_weight_is_not_converted():
     sites = trace_model(Shared(), (torch.randn(2, 8),)).regions[0]
     found = find_linear_sites(sites)
     assert len(found) == 2 and all("also used" in s.unsupported for s in found)
+
+
+def test_module_called_twice_is_one_site():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.l(self.l(x))
+
+    assert list(sites_of(Twice(), torch.randn(2, 8))) == ["l"]
+
+
+def test_conv1d_traced_on_its_own_gets_a_linear_child():
+    from lowconv.passes.trace import Region, trace_module
+
+    conv = Conv1D(16, 32)
+    [site] = find_linear_sites(Region("h.0.c_attn", conv, trace_module(conv)))
+    assert site.fqn == "h.0.c_attn.linear" and site.unsupported is None
+    assert site.info.weight == "h.0.c_attn.weight"

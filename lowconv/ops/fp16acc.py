@@ -19,6 +19,10 @@ class Fp16AccOptions:
     combine: Literal["fp32", "fp16"] = "fp32"  # how the chunks' partial sums are added up
     backend: Literal["triton", "cublas"] = "triton"  # CUDA only; the CPU runs the reference
 
+    def __post_init__(self):
+        if self.splits != "auto" and self.splits < 1:
+            raise ValueError(f"must be at least 1 (got {self.splits})", "splits")
+
 
 class Fp16AccLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, options: Fp16AccOptions):
@@ -46,8 +50,6 @@ def check(site, options: Fp16AccOptions) -> str | None:
     dtype = site.compute_dtype()
     if dtype != "float16":
         return f"fp16acc runs fp16 models only (site dtype is {dtype})"
-    if options.splits != "auto" and options.splits < 1:
-        return f"fp16acc needs splits >= 1 (got {options.splits})"
     return None
 
 

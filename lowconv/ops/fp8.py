@@ -34,6 +34,10 @@ class Fp8Options:
     training: bool = False  # keep a high-precision master weight and train through FP8 GEMMs
     amax_history_len: int = 16  # delayed scaling: x's scale is max(last N amaxes) / 448
 
+    def __post_init__(self):
+        if self.amax_history_len < 1:
+            raise ValueError(f"must be at least 1 (got {self.amax_history_len})", "amax_history_len")
+
 
 class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, options: Fp8Options):
@@ -142,8 +146,6 @@ def check(site, options: Fp8Options) -> str | None:
     if info.in_features % 16 or info.out_features % 16:
         return (f"fp8 GEMM needs in_features and out_features divisible by 16 "
                 f"(got K={info.in_features}, N={info.out_features})")
-    if options.scaling == "delayed" and options.amax_history_len < 1:
-        return f"fp8 delayed scaling needs amax_history_len >= 1 (got {options.amax_history_len})"
     return None
 
 

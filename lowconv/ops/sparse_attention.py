@@ -37,16 +37,25 @@ class SparseAttention(nn.Module):
     """softmax(q k^T * scale + mask) v for a functional site; no parameters."""
 
     def __init__(self, mask: str = "none", causal: bool = False, scale: float | None = None,
-                 dropout: float = 0.0, compute_dtype: torch.dtype | None = None):
+                 dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
+                 mask_kind_from_dtype: bool = False):
         super().__init__()
         self.mask = mask  # the kind of the forward's mask argument, see AttentionInfo.mask
+        # SDPA's rule, for SDPA sites: a bool mask keeps, any other is added, decided per call.
+        self.mask_kind_from_dtype = mask_kind_from_dtype
         self.causal = causal
         self.scale = scale
         self.dropout = dropout
         self.compute_dtype = compute_dtype  # None: q's dtype
 
     def forward(self, q, k, v, mask=None):
-        out = attention(q, k, v, mask, mask_kind=self.mask if mask is not None else "none",
+        if mask is None:
+            kind = "none"
+        elif self.mask_kind_from_dtype:
+            kind = "keep" if mask.dtype == torch.bool else "additive"
+        else:
+            kind = self.mask
+        out = attention(q, k, v, mask, mask_kind=kind,
                         causal=self.causal, scale=self.scale,
                         dropout=self.dropout if self.training else 0.0,
                         dtype=self.compute_dtype or q.dtype)
@@ -73,6 +82,9 @@ class SparseMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         self.batch_first, self.dropout, self.compute_dtype = batch_first, dropout, compute_dtype
+        # Read by nn.TransformerEncoderLayer; False also keeps it off its fused fast path,
+        # which would bypass this module.
+        self._qkv_same_embed_dim = False
         new = dict(device=device, dtype=dtype)
         # nn.MultiheadAttention packs the three projections when k and v have embed_dim features.
         self.packed = self.kdim == embed_dim and self.vdim == embed_dim
@@ -181,7 +193,8 @@ def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
 
 def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> SparseAttention:
     return SparseAttention(mask=info.mask, causal=info.causal, scale=info.scale,
-                           dropout=info.dropout, compute_dtype=compute_dtype(options))
+                           dropout=info.dropout, compute_dtype=compute_dtype(options),
+                           mask_kind_from_dtype=info.form == "sdpa")
 
 
 SPARSE_ATTENTION = register(Op(

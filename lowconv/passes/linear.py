@@ -101,22 +101,28 @@ def functional_site(node: fx.Node, region: Region) -> Site | None:
     out_features, in_features = weight.shape if layout == "out_in" else weight.shape[::-1]
     weight_name = join_fqn(region.fqn, w.target)
     bias_name = join_fqn(region.fqn, b.target) if b is not None else None
-    # The op module takes the weight's place: `mlp.fc.weight` -> `mlp.fc`, `mlp.w1` -> `mlp.w1`.
-    fqn = weight_name.removesuffix(".weight") if weight_name.endswith(".weight") else weight_name
+    rel = op_place(w.target)
     info = LinearInfo(form, in_features, out_features, b is not None, weight_name, bias_name, layout,
                       dtype_name(weight.dtype))
-    site = Site("linear", fqn, region.fqn, owner_classes(node, region), info,
+    site = Site("linear", join_fqn(region.fqn, rel), region.fqn, owner_classes(node, region), info,
                 tensor_meta(x), tensor_meta(out), args=(x,), output_node=out, nodes=nodes)
-    site.unsupported = functional_conflict(site, region, w, b)
+    site.unsupported = functional_conflict(site, region, rel, w, b)
     return site
 
 
-def functional_conflict(site: Site, region: Region, w: fx.Node, b: fx.Node | None) -> str | None:
-    """Why the op module cannot take the weight's place, if it cannot."""
+def op_place(weight_target: str) -> str:
+    """Where the op module goes in the region: the weight's place (`mlp.fc.weight` -> `mlp.fc`,
+    `mlp.w1` -> `mlp.w1`); `linear` when the region itself owns the weight (a traced Conv1D)."""
+    if weight_target == "weight":
+        return "linear"
+    return weight_target.removesuffix(".weight")
+
+
+def functional_conflict(site: Site, region: Region, rel: str, w: fx.Node, b: fx.Node | None) -> str | None:
+    """Why the op module cannot take its place in the region, if it cannot."""
     own = {w.target} | ({b.target} if b is not None else set())
-    rel = site.fqn[len(region.fqn) + 1:] if region.fqn else site.fqn
-    if not rel:
-        return "the weight belongs to the traced region itself"
+    if rel == "linear" and hasattr(region.module, "linear"):
+        return f"{site.fqn} already exists"
     if len(w.users) > 1 or (b is not None and len(b.users) > 1):
         return "its weight or bias is also used by other computation"
     for node in region.graph.graph.nodes:
@@ -134,9 +140,10 @@ def find_linear_sites(region: Region) -> list[Site]:
         if isinstance(region.module, nn.Linear):
             return [module_site(region, region.fqn, region.module, None)]
         return []
-    sites = []
+    sites, called = [], set()
     for node in region.graph.graph.nodes:
-        if node.op == "call_module":
+        if node.op == "call_module" and node.target not in called:  # one site however often called
+            called.add(node.target)
             module = region.graph.get_submodule(node.target)
             if isinstance(module, nn.Linear):
                 sites.append(module_site(region, join_fqn(region.fqn, node.target), module, node))

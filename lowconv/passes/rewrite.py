@@ -3,8 +3,9 @@
 A site that is a whole module (nn.Linear, nn.MultiheadAttention) is swapped for the op module
 at the same FQN. A site that is a piece of graph (F.linear, addmm, SDPA, hand-written attention)
 becomes one call_module of the op module, registered at the site's FQN; the old nodes and the
-parameters only they used are removed. Each touched region's GraphModule takes the place of the
-region's module in the model. The model passed in is changed: callers pass their own copy.
+parameters only they used are removed, and the region's GraphModule takes the place of the
+region's module in the model (a region with swaps only keeps its own module and class).
+The model passed in is changed: callers pass their own copy.
 """
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
             continue
         for site in todo:
             modules[site.fqn].train(region.module.training)
-        if region.graph is None:
-            model = set_module(model, region.fqn, modules[todo[0].fqn])
+        if all(s.module_backed for s in todo):  # swaps only: the model keeps its own classes
+            for site in todo:
+                model = set_module(model, site.fqn, modules[site.fqn])
             continue
         gm = region.graph
         for site in todo:

@@ -1,0 +1,147 @@
+"""Models beyond the examples: the shapes of real code that the spine must convert, save, load, compare."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowconv
+from lowconv.errors import LowconvError
+
+
+def roundtrip(model, inputs, recipe, tmp_path, load_inputs=None):
+    """convert -> save -> load: the reloaded model's outputs equal the converted one's."""
+    converted = lowconv.convert(model, recipe, inputs)
+    lowconv.save(converted, tmp_path)
+    again = lowconv.load(model, tmp_path, example_inputs=load_inputs)
+    with torch.no_grad():
+        first = lambda o: o if isinstance(o, torch.Tensor) else o[0]  # noqa: E731
+        assert torch.equal(first(again(*inputs)), first(converted(*inputs)))
+    return converted
+
+
+class MupAttention(nn.Module):
+    """Scores scaled by 1/head_dim computed from a size: the scale is known only with shapes."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        att = ((q @ k.transpose(-2, -1)) / k.size(-1)).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+def test_site_matched_with_shapes_loads_and_compares(tmp_path):
+    model, inputs = MupAttention().eval(), (torch.randn(2, 8, 64),)
+    converted = roundtrip(model, inputs, "sparse-attention-bf16", tmp_path, load_inputs=inputs)
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.site["info"]["scale"] == 1 / 16
+    report = lowconv.compare(model, converted, inputs)
+    assert report.sites[0].alone.sqnr_db > 40
+    # Without inputs the site is found again by its graph; the scale comes from the plan.
+    with torch.no_grad():
+        assert torch.equal(lowconv.load(model, tmp_path)(*inputs), converted(*inputs))
+
+
+def test_load_refuses_a_model_whose_code_changed(tmp_path):
+    model, inputs = MupAttention().eval(), (torch.randn(2, 8, 64),)
+    lowconv.save(lowconv.convert(model, "sparse-attention-bf16", inputs), tmp_path)
+    class Changed(MupAttention):  # the same parameters; a softmax in float32 now
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.qkv(x).reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+            att = ((q @ k.transpose(-2, -1)) / k.size(-1)).float().softmax(dim=-1)
+            return self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+    changed = Changed().eval()
+    with pytest.raises(LowconvError, match="attention is not the site that was converted"):
+        lowconv.load(changed, tmp_path)
+
+
+def test_train_mode_model_keeps_its_batchnorm_statistics():
+    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))  # train mode
+    inputs = (torch.randn(8, 32) * 3 + 1,)
+    before = copy.deepcopy(model.state_dict())
+    converted = lowconv.convert(model, "keep-all", inputs)
+    report = lowconv.compare(model, converted, inputs)
+    assert report.outputs[0].metrics.max_abs == 0 and converted.training
+    assert all(torch.equal(v, converted.state_dict()[k]) for k, v in before.items())
+
+
+def test_transformer_encoder_attention_converts(tmp_path):
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    inputs = (torch.randn(2, 10, 64),)
+    converted = roundtrip(model, inputs, "sparse-attention-bf16", tmp_path)
+    assert [d.fqn for d in converted.lowconv_plan.converted()] == ["layers.0.self_attn", "layers.1.self_attn"]
+    report = lowconv.compare(model, converted, inputs)
+    assert report.outputs[0].metrics.sqnr_db > 40 and len(report.sites) == 2
+
+
+@pytest.mark.parametrize("module, inputs, recipe", [
+    (nn.Linear(64, 32), (torch.randn(4, 64),), "fp8-dynamic"),
+    (nn.MultiheadAttention(64, 4, batch_first=True), (torch.randn(2, 5, 64),) * 3, "sparse-attention-bf16"),
+])
+def test_a_site_module_as_the_whole_model(module, inputs, recipe, tmp_path):
+    converted = roundtrip(module.eval(), inputs, recipe, tmp_path)
+    assert [d.fqn for d in converted.lowconv_plan.converted()] == [""]
+
+
+def test_swaps_only_keep_the_models_class():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)).eval()
+    converted = lowconv.convert(model, "fp8-dynamic", (torch.randn(4, 32),))
+    assert type(converted) is nn.Sequential
+
+
+class Conv1D(nn.Module):
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class GPT2Attention(nn.Module):
+    """Hugging Face's pattern: torch.finfo of a traced dtype stops tracing here, not in Conv1D."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.c_attn, self.c_proj = Conv1D(3 * dim, dim), Conv1D(dim, dim)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=2)
+        w = (q @ k.transpose(-1, -2)).masked_fill(torch.zeros(1, dtype=torch.bool), torch.finfo(q.dtype).min)
+        return self.c_proj(w.softmax(-1) @ v)
+
+
+def test_conv1d_under_untraceable_code_converts(tmp_path):
+    model, inputs = GPT2Attention().eval(), (torch.randn(2, 6, 64),)
+    converted = roundtrip(model, inputs, "fp8-row", tmp_path)
+    plan = converted.lowconv_plan
+    assert [u["fqn"] for u in plan.untraced] == [""]
+    assert [d.fqn for d in plan.converted()] == ["c_attn.linear", "c_proj.linear"]
+    assert lowconv.compare(model, converted, inputs).outputs[0].metrics.sqnr_db > 20
+
+
+class SdpaBlock(nn.Module):
+    def forward(self, q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_sdpa_mask_kind_follows_the_mask_given_at_run_time():
+    q = torch.randn(2, 4, 8, 16)
+    converted = lowconv.convert(SdpaBlock(), "sparse-attention-bf16", (q, q, q))  # traced without a mask
+    keep = torch.rand(2, 1, 8, 8) > 0.3
+    keep[..., 0] = True
+    for mask in (keep, torch.where(keep, 0.0, float("-inf"))):
+        ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=mask if mask.dtype == torch.bool else mask.double())
+        out = converted(q, q, q, mask)
+        assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
