@@ -11,9 +11,10 @@ from tabulate import tabulate
 
 from lowconv import api, checkpoint, report as reports
 from lowconv.errors import LowconvError
-from lowconv.model_file import DTYPES, load_model_file
+from lowconv.model_file import load_model_file
 from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
+from lowconv.site import FLOAT_DTYPES
 
 EPILOG = """examples:
   lowconv recipes
@@ -154,7 +155,7 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         c.add_argument("--seed", type=int, default=seed_default,
                        help="seed for build_model() and example_inputs()")
-        c.add_argument("--dtype", choices=list(DTYPES), help="cast the model and its inputs first")
+        c.add_argument("--dtype", choices=list(FLOAT_DTYPES), help="cast the model and its inputs first")
 
     command("recipes", "list the built-in recipes", cmd_recipes, "lowconv recipes")
     c = command("inspect", "list the sites of a model, and with a recipe what it would do to each",

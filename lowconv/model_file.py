@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lowconv.errors import LowconvError
+from lowconv.site import FLOAT_DTYPES
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -74,6 +74,6 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
     if not isinstance(model, nn.Module):
         raise LowconvError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     inputs = call(module, path, "example_inputs")
-    cast = DTYPES[dtype] if dtype else None
+    cast = FLOAT_DTYPES[dtype] if dtype else None
     model = model.to(device=device, dtype=cast) if cast else model.to(device)
     return ModelFile(path, model, to_device(inputs, torch.device(device), cast), getattr(module, "LOGITS", None))

@@ -7,6 +7,8 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+# The GPU tests skip without CUDA: make a machine without one fail here instead of passing.
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" || exit 1
 PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt"
 status=${PIPESTATUS[0]}
 for recipe in fp8-dynamic mixed; do

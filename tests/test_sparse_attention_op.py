@@ -8,7 +8,7 @@ from torch import nn
 import lowconv.ops.sparse_attention as sa
 from lowconv.kernels.block_attention import attention, attention_reference
 from lowconv.passes.attention import mha_info
-from lowconv.ops.registry import get_op
+from lowconv.ops.registry import OPS
 from lowconv.site import AttentionInfo, Site, TensorMeta
 
 # Relative L2 error bounds vs float64 for each compute dtype.
@@ -144,7 +144,7 @@ def functional_site(**info) -> Site:
 
 
 def test_op_is_registered_with_typed_options():
-    op = get_op("sparse_attention")
+    op = OPS["sparse_attention"]
     assert op.kind == "attention" and op.options is sa.SparseAttentionOptions
     dtype = typing.get_type_hints(sa.SparseAttentionOptions)["dtype"]
     assert typing.get_args(dtype) == ("auto", "float32", "float16", "bfloat16")

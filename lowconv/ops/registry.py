@@ -45,6 +45,3 @@ def register(op: Op) -> Op:
     OPS[op.name] = op
     return op
 
-
-def get_op(name: str) -> Op:
-    return OPS[name]

@@ -18,9 +18,8 @@ from torch import nn
 
 from lowconv.kernels.block_attention import attention
 from lowconv.ops.registry import Op, register
-from lowconv.site import AttentionInfo, Site
+from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -30,7 +29,7 @@ class SparseAttentionOptions:
 
 
 def compute_dtype(options: SparseAttentionOptions) -> torch.dtype | None:
-    return DTYPES.get(options.dtype)
+    return FLOAT_DTYPES.get(options.dtype)
 
 
 class SparseAttention(nn.Module):
