@@ -135,7 +135,7 @@ def cmd_compare(args) -> int:
     dtype = args.dtype or plan.model.get("dtype")
     loaded = load_model_file(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
     progress(f"rebuilding the converted model from {args.output}")
-    converted = api.load(loaded.model, args.output)
+    converted = api.load(loaded.model, args.output, example_inputs=loaded.inputs)
     report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     return print_report(report)
 
