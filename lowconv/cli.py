@@ -16,6 +16,8 @@ from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
 from lowconv.site import FLOAT_DTYPES
 
+DESCRIPTION = ("Convert a PyTorch model's linear and attention layers to faster, smaller ops "
+               "(FP8, 2:4 sparse, fp16 accumulation, lowconv attention), and report what it costs in accuracy.")
 EPILOG = """examples:
   lowconv recipes
   lowconv inspect examples/vit.py                     # every linear and attention site
@@ -43,10 +45,14 @@ def shape(meta: dict | None) -> str:
 
 
 def site_details(site: dict) -> str:
-    info = {k: v for k, v in site["info"].items() if k not in ("type", "form", "weight", "bias_name")}
+    hidden = {"type", "form", "weight", "bias_name", "dtype"}
+    if site["info"]["form"] == "mha":  # its masks are call arguments, not part of the site
+        hidden |= {"mask", "causal", "scale"}
+    info = {k: v for k, v in site["info"].items() if k not in hidden}
     if site["kind"] == "attention":
         info = {k: v for k, v in info.items() if v is not None}
-    return ", ".join(f"{k}={v}" for k, v in info.items())
+    details = ", ".join(f"{k}={v}" for k, v in info.items())
+    return details + (f"; cannot convert: {site['unsupported']}" if site["unsupported"] else "")
 
 
 def sites_table(plan: Plan) -> str:
@@ -141,7 +147,7 @@ def cmd_compare(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lowconv", description=__doc__, epilog=EPILOG,
+    p = argparse.ArgumentParser(prog="lowconv", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
