@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lowconv.kernels.fp16acc import auto_splits, fp16acc_matmul
-from lowconv.ops.linear_site import linear_info, linear_params
+from lowconv.ops.linear_site import linear_from_site, linear_info
 from lowconv.ops.registry import Op, register
 
 
@@ -59,9 +59,7 @@ def empty(site, options: Fp16AccOptions) -> Fp16AccLinear:
 
 
 def from_site(site, options: Fp16AccOptions, params: dict[str, torch.Tensor]) -> Fp16AccLinear:
-    module = empty(site, options)
-    module.set_params(*linear_params(site, params))
-    return module
+    return linear_from_site(empty, site, options, params)
 
 
 FP16ACC = register(Op(

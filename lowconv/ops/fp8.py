@@ -22,7 +22,7 @@ from lowconv.kernels.fp8 import (
     E4M3, Fp8LinearFunction, amax_to_scale, count_clipped, dequantize, fp8_linear, quantize_activation,
     quantize_weight,
 )
-from lowconv.ops.linear_site import linear_info, linear_params, site_dtype
+from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
 
 
@@ -155,10 +155,7 @@ def empty(site, options: Fp8Options) -> Fp8Linear:
 
 
 def from_site(site, options: Fp8Options, params: dict[str, torch.Tensor]) -> Fp8Linear:
-    module = empty(site, options)
-    weight, bias = linear_params(site, params)
-    module.set_params(weight.to(site_dtype(site)), bias)
-    return module
+    return linear_from_site(empty, site, options, params)
 
 
 FP8 = register(Op(

@@ -19,6 +19,15 @@ def linear_info(site: Site) -> LinearInfo:
     return site.info
 
 
+def linear_from_site(empty, site: Site, options, params: dict[str, torch.Tensor]):
+    """An op's `from_site`: its module built by `empty`, then given the site's weight (in the
+    site's dtype) and bias."""
+    module = empty(site, options)
+    weight, bias = linear_params(site, params)
+    module.set_params(weight.to(site_dtype(site)), bias)
+    return module
+
+
 def linear_params(site: Site, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The site's (weight (out, in), bias (out,) or None), checked against its LinearInfo."""
     info = linear_info(site)

@@ -19,7 +19,7 @@ from torch import nn
 from lowconv.kernels.sparse24 import (
     compress_bitmask, decompress_bitmask, mask_24, prune_24, prune_24_straight_through, semi_sparse_linear,
 )
-from lowconv.ops.linear_site import linear_info, linear_params, site_dtype
+from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
 
 
@@ -139,10 +139,7 @@ def empty(site, options: SemiSparseOptions) -> nn.Module:
 
 
 def from_site(site, options: SemiSparseOptions, params: dict[str, torch.Tensor]) -> nn.Module:
-    module = empty(site, options)
-    weight, bias = linear_params(site, params)
-    module.set_params(weight.to(site_dtype(site)), bias)
-    return module
+    return linear_from_site(empty, site, options, params)
 
 
 SEMI_SPARSE = register(Op(
