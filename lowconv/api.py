@@ -14,7 +14,7 @@ from lowconv.errors import LowconvError
 from lowconv.ops import OPS
 from lowconv.passes.rewrite import rewrite, site_params, tap_sites
 from lowconv.passes.sites import find_sites
-from lowconv.passes.trace import Trace, evaluating, find_regions, normalize_inputs, trace_model
+from lowconv.passes.trace import Trace, evaluating, normalize_inputs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
 from lowconv.site import Site, TensorMeta

@@ -7,7 +7,7 @@ from torch import nn
 
 import lowconv.ops.sparse_attention as sa
 from lowconv.kernels.block_attention import attention, attention_reference
-from lowconv.passes.attention import mha_info
+from lowconv.passes.mha import mha_info
 from lowconv.ops.registry import OPS
 from lowconv.site import AttentionInfo, Site, TensorMeta
 

@@ -6,76 +6,42 @@ Three forms:
   up to `q @ k^T` and down to `@ v`, through dtype casts, constant scalings (of the scores, or of
   q or k before the matmul), one mask (`+ m`, `masked_fill(m, -inf)`, `where(m, s, -inf)`) and a
   dropout;
-- nn.MultiheadAttention modules: call_module nodes, or lone regions of their own.
+- nn.MultiheadAttention modules: call_module nodes, or lone regions of their own (see
+  lowconv.passes.mha).
 
 Matching reads node targets and constant arguments only. Shapes, when shape propagation left
-them, fill in heads/head_dim/dtypes and decide an SDPA mask's kind: a bool mask keeps (True
-attends), any other is added. Without shapes an SDPA mask is taken as bool only when the graph
-visibly makes it so (comparisons, logical ops, `~`, `.bool()`, bool factories or buffers, and
-shape ops or tril/triu of those), and as additive otherwise.
-
-A mask that is a top-left slice of a lower-triangular constant (nanoGPT's
-`self.bias[:, :, :T, :T] == 0`) is recognized from the constant's value and becomes
-causal=True. That the slice covers the whole score matrix is checked on the shapes; without
-shapes it is assumed when rows and columns are sliced to the same length.
+them, fill in heads/head_dim/dtypes. Masks, their kinds and causal masks are read as
+lowconv.passes.attention_masks describes.
 """
 from __future__ import annotations
 
 import math
 import operator
 from dataclasses import dataclass, field
-from functools import reduce
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from lowconv.passes.attention_masks import Mask, causal_chain, is_mask_fill, looks_boolean
+from lowconv.passes.fx_nodes import (
+    ADDS, MATMULS, all_ints, call_args, is_cast, is_number, is_slice, mutates, op_is, submodule,
+)
+from lowconv.passes.mha import is_mha_call, lone_mha_site, mha_site
 from lowconv.passes.trace import Region, join_fqn
-from lowconv.site import AttentionInfo, Site, class_names, dtype_name, tensor_meta, value_meta
+from lowconv.site import AttentionInfo, Site, class_names, tensor_meta
 
-# A masked_fill/where fill at or below this is a mask: exp() of it is 0 in every float dtype.
-# (A finite fill differs from -inf only on rows where every key is masked.)
-LARGE_NEGATIVE = -1e4
 MAX_SCORE_STEPS = 8  # ops between q @ k^T and the softmax that the matcher follows
 TRIAL_HEAD_DIMS = (16, 64)  # where a scale computed from the head_dim is evaluated
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
 
-MATMULS = (operator.matmul, torch.matmul)
 SOFTMAXES = (F.softmax, torch.softmax)
 MULS = (operator.mul, torch.mul)
 DIVS = (operator.truediv, torch.div)
-ADDS = (operator.add, torch.add)
 SCALAR_OPS = (operator.mul, operator.truediv, operator.floordiv, operator.pow, operator.add,
               operator.sub, operator.neg, math.sqrt)
-CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous")
-COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
-               torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge)
-COMPARISON_METHODS = ("eq", "ne", "lt", "le", "gt", "ge")
-# Elementwise ops that a causal mask may apply to its lower-triangular constant.
-MASK_OPS = COMPARISONS + (operator.invert, torch.logical_not)
-MASK_METHODS = COMPARISON_METHODS + ("logical_not", "bool", "float", "to")
-# Ops whose result is bool, and ops whose result has their first argument's dtype.
-BOOL_OPS = MASK_OPS + (torch.logical_and, torch.logical_or, torch.logical_xor)
-BOOL_METHODS = COMPARISON_METHODS + ("bool", "logical_not", "logical_and", "logical_or",
-                                     "logical_xor")
-SAME_DTYPE_OPS = (operator.getitem, operator.and_, operator.or_, operator.xor, torch.tril,
-                  torch.triu, torch.reshape, torch.unsqueeze, torch.squeeze, torch.transpose,
-                  torch.permute, torch.broadcast_to)
-SAME_DTYPE_METHODS = ("view", "reshape", "expand", "expand_as", "unsqueeze", "squeeze",
-                      "transpose", "permute", "contiguous", "repeat", "flatten", "tril", "triu",
-                      "clone", "logical_and", "logical_or")
-FACTORIES = (torch.ones, torch.zeros, torch.empty, torch.full, torch.ones_like,
-             torch.zeros_like, torch.empty_like, torch.full_like, torch.tensor)
-
-
-@dataclass
-class Mask:
-    node: fx.Node
-    kind: str  # "additive" | "keep" | "drop"
-    scaled: bool = False  # the scores are scaled after this mask is applied
 
 
 @dataclass
@@ -451,216 +417,3 @@ def site_fqn(owner_fqn: str, owner: nn.Module, names: dict[str, set[str]]) -> st
         name = f"attention_{i}"
     taken.add(name)
     return join_fqn(owner_fqn, name)
-
-
-# ---- causal masks ----
-
-def causal_chain(region: Region, mask: Mask, scores_shape) -> list[fx.Node] | None:
-    """The nodes that make `mask` when it is a top-left slice of a lower-triangular constant,
-    so that causal=True says all it says; else None."""
-    chain, node, index = [], mask.node, None
-    while node.op != "get_attr":
-        if is_slice(node) and index is None:
-            index = node.args[1]
-        elif not is_mask_op(node):
-            return None
-        chain.append(node)
-        node = node.args[0]
-        if not isinstance(node, fx.Node):
-            return None
-    value = reduce(getattr, node.target.split("."), region.graph)
-    if not isinstance(value, torch.Tensor) or value.dim() < 2:
-        return None
-    if index is not None and not is_top_left_slice(index, value.dim()):
-        return None
-    with torch.no_grad():
-        for op in reversed(chain):  # elementwise ops commute with the slice: apply them whole
-            if op.target is not operator.getitem:
-                value = apply(op, value)
-    allowed = allowed_by(value, mask.kind)
-    if allowed is None or not torch.equal(allowed, torch.ones_like(allowed).tril()):
-        return None
-    meta = tensor_meta(mask.node)
-    if meta and scores_shape:
-        covers = meta.shape[-2:] == tuple(scores_shape[-2:])
-    elif index is not None:
-        rows, cols = index[-2].stop, index[-1].stop
-        covers = rows is cols or (not isinstance(rows, fx.Node) and rows == cols)
-    else:
-        covers = value.shape[-2] == value.shape[-1]
-    return [*chain, node] if covers else None
-
-
-def allowed_by(value: torch.Tensor, kind: str) -> torch.Tensor | None:
-    """Where a mask of `kind` with this value lets a query attend (None: not a plain mask)."""
-    if kind in ("keep", "drop") and value.dtype == torch.bool:
-        return value if kind == "keep" else ~value
-    if kind == "additive" and value.is_floating_point():
-        if ((value == 0) | (value <= LARGE_NEGATIVE)).all():
-            return value == 0
-    return None
-
-
-def is_slice(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
-
-
-def is_top_left_slice(index, ndim: int) -> bool:
-    """Whether `index` takes [:a, :b] of a tensor's last two dims."""
-    index = index if isinstance(index, tuple) else (index,)
-    if Ellipsis not in index and sum(i is not None for i in index) != ndim:
-        return False
-    return all(isinstance(s, slice) and s.start in (None, 0) and s.step in (None, 1)
-               for s in index[-2:])
-
-
-def is_mask_op(node: fx.Node) -> bool:
-    """An elementwise op of its first argument with constant other arguments."""
-    constants = not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values()))
-    return op_is(node, MASK_OPS, MASK_METHODS) and constants
-
-
-def apply(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
-    if node.op == "call_method":
-        return getattr(value, node.target)(*node.args[1:], **node.kwargs)
-    return node.target(value, *node.args[1:], **node.kwargs)
-
-
-def looks_boolean(region: Region, node) -> bool:
-    """Whether the graph visibly makes `node` a bool tensor (see the module docstring)."""
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "get_attr":
-        value = reduce(getattr, node.target.split("."), region.graph)
-        return isinstance(value, torch.Tensor) and value.dtype == torch.bool
-    if op_is(node, BOOL_OPS, BOOL_METHODS):
-        return True
-    if op_is(node, FACTORIES, ("to", "type")):
-        return any(a is torch.bool for a in (*node.args[1:], *node.kwargs.values()))
-    if op_is(node, SAME_DTYPE_OPS, SAME_DTYPE_METHODS):
-        return looks_boolean(region, node.args[0])
-    return False
-
-
-# ---- nn.MultiheadAttention ----
-
-def is_mha_call(region: Region, node: fx.Node) -> bool:
-    return node.op == "call_module" and isinstance(submodule(region, node), nn.MultiheadAttention)
-
-
-def mha_site(region: Region, target: str) -> Site:
-    """The module-backed site of the MHA at `target`, over all of its calls in the graph."""
-    calls = [n for n in region.graph.graph.nodes if n.op == "call_module" and n.target == target]
-    mha = region.module.get_submodule(target)
-    outputs = [u for c in calls for u in c.users if is_getitem(u, c, 0)]
-    unsupported = mha_problem(mha)
-    if unsupported is None and any(weights_used(c) for c in calls):
-        unsupported = "the attention weights it returns are used"
-    return Site(
-        kind="attention",
-        fqn=join_fqn(region.fqn, target),
-        region=region.fqn,
-        classes=class_names(type(mha)),
-        info=mha_info(mha),
-        input=tensor_meta(call_args(calls[0], MHA_ARGS).get("query")),
-        output=tensor_meta(outputs[0]) if outputs else None,
-        unsupported=unsupported,
-        output_node=calls[0],
-        module_backed=True,
-    )
-
-
-def lone_mha_site(region: Region) -> Site:
-    """An MHA region of its own: its caller is not traced, so whether the weights it returns
-    are used is unknown (a caller that uses them fails on the converted model's None)."""
-    args, output = region.example_args, region.example_output
-    return Site(
-        kind="attention",
-        fqn=region.fqn,
-        region=region.fqn,
-        classes=class_names(type(region.module)),
-        info=mha_info(region.module),
-        input=value_meta(args[0]) if args else None,
-        output=value_meta(output),
-        unsupported=mha_problem(region.module),
-        module_backed=True,
-    )
-
-
-def mha_info(mha: nn.MultiheadAttention) -> AttentionInfo:
-    return AttentionInfo(form="mha", heads=mha.num_heads, kv_heads=mha.num_heads,
-                         head_dim=mha.head_dim, dropout=float(mha.dropout),
-                         embed_dim=mha.embed_dim, kdim=mha.kdim, vdim=mha.vdim,
-                         bias=mha.in_proj_bias is not None, batch_first=mha.batch_first,
-                         dtype=dtype_name(mha.out_proj.weight.dtype))
-
-
-def mha_problem(mha: nn.MultiheadAttention) -> str | None:
-    """Why this MHA's configuration cannot be converted (None: it can)."""
-    if mha.bias_k is not None:
-        return "nn.MultiheadAttention with add_bias_kv"
-    if mha.add_zero_attn:
-        return "nn.MultiheadAttention with add_zero_attn"
-    return None
-
-
-def weights_used(call: fx.Node) -> bool:
-    """Whether anything uses the attention weights that this MHA call returns."""
-    if call_args(call, MHA_ARGS).get("need_weights", True) is False:
-        return False
-    return any(not is_getitem(u, call, 0) and not (is_getitem(u, call, 1) and not u.users)
-               for u in call.users)
-
-
-def is_getitem(node: fx.Node, of: fx.Node, index: int) -> bool:
-    return (node.op == "call_function" and node.target is operator.getitem
-            and node.args[0] is of and node.args[1] == index)
-
-
-# ---- node helpers ----
-
-def op_is(node, functions=(), methods=()) -> bool:
-    return isinstance(node, fx.Node) and (
-        (node.op == "call_function" and node.target in functions)
-        or (node.op == "call_method" and node.target in methods))
-
-
-def call_args(node: fx.Node, names: tuple[str, ...]) -> dict:
-    """The node's arguments by parameter name; `names` names the positional ones in order."""
-    return {**dict(zip(names, node.args)), **node.kwargs}
-
-
-def submodule(region: Region, node: fx.Node) -> nn.Module:
-    return region.module.get_submodule(node.target)
-
-
-def is_cast(node: fx.Node) -> bool:
-    """A cast of its first argument to a floating dtype (or `.contiguous()`)."""
-    if not op_is(node, (), CAST_METHODS):
-        return False
-    dtypes = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
-    return all(d.is_floating_point for d in dtypes)
-
-
-def mutates(node: fx.Node) -> bool:
-    """Whether `node` changes its first argument in place."""
-    return ((node.op == "call_method" and node.target.endswith("_")
-             and not node.target.startswith("_"))
-            or (node.op == "call_function" and node.target is operator.setitem))
-
-
-def all_ints(values) -> bool:
-    return all(isinstance(v, int) for v in values)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_mask_fill(value) -> bool:
-    """Whether a masked_fill/where fill is -inf or a large negative number (a constant, or a
-    `torch.full`/`torch.tensor` of one)."""
-    if isinstance(value, fx.Node) and value.op == "call_function" and value.target in (
-            torch.full, torch.tensor):
-        value = value.args[-1] if value.target is torch.full else value.args[0]
-    return is_number(value) and value <= LARGE_NEGATIVE

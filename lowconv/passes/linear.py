@@ -6,18 +6,14 @@ a linear layer.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from lowconv.passes.fx_nodes import ADDS, MATMULS
 from lowconv.passes.trace import Region, join_fqn
 from lowconv.site import LinearInfo, Site, class_names, dtype_name, tensor_meta, value_meta
-
-MATMULS = (operator.matmul, torch.matmul)
-ADDS = (operator.add, torch.add)
 
 
 def owner_classes(node: fx.Node, region: Region) -> list[str]:
