@@ -70,7 +70,8 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
-        modules[site.fqn] = op.from_site(site, options, site_params(site, found.model)).to(site_device(site, found.model))
+        module = op.from_site(site, options, site_params(site, found.model))
+        modules[site.fqn] = module.to(site_device(site, found.model))
     converted = rewrite(found.model, found.trace, found.sites, modules)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     setattr(converted, PLAN_ATTR, plan)

@@ -66,15 +66,15 @@ def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module
         # create_node, not call_module: the module is registered once the old attributes are gone
         call = graph.create_node("call_module", rel, args=tuple(site.args))
     site.output_node.replace_all_uses_with(call)
+    read = {a for node in site.nodes for a in node.all_input_nodes if a.op == "get_attr"} - set(site.nodes)
     for node in reversed(site.nodes):
         if not node.users:
             graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            target = node.target
+    for node in read:  # the site's weights and buffers that nothing reads any more
+        if not node.users:
             graph.erase_node(node)
-            if not any(n.op == "get_attr" and n.target == target for n in graph.nodes):
-                delete_attr(gm, target)
+            if not any(n.op == "get_attr" and n.target == node.target for n in graph.nodes):
+                delete_attr(gm, node.target)
     set_module(gm, rel, module)
 
 
