@@ -145,3 +145,30 @@ def test_sdpa_mask_kind_follows_the_mask_given_at_run_time():
         ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=mask if mask.dtype == torch.bool else mask.double())
         out = converted(q, q, q, mask)
         assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's manual path: a causal tril buffer sliced to T, masked_fill with -inf."""
+
+    def __init__(self, dim=64, heads=4, context=16):
+        super().__init__()
+        self.heads, self.c_attn, self.c_proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.register_buffer("bias", torch.tril(torch.ones(context, context)).view(1, 1, context, context))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / k.size(-1) ** 0.5)
+        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_nanogpt_causal_buffer_becomes_causal(tmp_path):
+    model, inputs = NanoGPTAttention().eval(), (torch.randn(2, 12, 64),)
+    converted = roundtrip(model, inputs, "mixed", tmp_path)
+    attention = next(d for d in converted.lowconv_plan.converted() if d.site["kind"] == "attention")
+    assert attention.site["info"]["causal"] and attention.site["info"]["mask"] == "none"
+    assert attention.site["info"]["scale"] is None  # 1/sqrt(head_dim), found from the code
+    assert "bias" in converted.state_dict()  # the user's buffer stays
+    assert lowconv.compare(model, converted, inputs).outputs[0].metrics.sqnr_db > 20
