@@ -21,6 +21,9 @@ from lowconv.site import Site, TensorMeta
 from lowconv.version import __version__
 
 PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
+# A traced copy runs the same ops as the model: bit-identical on the CPU, within the run-to-run
+# noise of nondeterministic GPU kernels; anything below this is a real difference.
+TRACE_FIDELITY_DB = 80.0
 
 
 def no_progress(message: str) -> None:
@@ -157,7 +160,8 @@ def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> t
     """Trace `model` (a copy of the original) again and find the sites the plan converts, each
     checked to be the same graph as at conversion and given what the conversion learned."""
     todo = plan.converted()
-    trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in todo}))
+    trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in todo}),
+                        none_args=plan.none_args)
     found = {s.fqn: s for s in find_sites(model, trace)}
     sites = {}
     for decision in todo:
@@ -200,7 +204,11 @@ class SiteCall:
 
 
 def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[str, SiteCall]]:
-    """The original's outputs, and the inputs and output of each site the plan converts."""
+    """The original's outputs, and the inputs and output of each site the plan converts.
+
+    The sites are seen through a traced copy; that copy must compute what the original does,
+    or tracing changed the model (data-dependent code frozen) and no number would mean anything.
+    """
     work = copy.deepcopy(original)
     trace, sites = refind_sites(work, plan, inputs, "compare")
     calls: dict[str, SiteCall] = {}
@@ -210,7 +218,16 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
             calls[fqn] = SiteCall(args, kwargs, first_tensor(output).clone())
 
     tapped = tap_sites(work, trace, list(sites.values()), record)
-    return run_eval(tapped, *normalize_inputs(inputs)), calls
+    args, kwargs = normalize_inputs(inputs)
+    reference, traced = run_eval(original, args, kwargs), run_eval(tapped, args, kwargs)
+    for name, ref, test in paired_outputs(reference, traced):
+        metrics = reports.tensor_metrics(ref, test)
+        if not metrics.sqnr_db >= TRACE_FIDELITY_DB:
+            raise LowconvError(
+                f"the traced model does not compute what the model does on these inputs ({name}: "
+                f"SQNR {metrics.sqnr_db:.1f} dB): code that depends on data, on self.training or on "
+                f"arguments was frozen by tracing; the plan lists the traced regions")
+    return reference, calls
 
 
 def run_converted(converted: nn.Module, fqns: list[str], inputs) -> tuple[object, dict[str, torch.Tensor]]:

@@ -28,6 +28,7 @@ class Plan:
     recipe_text: str  # the recipe file as written
     decisions: list[Decision]
     regions: list[str]  # FQNs of the traced regions
+    none_args: dict[str, list[str]]  # region FQN -> forward arguments traced as the constant None
     untraced: list[dict]  # {"fqn": ..., "error": ...} for each module whose own code did not trace
     warnings: list[str] = field(default_factory=list)
     gate_min_sqnr_db: float | None = None

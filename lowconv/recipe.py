@@ -229,11 +229,18 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         for rule in recipe.rules
         if not any(rule_matches(rule, s) for s in sites)
     ]
+    rewritten = {d.site["region"] for d in decisions if d.converted and not d.site["module_backed"]}
+    warnings += [
+        f"region {r.fqn or '(whole model)'} branches on self.training: it was traced in eval mode and "
+        f"keeps eval behaviour (e.g. no functional dropout) when the converted model trains"
+        for r in trace.regions if r.reads_training and r.fqn in rewritten
+    ]
     return Plan(
         recipe=recipe.name,
         recipe_text=recipe.text,
         decisions=decisions,
         regions=[r.fqn for r in trace.regions],
+        none_args={r.fqn: r.none_args for r in trace.regions if r.none_args},
         untraced=[dataclasses.asdict(u) for u in trace.untraced],
         warnings=warnings,
         gate_min_sqnr_db=recipe.min_sqnr_db,

@@ -86,6 +86,7 @@ class Site:
             "input": asdict(self.input) if self.input else None,
             "output": asdict(self.output) if self.output else None,
             "unsupported": self.unsupported,
+            "module_backed": self.module_backed,
             "graph": self.graph_signature(),
         }
 

@@ -138,13 +138,34 @@ class SdpaBlock(nn.Module):
 
 def test_sdpa_mask_kind_follows_the_mask_given_at_run_time():
     q = torch.randn(2, 4, 8, 16)
-    converted = lowconv.convert(SdpaBlock(), "sparse-attention-bf16", (q, q, q))  # traced without a mask
     keep = torch.rand(2, 1, 8, 8) > 0.3
     keep[..., 0] = True
+    converted = lowconv.convert(SdpaBlock(), "sparse-attention-bf16", (q, q, q, keep))  # traced with a bool mask
     for mask in (keep, torch.where(keep, 0.0, float("-inf"))):
-        ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=mask if mask.dtype == torch.bool else mask.double())
+        ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(),
+                                             attn_mask=mask if mask.dtype == torch.bool else mask.double())
         out = converted(q, q, q, mask)
         assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_argument_that_was_none_is_traced_as_none():
+    """`if mask is None` must take the branch the example took, and say so when called otherwise."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, q, mask=None):
+            causal = mask is None
+            return self.proj(F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=causal))
+
+    model, q = Masked().eval(), torch.randn(2, 4, 8, 16)
+    converted = lowconv.convert(model, "sparse-attention-bf16", (q,))
+    [attention] = converted.lowconv_plan.converted()
+    assert attention.site["info"]["causal"] and converted.lowconv_plan.none_args == {"": ["mask"]}
+    assert lowconv.compare(model, converted, (q,)).outputs[0].metrics.sqnr_db > 40
+    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+        converted(q, torch.ones(8, 8, dtype=torch.bool))
 
 
 class NanoGPTAttention(nn.Module):
@@ -172,3 +193,22 @@ def test_nanogpt_causal_buffer_becomes_causal(tmp_path):
     assert attention.site["info"]["scale"] is None  # 1/sqrt(head_dim), found from the code
     assert "bias" in converted.state_dict()  # the user's buffer stays
     assert lowconv.compare(model, converted, inputs).outputs[0].metrics.sqnr_db > 20
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, q):
+        y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1 if self.training else 0.0)
+        return self.proj(F.dropout(y, 0.1, training=self.training))
+
+
+def test_model_converted_in_train_mode_is_traced_in_eval_mode_with_a_warning():
+    model, q = FunctionalDropout().train(), torch.randn(2, 4, 8, 16)
+    converted = lowconv.convert(model, "sparse-attention-bf16", (q,))
+    assert converted.training and "branches on self.training" in converted.lowconv_plan.warnings[0]
+    converted.eval()
+    with torch.no_grad():
+        assert torch.equal(converted(q), converted(q))  # no dropout frozen in

@@ -5,28 +5,46 @@ down: the result is the largest submodules that trace (regions), plus each modul
 code did not trace and why. Leaf modules that lowconv converts as a whole (nn.Linear,
 nn.MultiheadAttention) are regions of their own when their parent does not trace.
 
+Tracing is done in eval mode: fx freezes `self.training` into the graph, and inference is what
+a conversion is for. A region whose code reads `self.training` (functional dropout) is marked,
+and the plan warns that its converted form keeps eval behaviour in train mode.
+
+Arguments that are None on the example call (`attention_mask=None`) are traced as the constant
+None: fx would otherwise trace them as tensors and freeze `if mask is None` in its other branch.
+The traced region then asserts that they are still None when called.
+
 Tracing works on the module it is given; callers pass a copy, never the user's model.
 """
 from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from lowconv.errors import LowconvError
+
 # Modules that are sites by themselves: traced as calls, never into.
 SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
+
+
+def is_site_module(module: nn.Module) -> bool:
+    """An nn.Linear or nn.MultiheadAttention that computes what its class says (a subclass with
+    its own forward, e.g. a LoRA layer, is traced into instead)."""
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in SITE_MODULES)
 
 
 @dataclass
 class Region:
     fqn: str  # path of the module in the model; "" is the whole model
     module: nn.Module
-    graph: fx.GraphModule | None  # None: a lone SITE_MODULES module under untraceable code
+    graph: fx.GraphModule | None  # None: a lone site module under untraceable code
+    none_args: list[str] = field(default_factory=list)  # forward arguments traced as None
+    reads_training: bool = False  # its code branches on self.training (traced as eval)
     example_args: tuple | None = None  # its inputs on the first call with the example inputs
     example_output: object = None  # its output on that call (lone site modules only)
 
@@ -53,12 +71,8 @@ class SiteTracer(fx.Tracer):
     # then traces, and the attention pass can read the buffer to recognize a causal mask.
     proxy_buffer_attributes = True
 
-    def __init__(self, leaf_classes: tuple[type, ...] = ()):
-        super().__init__()
-        self.leaf_classes = SITE_MODULES + leaf_classes
-
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, self.leaf_classes) or super().is_leaf_module(m, qualname)
+        return is_site_module(m) or super().is_leaf_module(m, qualname)
 
 
 def join_fqn(prefix: str, name: str) -> str:
@@ -70,9 +84,21 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".strip()
 
 
-def trace_module(module: nn.Module) -> fx.GraphModule:
-    graph = SiteTracer().trace(module)
+def trace_module(module: nn.Module, none_args=(), training: bool = False) -> fx.GraphModule:
+    """The module traced with every submodule's mode set to `training` (modes restored after)."""
+    modes = {m: m.training for m in module.modules()}
+    module.train(training)
+    try:
+        graph = SiteTracer().trace(module, concrete_args={name: None for name in none_args} or None)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
     return fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+
+def reads_training(module: nn.Module, graph: fx.GraphModule, none_args=()) -> bool:
+    """Whether the module's traced code differs between train and eval mode."""
+    return trace_module(module, none_args, training=True).code != graph.code
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -87,23 +113,29 @@ def opaque_calls(graph: fx.GraphModule) -> list[str]:
     for node in graph.graph.nodes:
         if node.op == "call_module" and node.target not in targets:
             module = graph.get_submodule(node.target)
-            if not isinstance(module, SITE_MODULES) and next(module.children(), None) is not None:
+            if not is_site_module(module) and next(module.children(), None) is not None:
                 targets.append(node.target)
     return targets
 
 
-def find_regions(model: nn.Module, only: list[str] | None = None) -> Trace:
+def find_regions(model: nn.Module, only: list[str] | None = None,
+                 none_args: dict[str, list[str]] | None = None) -> Trace:
     """Trace `model`, or where it does not trace, its largest traceable submodules.
 
     `only` replays a known list of region FQNs (from a saved plan) instead of searching.
+    `none_args`: per module FQN, the forward arguments to trace as None.
     """
+    none_args = none_args or {}
+
+    def region(fqn: str, module: nn.Module) -> Region:
+        if is_site_module(module):
+            return Region(fqn, module, None)
+        nones = none_args.get(fqn, [])
+        graph = trace_module(module, nones)
+        return Region(fqn, module, graph, nones, reads_training(module, graph, nones))
+
     if only is not None:
-        regions = []
-        for fqn in only:
-            module = model.get_submodule(fqn)
-            graph = None if isinstance(module, SITE_MODULES) else trace_module(module)
-            regions.append(Region(fqn, module, graph))
-        return Trace(regions, [])
+        return Trace([region(fqn, model.get_submodule(fqn)) for fqn in only], [])
 
     regions: list[Region] = []
     untraced: list[Untraced] = []
@@ -113,21 +145,19 @@ def find_regions(model: nn.Module, only: list[str] | None = None) -> Trace:
             visit(join_fqn(fqn, name), child)
 
     def visit(fqn: str, module: nn.Module):
-        if isinstance(module, SITE_MODULES):
-            regions.append(Region(fqn, module, None))
-            return
         if not has_own_forward(module):
             visit_children(fqn, module)
             return
         try:
-            graph = trace_module(module)
+            found = region(fqn, module)
         except Exception as err:  # any trace failure: fall back to the children
             untraced.append(Untraced(fqn, first_line(err)))
             visit_children(fqn, module)
             return
-        regions.append(Region(fqn, module, graph))
-        for target in opaque_calls(graph):
-            visit_children(join_fqn(fqn, target), graph.get_submodule(target))
+        regions.append(found)
+        if found.graph is not None:
+            for target in opaque_calls(found.graph):
+                visit_children(join_fqn(fqn, target), found.graph.get_submodule(target))
 
     visit("", model)
     return Trace(regions, untraced)
@@ -142,17 +172,24 @@ def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def bind_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-    """The forward's arguments as one positional tuple, defaults filled (None if impossible)."""
+def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """The forward's arguments by name, defaults filled (None when they cannot be bound, or when
+    extra *args/**kwargs were passed, which a traced forward cannot take positionally)."""
     try:
         sig = inspect.signature(module.forward)
         bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
     bound.apply_defaults()
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
-        return None
-    return tuple(bound.arguments.values())
+    arguments = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if value:
+                return None
+            continue
+        arguments[name] = value
+    return arguments
 
 
 @contextmanager
@@ -169,28 +206,34 @@ def evaluating(model: nn.Module):
             m.training = mode
 
 
-def capture_region_inputs(model: nn.Module, regions: list[Region], example_inputs) -> None:
-    """Run the model once and record each region's inputs (and lone modules' outputs)."""
+@dataclass
+class Call:
+    arguments: dict | None  # by name, see bind_arguments
+    output: object
+
+
+def first_calls(model: nn.Module, example_inputs) -> dict[str, Call]:
+    """Run the model once (eval mode); what each module with a forward of its own got and gave."""
+    calls: dict[str, Call] = {}
     handles = []
-    for region in regions:
-        def pre_hook(mod, args, kwargs, region=region):
-            if region.example_args is None:
-                region.example_args = bind_positional(mod, args, kwargs)
+    for fqn, module in model.named_modules():
+        if not has_own_forward(module):
+            continue
 
-        def post_hook(mod, args, output, region=region):
-            if region.example_output is None:
-                region.example_output = output
+        def record(mod, args, kwargs, output, fqn=fqn):
+            calls.setdefault(fqn, Call(bind_arguments(mod, args, kwargs), output))
 
-        handles.append(region.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        if region.graph is None:
-            handles.append(region.module.register_forward_hook(post_hook))
+        handles.append(module.register_forward_hook(record, with_kwargs=True))
     args, kwargs = normalize_inputs(example_inputs)
     try:
         with evaluating(model):
             model(*args, **kwargs)
+    except Exception as err:
+        raise LowconvError(f"the model failed on its example inputs: {type(err).__name__}: {err}") from err
     finally:
         for h in handles:
             h.remove()
+    return calls
 
 
 def propagate_shapes(region: Region) -> None:
@@ -201,11 +244,21 @@ def propagate_shapes(region: Region) -> None:
         ShapeProp(region.graph).propagate(*region.example_args)
 
 
-def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None) -> Trace:
-    """Find regions in `model` (or replay `only`) and, given example inputs, propagate shapes."""
-    trace = find_regions(model, only)
-    if example_inputs is not None:
-        capture_region_inputs(model, trace.regions, example_inputs)
-        for region in trace.regions:
-            propagate_shapes(region)
+def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,
+                none_args: dict[str, list[str]] | None = None) -> Trace:
+    """Find regions in `model` (or replay `only`). Given example inputs, the arguments that are
+    None on them are traced as None and shapes are propagated; without, `none_args` says which."""
+    if example_inputs is None:
+        return find_regions(model, only, none_args)
+    calls = first_calls(model, example_inputs)
+    none_args = {fqn: [name for name, value in call.arguments.items() if value is None]
+                 for fqn, call in calls.items() if call.arguments}
+    trace = find_regions(model, only, none_args)
+    for region in trace.regions:
+        call = calls.get(region.fqn)
+        if call is not None:
+            region.example_output = call.output
+            if call.arguments is not None:
+                region.example_args = tuple(call.arguments.values())
+        propagate_shapes(region)
     return trace
