@@ -124,7 +124,16 @@ def save(converted: nn.Module, directory: str | Path) -> Path:
 
 def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:
     tensors, metadata = checkpoint.read_checkpoint(directory)
-    return Plan.from_json(metadata["lowconv.plan"]), tensors
+    path = checkpoint.checkpoint_path(directory)
+    try:
+        plan = Plan.from_json(metadata["lowconv.plan"])
+    except (ValueError, TypeError, KeyError) as err:
+        raise LowconvError(f"{path}: the plan in its metadata is not valid ({type(err).__name__}: {err})") from None
+    unknown = sorted({d.op for d in plan.decisions} - set(OPS))
+    if unknown:
+        raise LowconvError(f"{path}: the plan uses ops this lowconv does not have: {', '.join(unknown)} "
+                           f"(known: {', '.join(OPS)})")
+    return plan, tensors
 
 
 def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Module:
@@ -276,8 +285,9 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     device = next((p.device for p in converted.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         args, kwargs = normalize_inputs(inputs)
-        original_ms, original_mb = reports.measure_perf(original, args, kwargs, device)
-        converted_ms, converted_mb = reports.measure_perf(converted, args, kwargs, device)
+        with evaluating(original), evaluating(converted):
+            original_ms, original_mb = reports.measure_perf(original, args, kwargs, device)
+            converted_ms, converted_mb = reports.measure_perf(converted, args, kwargs, device)
         perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device))
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(

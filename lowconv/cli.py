@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -190,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     except (LowconvError, OSError) as err:
         print(f"lowconv: error: {err}", file=sys.stderr)
         return 2
+    except Exception:  # a bug in lowconv, not the user's input: say so, with the traceback
+        traceback.print_exc()
+        print("lowconv: internal error: this is a bug in lowconv; please report it with the traceback above",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

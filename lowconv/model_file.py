@@ -68,6 +68,10 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
                     seed: int = 0) -> ModelFile:
     """Import the file, build the model and its example inputs under `seed`, on `device`."""
     path = Path(path)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise LowconvError(f"dtype {dtype!r} is not one of: {', '.join(FLOAT_DTYPES)}")
+    if not isinstance(seed, int):
+        raise LowconvError(f"seed {seed!r} is not an integer")
     module = import_file(path)
     torch.manual_seed(seed)
     model = call(module, path, "build_model")

@@ -173,10 +173,14 @@ def build_report(
     for fqn, op in site_ops.items():
         stats = {name: float(value) for name, value in site_stats.get(fqn, {}).items()}
         alone = tensor_metrics(*site_alone[fqn]) if fqn in site_alone else None
-        if fqn in site_pairs:
-            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), alone, stats))
-        else:
+        if fqn not in site_pairs:
             sites.append(SiteRow(fqn, op, None, alone, stats, note="not reached by the inputs"))
+        elif site_pairs[fqn][0].shape != site_pairs[fqn][1].shape:  # data-dependent shapes (routing)
+            ref, test = site_pairs[fqn]
+            note = f"output shapes differ: original {tuple(ref.shape)}, converted {tuple(test.shape)}"
+            sites.append(SiteRow(fqn, op, None, alone, stats, note=note))
+        else:
+            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), alone, stats))
     outputs = []
     for name, ref, test in output_pairs:
         logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None

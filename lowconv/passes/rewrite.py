@@ -97,8 +97,22 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         gm.graph.lint()
         gm.recompile()
         gm.train(region.module.training)
+        keep_buffers_out_of_state_dict(gm, region.module)
         model = set_module(model, region.fqn, gm)
     return model
+
+
+def keep_buffers_out_of_state_dict(gm: fx.GraphModule, original: nn.Module) -> None:
+    """GraphModule registers every buffer it copies as persistent: restore the original's
+    non-persistent ones (rotary tables, causal masks) so the checkpoint does not grow."""
+    for name, _ in gm.named_buffers():
+        path, _, attr = name.rpartition(".")
+        try:
+            owner = original.get_submodule(path)
+        except AttributeError:
+            continue
+        if attr in owner._non_persistent_buffers_set:
+            gm.get_submodule(path)._non_persistent_buffers_set.add(attr)
 
 
 class SiteTap(nn.Module):

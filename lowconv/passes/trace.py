@@ -198,8 +198,9 @@ def evaluating(model: nn.Module):
     the global RNG is left as it was."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             yield model
     finally:
         for m, mode in modes.items():
