@@ -241,3 +241,17 @@ def test_check_reasons():
     assert "N=40" in check(linear_site(64, 40), Fp8Options())
     with pytest.raises(ValueError, match="at least 1"):
         Fp8Options(scaling="delayed", amax_history_len=0)
+
+
+def test_inference_module_passes_gradients_straight_through_to_its_input():
+    """A model can train around a frozen FP8 layer: dx = dy @ W (dequantized), not dy rounded to e4m3."""
+    torch.manual_seed(0)
+    w, b = torch.randn(32, 64), torch.randn(32)
+    module = from_site(linear_site(64, 32, dtype="float32"), Fp8Options(), {"weight": w, "bias": b})
+    x = torch.randn(8, 64, requires_grad=True)
+    grad_out = torch.randn(8, 32) * 1e-4  # small gradients: e4m3 without a scale would flush them to 0
+    module(x).backward(grad_out)
+    w_used = module.weight.double() * module.weight_scale.double()
+    expected = grad_out.double() @ w_used
+    assert (x.grad.double() - expected).norm() / expected.norm() < 1e-6
+    assert torch.allclose(module.bias.grad.double(), grad_out.double().sum(0), rtol=1e-5)

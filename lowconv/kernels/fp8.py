@@ -102,6 +102,30 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
 
 
+class Fp8FrozenLinearFunction(torch.autograd.Function):
+    """Inference: y = x W^T + b with x quantized to e4m3 and W a frozen e4m3 weight.
+
+    Differentiable in x so that a model can train around the FP8 layer: x's quantization is
+    straight-through, dx = dy @ W (dequantized), dbias = dy summed. (Autograd through the e4m3
+    cast itself would round dy to e4m3 without a scale.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias):
+        x_fp8, x_scale = quantize_activation(x, granularity, x_scale)
+        ctx.save_for_backward(w_fp8, w_scale)
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
+        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w_fp8, w_scale = ctx.saved_tensors
+        x_dtype, bias_dtype = ctx.dtypes
+        grad_x = (grad.float() @ dequantize(w_fp8, w_scale)).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if ctx.needs_input_grad[5] else None
+        return grad_x, None, None, None, None, grad_bias
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """Training: y = x W^T + b with x and W in e4m3 forward, grad_output in e5m2 backward.
 

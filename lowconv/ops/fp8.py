@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    E4M3, Fp8LinearFunction, amax_to_scale, count_clipped, dequantize, fp8_linear, quantize_activation,
-    quantize_weight,
+    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, amax_to_scale, count_clipped, dequantize, quantize_weight,
 )
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -78,8 +77,8 @@ class Fp8Linear(nn.Module):
         x_scale = self.fixed_input_scale(x)
         if self.options.training:
             return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, self.options.granularity)
-        x_fp8, x_scale = quantize_activation(x, self.options.granularity, x_scale)
-        return fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+        return Fp8FrozenLinearFunction.apply(x, x_scale, self.options.granularity, self.weight,
+                                             self.weight_scale, self.bias)
 
     def fixed_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """x's scale for static/delayed scaling (None: dynamic), counting what it clips."""
