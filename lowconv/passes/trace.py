@@ -247,13 +247,15 @@ def propagate_shapes(region: Region) -> None:
 
 def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,
                 none_args: dict[str, list[str]] | None = None) -> Trace:
-    """Find regions in `model` (or replay `only`). Given example inputs, the arguments that are
-    None on them are traced as None and shapes are propagated; without, `none_args` says which."""
-    if example_inputs is None:
-        return find_regions(model, only, none_args)
-    calls = first_calls(model, example_inputs)
-    none_args = {fqn: [name for name, value in call.arguments.items() if value is None]
-                 for fqn, call in calls.items() if call.arguments}
+    """Find regions in `model` (or replay `only`); given example inputs, propagate shapes.
+
+    `none_args` (per module FQN, the arguments to trace as None) defaults to the arguments that
+    are None on the example inputs; a replay passes the ones the conversion used.
+    """
+    calls = first_calls(model, example_inputs) if example_inputs is not None else {}
+    if none_args is None:
+        none_args = {fqn: [name for name, value in call.arguments.items() if value is None]
+                     for fqn, call in calls.items() if call.arguments}
     trace = find_regions(model, only, none_args)
     for region in trace.regions:
         call = calls.get(region.fqn)
