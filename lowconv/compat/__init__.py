@@ -1,0 +1,2 @@
+"""Drop-in functional APIs of other projects, in plain torch, so their models run anywhere and
+lowconv's passes can recognize their calls (sptr.py: SparseTransformer, used by SphereFormer)."""

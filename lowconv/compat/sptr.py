@@ -1,0 +1,289 @@
+"""SparseTransformer (SpTr) in plain torch: window partition, pair layout, ops and module.
+
+SpTr (dvlab-research/SparseTransformer, and the lh9171338 fork with FP16/BF16) is the sparse
+window self-attention of SphereFormer. Its ops are CUDA extensions; these are torch functions
+with the same names, argument orders, shapes and index layout, so SpTr-style models run on any
+device and in any dtype, and train with correct gradients (SpTr's own backward of
+attention_step2 and of the fused rel-pos ops is wrong in places).
+
+The data (N points, h heads, d head_dim, windows of n_w points, M = sum n_w^2 pairs):
+- points are sorted by window (`sort_idx`), windows contiguous; everything below is in that order;
+- pairs are query-major per window: for the window starting at sorted position s with pairs from
+  sq_off (exclusive cumsum of n_w^2), pair sq_off + i*n_w + t has query `index_0` = s + i and key
+  `index_1` = s + t;
+- `index_0_offsets` (N+1): CSR row pointer of each query's pairs (last = M);
+- `index_1_offsets` (N): key j's pairs are at index_1_offsets[j] + i*n_w, i < n_w;
+- `n_max`: the largest n_w; `rel_idx` (M, 3): quantized relative position of each pair.
+Index tensors are int32 (sort_idx int64, as SpTr's). q is pre-scaled by the caller.
+
+fx: the ops (SPTR_OPS) and the index helpers (SPTR_HELPERS) are `torch.fx.wrap`ped, so a
+symbolic trace records each call as one call_function node whose target is the function here
+(the helpers' bodies are data-dependent and would not trace; a pass wants the ops, not their
+insides). sparse_self_attention and VarLengthMultiheadSA are traced through, to their chain of
+ops. This holds for calls through this module's namespace (`sptr.attention_step1(...)`, and all
+calls made here); a model that does `from ...sptr import attention_step1` binds the unpatched
+function, and a tracer catches it only with `fx.Tracer(autowrap_functions=SPTR_OPS + SPTR_HELPERS)`.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.fx
+from torch import nn
+
+PE_TYPES = ("none", "contextual")
+
+
+def to_3d(size) -> tuple[float, float, float]:
+    """A window or quant size, a number or 3 numbers (list, tuple, numpy array, tensor), as 3 floats."""
+    if isinstance(size, numbers.Number):
+        return (float(size),) * 3
+    values = tuple(float(s) for s in size)
+    if len(values) != 3:
+        raise ValueError(f"a size is a number or 3 numbers, not {len(values)}")
+    return values
+
+
+def grid_length(window_size, quant_size) -> int:
+    """G, the quant cells per window side (SpTr's formula, from the x axis); tables have 2G-1 rows."""
+    return int((to_3d(window_size)[0] + 1e-4) / to_3d(quant_size)[0])
+
+
+def coordinates(xyz: torch.Tensor) -> torch.Tensor:
+    """xyz in at least float32: windows from half-precision coordinates would misplace points."""
+    return xyz.to(torch.promote_types(xyz.dtype, torch.float32))
+
+
+@torch.fx.wrap
+def window_partition(xyz, batch, window_size, shift_win=False):
+    """The window of each point, and the points sorted by window.
+
+    A window is a cell of size `window_size` over xyz (N, 3) counted from xyz's minimum over all
+    points, separately per batch index (batch (N,), non-negative); shifted windows add
+    window_size/2 first. Windows are numbered in (batch, z, y, x) order, as SpTr's voxel grid
+    numbers them; within a window, points keep their input order.
+
+    Returns window_index (N,) int64 in input order, sort_idx (N,) int64 (input position of each
+    sorted point) and window_offsets (W+1,) int32: window w is sorted positions
+    window_offsets[w] to window_offsets[w+1].
+    """
+    n_points = xyz.shape[0]
+    if n_points == 0:  # min/max over no points would raise
+        empty = torch.zeros(0, dtype=torch.int64, device=xyz.device)
+        return empty, empty, torch.zeros(1, dtype=torch.int32, device=xyz.device)
+    xyz = coordinates(xyz)
+    size = xyz.new_tensor(to_3d(window_size))
+    shift = size / 2 if shift_win else torch.zeros_like(size)
+    cell = torch.floor((xyz - xyz.amin(0) + shift) / size).long()
+    extent = cell.amax(0) + 1
+    key = ((batch.long() * extent[2] + cell[:, 2]) * extent[1] + cell[:, 1]) * extent[0] + cell[:, 0]
+    sort_idx = torch.argsort(key, stable=True)
+    sorted_key = key[sort_idx]
+    starts = torch.ones_like(sorted_key, dtype=torch.bool)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]
+    window_index = torch.empty_like(sort_idx)
+    window_index[sort_idx] = starts.cumsum(0) - 1
+    ends = torch.tensor([n_points], device=xyz.device)
+    window_offsets = torch.cat([starts.nonzero().squeeze(1), ends]).int()
+    return window_index, sort_idx, window_offsets
+
+
+@torch.fx.wrap
+def precompute_all(N, n, n_max, counts):
+    """SpTr's pair layout for n windows of `counts` points each (N points in all, n_max the most
+    in one window). Returns (index_0_offsets, index_1_offsets, index_0, index_1), int32."""
+    device = counts.device
+    counts = counts.long()
+    zero = counts.new_zeros(1)
+    offsets = torch.cat([zero, counts.cumsum(0)])
+    sq_offsets = torch.cat([zero, (counts * counts).cumsum(0)])
+    n_pairs = int(sq_offsets[-1])
+    if n_pairs >= 2 ** 31:
+        raise ValueError(f"{n_pairs} pairs do not fit SpTr's int32 indices")
+    window = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=N)
+    window_size = counts[window]  # points in each point's window
+    rank = torch.arange(N, device=device) - offsets[window]  # position of each point in its window
+    row_start = sq_offsets[window] + rank * window_size
+    index_0 = torch.repeat_interleave(torch.arange(N, device=device), window_size, output_size=n_pairs)
+    index_1 = (index_0 - rank[index_0]) + (torch.arange(n_pairs, device=device) - row_start[index_0])
+    index_0_offsets = torch.cat([row_start, sq_offsets[-1:]])
+    index_1_offsets = sq_offsets[window] + rank
+    return index_0_offsets.int(), index_1_offsets.int(), index_0.int(), index_1.int()
+
+
+@torch.fx.wrap
+def get_indices_params(xyz, batch, window_size, shift_win: bool):
+    """Window partition and pair layout of points xyz (N, 3), batch (N,), as SpTr returns them:
+    (index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx)."""
+    _, sort_idx, window_offsets = window_partition(xyz, batch, window_size, shift_win)
+    counts = window_offsets.diff()
+    n_max = int(counts.max()) if len(counts) else 0
+    index_0_offsets, index_1_offsets, index_0, index_1 = precompute_all(len(sort_idx), len(counts), n_max, counts)
+    return index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx
+
+
+@torch.fx.wrap
+def relative_position_index(xyz, index_0, index_1, window_size, quant_size, quant_grid_length,
+                            shift_win=False):
+    """rel_idx (M, 3) int32 of each pair, from xyz (N, 3) in window (sorted) order:
+    qxyz = floor(((xyz - min + shift) mod window_size) / quant_size), in [0, G-1] with
+    G = quant_grid_length, and rel_idx = qxyz[index_0] - qxyz[index_1] + G - 1, in [0, 2G-2]."""
+    xyz = coordinates(xyz)
+    size = xyz.new_tensor(to_3d(window_size))
+    shift = size / 2 if shift_win else torch.zeros_like(size)
+    in_window = torch.remainder(xyz - xyz.amin(0) + shift, size)
+    # Rounding can put a point a hair past the last quant cell; SpTr then fails its L > rel_idx assert.
+    qxyz = torch.floor(in_window / xyz.new_tensor(to_3d(quant_size))).long().clamp_(0, quant_grid_length - 1)
+    return (qxyz[index_0.long()] - qxyz[index_1.long()] + quant_grid_length - 1).int()
+
+
+def table_rows(table, rel_idx):
+    """sum over axes a of table[rel_idx[:, a], a]: (M, h, d) from a table (L, 3, h, d)."""
+    return sum(table[:, axis].index_select(0, rel_idx[:, axis]) for axis in range(3))
+
+
+@torch.fx.wrap
+def attention_step1(q, k, index_0, index_0_offsets, index_1, index_1_offsets, n_max):
+    """attn (M, h): attn[m] = <q[index_0[m]], k[index_1[m]]> per head; q, k (N, h, d)."""
+    return (q.index_select(0, index_0) * k.index_select(0, index_1)).sum(-1)
+
+
+@torch.fx.wrap
+def scatter_softmax_csr(src, indptr, dim=-1):
+    """Softmax of src (M, h) over each query's row of pairs, rows given by the CSR pointer indptr
+    (N+1). As in SpTr (whose segment_csr ignores it), `dim` is accepted and the rows run along dim 0."""
+    lengths = indptr.diff()
+    # The row maximum only keeps exp() in range; the softmax does not depend on it, so no gradient.
+    row_max = torch.segment_reduce(src.detach(), "max", offsets=indptr)
+    exp = (src - row_max.repeat_interleave(lengths, 0, output_size=src.shape[0])).exp()
+    row_sum = torch.segment_reduce(exp, "sum", offsets=indptr)
+    return exp / row_sum.repeat_interleave(lengths, 0, output_size=src.shape[0])
+
+
+@torch.fx.wrap
+def attention_step2(attn, v, index_0, index_0_offsets, index_1, index_1_offsets, n_max):
+    """(N, h, d): out[i] = sum over i's pairs m of attn[m] * v[index_1[m]]; attn (M, h), v (N, h, d)."""
+    weighted = attn.unsqueeze(-1) * v.index_select(0, index_1)
+    return torch.segment_reduce(weighted, "sum", offsets=index_0_offsets)  # a query's pairs are one CSR row
+
+
+@torch.fx.wrap
+def dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offsets, table_q, table_k,
+                          rel_idx, n_max):
+    """attn (M, h) with contextual relative position, tables (L, 3, h, d), rel_idx (M, 3):
+    attn[m] = <q_i, k_j + sum_a table_q[r_a, a]> + <k_j, sum_a table_k[r_a, a]>."""
+    q_i, k_j = q.index_select(0, index_0), k.index_select(0, index_1)
+    return (q_i * (k_j + table_rows(table_q, rel_idx))).sum(-1) + (k_j * table_rows(table_k, rel_idx)).sum(-1)
+
+
+@torch.fx.wrap
+def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max, index_1, index_1_offsets,
+                                       table_v, rel_idx):
+    """(N, h, d): out[i] = sum over i's pairs m of attn[m] * (v[index_1[m]] + sum_a table_v[r_a, a]).
+    Note n_max is the 5th argument here, as in SpTr."""
+    weighted = attn.unsqueeze(-1) * (v.index_select(0, index_1) + table_rows(table_v, rel_idx))
+    return torch.segment_reduce(weighted, "sum", offsets=index_0_offsets)
+
+
+SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx_all,
+            attention_step2_with_rel_pos_value)
+SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, relative_position_index)
+
+
+def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,
+                          sort_idx, window_size, shift_win, pe_type="none", rel_query=False, rel_key=False,
+                          rel_value=False, quant_size=None, quant_grid_length=None, relative_pos_query_table=None,
+                          relative_pos_key_table=None, relative_pos_value_table=None, split_func=None):
+    """SpTr's window self-attention of query, key, value (N, h, d) in input order (query
+    pre-scaled), with indices from get_indices_params; returns (N, h, d) in input order.
+
+    Not wrapped: a trace records its chain of ops. `split_func(xyz, index_0, index_1, rel_idx)`
+    rewrites rel_idx (SphereFormer's exponential split of the radial axis), which is then clamped
+    to [0, 2G-1] as in SpTr. Contextual position needs rel_query and rel_key together (SpTr's fused op).
+    """
+    contextual = pe_type == "contextual"
+    if contextual and rel_query != rel_key:
+        raise ValueError("contextual position needs rel_query and rel_key together (SpTr's fused op)")
+    query, key, value, xyz = query[sort_idx], key[sort_idx], value[sort_idx], xyz[sort_idx]
+    if contextual and (rel_query or rel_value):
+        rel_idx = relative_position_index(xyz, index_0, index_1, window_size, quant_size, quant_grid_length,
+                                          shift_win)
+        if split_func is not None:
+            rel_idx = split_func(xyz, index_0, index_1, rel_idx.clone()).clamp(0, 2 * quant_grid_length - 1).int()
+    if contextual and rel_query:
+        attn = dot_prod_with_idx_all(query, index_0, index_0_offsets, key, index_1, index_1_offsets,
+                                     relative_pos_query_table, relative_pos_key_table, rel_idx, n_max)
+    else:
+        attn = attention_step1(query, key, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
+    attn = scatter_softmax_csr(attn, index_0_offsets, dim=0)
+    if contextual and rel_value:
+        x = attention_step2_with_rel_pos_value(attn, value, index_0, index_0_offsets, n_max, index_1,
+                                               index_1_offsets, relative_pos_value_table, rel_idx)
+    else:
+        x = attention_step2(attn, value, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
+    return torch.empty_like(x).index_copy(0, sort_idx, x)  # back to input order
+
+
+class VarLengthMultiheadSA(nn.Module):
+    """SpTr's VarLengthMultiheadSA: multi-head self-attention within windows of points.
+
+    Constructor as SpTr's, with its keyword arguments (quant_size, rel_query, rel_key, rel_value)
+    spelled out. Differences from SpTr, on purpose:
+    - forward takes plain tensors, (feats (N, C), xyz (N, 3), batch (N,)), and returns (N, C)
+      where SpTr takes and returns a SparseTrTensor (query_feats; query_indices = [batch, xyz]).
+      The window indices are computed in forward (one fx node, get_indices_params); SpTr caches
+      them in the SparseTrTensor under `indice_key`, which is kept here for its signature only.
+    - pe_type="contextual" really uses its three tables. SpTr silently runs plain attention:
+      its forward never passes pe_type on to sparse_self_attention, whose default is "none".
+    - no float32 cast: it computes in the dtype of its projections' output (AMP reaches the ops).
+    - `dropout` applies to the output projection; SpTr also builds an attention dropout it never
+      applies, which is left out.
+    Only pe_type "none" and "contextual" (SpTr's "sine"/"fourier" are not supported).
+    """
+
+    def __init__(self, embed_dim, num_heads, indice_key, window_size, shift_win=False, pe_type="none",
+                 dropout=0.0, qk_scale=None, qkv_bias=True, quant_size=None, rel_query=True, rel_key=True,
+                 rel_value=True):
+        super().__init__()
+        if pe_type not in PE_TYPES:
+            raise ValueError(f"pe_type {pe_type!r} is not one of {PE_TYPES}")
+        self.embed_dim, self.num_heads, self.indice_key = embed_dim, num_heads, indice_key
+        self.window_size, self.shift_win, self.pe_type = to_3d(window_size), shift_win, pe_type
+        head_dim = embed_dim // num_heads
+        self.scale = qk_scale or head_dim ** -0.5
+        if pe_type == "contextual":
+            if not (rel_query and rel_key and rel_value):
+                raise ValueError("pe_type='contextual' needs rel_query, rel_key and rel_value (as SpTr asserts)")
+            if quant_size is None:
+                raise ValueError("pe_type='contextual' needs quant_size")
+            self.rel_query, self.rel_key, self.rel_value = rel_query, rel_key, rel_value
+            self.quant_size = to_3d(quant_size)
+            self.quant_grid_length = grid_length(self.window_size, self.quant_size)
+            table_shape = (2 * self.quant_grid_length - 1, 3, num_heads, head_dim)
+            self.relative_pos_query_table = nn.Parameter(nn.init.trunc_normal_(torch.zeros(table_shape), std=0.02))
+            self.relative_pos_key_table = nn.Parameter(nn.init.trunc_normal_(torch.zeros(table_shape), std=0.02))
+            self.relative_pos_value_table = nn.Parameter(nn.init.trunc_normal_(torch.zeros(table_shape), std=0.02))
+        self.q = nn.Linear(embed_dim, embed_dim, bias=qkv_bias)
+        self.k = nn.Linear(embed_dim, embed_dim, bias=qkv_bias)
+        self.v = nn.Linear(embed_dim, embed_dim, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.proj_drop = nn.Dropout(dropout)
+
+    def forward(self, feats, xyz, batch):
+        N, C = feats.shape
+        query = self.q(feats).reshape(N, self.num_heads, C // self.num_heads) * self.scale
+        key = self.k(feats).reshape(N, self.num_heads, C // self.num_heads)
+        value = self.v(feats).reshape(N, self.num_heads, C // self.num_heads)
+        index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = get_indices_params(
+            xyz, batch, self.window_size, self.shift_win)
+        rel_pos = {}
+        if self.pe_type == "contextual":
+            rel_pos = dict(rel_query=self.rel_query, rel_key=self.rel_key, rel_value=self.rel_value,
+                           quant_size=self.quant_size, quant_grid_length=self.quant_grid_length,
+                           relative_pos_query_table=self.relative_pos_query_table.to(query.dtype),
+                           relative_pos_key_table=self.relative_pos_key_table.to(query.dtype),
+                           relative_pos_value_table=self.relative_pos_value_table.to(query.dtype))
+        x = sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,
+                                  sort_idx, self.window_size, self.shift_win, pe_type=self.pe_type, **rel_pos)
+        return self.proj_drop(self.proj(x.reshape(N, C)))
