@@ -36,7 +36,7 @@ class LinearInfo:
 class AttentionInfo:
     """softmax(q k^T * scale + mask) v over q, k, v laid out (batch, heads, seq, head_dim)."""
 
-    form: str  # "sdpa" | "handwritten" | "mha" (nn.MultiheadAttention)
+    form: str  # "sdpa" | "handwritten" | "mha" (nn.MultiheadAttention) | "window" (SpTr chain)
     heads: int | None = None
     kv_heads: int | None = None  # < heads for GQA/MQA
     head_dim: int | None = None
@@ -44,6 +44,7 @@ class AttentionInfo:
     mask: str = "none"  # "none" | "additive" | "keep" (bool, True attends) | "drop" (bool, True is masked out)
     causal: bool = False
     dropout: float = 0.0
+    rel_pos: str = "none"  # window attention: "none" | "contextual" (SpTr's relative position tables)
     # nn.MultiheadAttention only: how the module was built (the op rebuilds it from these).
     embed_dim: int | None = None
     kdim: int | None = None

@@ -124,18 +124,36 @@ def get_indices_params(xyz, batch, window_size, shift_win: bool):
 
 
 @torch.fx.wrap
-def relative_position_index(xyz, index_0, index_1, window_size, quant_size, quant_grid_length,
-                            shift_win=False):
-    """rel_idx (M, 3) int32 of each pair, from xyz (N, 3) in window (sorted) order:
-    qxyz = floor(((xyz - min + shift) mod window_size) / quant_size), in [0, G-1] with
-    G = quant_grid_length, and rel_idx = qxyz[index_0] - qxyz[index_1] + G - 1, in [0, 2G-2]."""
+def quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win=False):
+    """qxyz (N, 3) int64: each point's quant cell inside its window,
+    floor(((xyz - min + shift) mod window_size) / quant_size), in [0, G-1] with G = quant_grid_length."""
     xyz = coordinates(xyz)
     size = xyz.new_tensor(to_3d(window_size))
     shift = size / 2 if shift_win else torch.zeros_like(size)
     in_window = torch.remainder(xyz - xyz.amin(0) + shift, size)
     # Rounding can put a point a hair past the last quant cell; SpTr then fails its L > rel_idx assert.
-    qxyz = torch.floor(in_window / xyz.new_tensor(to_3d(quant_size))).long().clamp_(0, quant_grid_length - 1)
+    return torch.floor(in_window / xyz.new_tensor(to_3d(quant_size))).long().clamp_(0, quant_grid_length - 1)
+
+
+@torch.fx.wrap
+def relative_position_index(xyz, index_0, index_1, window_size, quant_size, quant_grid_length,
+                            shift_win=False):
+    """rel_idx (M, 3) int32 of each pair, from xyz (N, 3) in window (sorted) order:
+    rel_idx = qxyz[index_0] - qxyz[index_1] + G - 1, in [0, 2G-2] (see quantized_coordinates)."""
+    qxyz = quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win)
     return (qxyz[index_0.long()] - qxyz[index_1.long()] + quant_grid_length - 1).int()
+
+
+@torch.fx.wrap
+def window_offsets_from_pairs(index_0_offsets, index_1):
+    """The window offsets (W+1,) int32 of SpTr's pair layout: a sorted query's first pair's key is
+    the first point of its window, so windows start where that changes."""
+    n_points = index_0_offsets.numel() - 1
+    starts = index_1.index_select(0, index_0_offsets[:-1].long()).long()
+    boundaries = torch.ones(n_points, dtype=torch.bool, device=starts.device)
+    boundaries[1:] = starts[1:] != starts[:-1]
+    offsets = torch.nonzero(boundaries).flatten()
+    return torch.cat([offsets, offsets.new_tensor([n_points])]).int()
 
 
 def table_rows(table, rel_idx):
@@ -188,7 +206,8 @@ def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max,
 
 SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx_all,
             attention_step2_with_rel_pos_value)
-SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, relative_position_index)
+SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, relative_position_index, quantized_coordinates,
+                window_offsets_from_pairs)
 
 
 def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,

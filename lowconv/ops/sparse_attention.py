@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowconv.compat import sptr
 from lowconv.kernels.block_attention import attention
+from lowconv.kernels.window_attention import window_attention
 from lowconv.ops.registry import Op, register
 from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site
 
@@ -135,6 +137,30 @@ class SparseMultiheadAttention(nn.Module):
         return (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
 
 
+class SparseWindowAttention(nn.Module):
+    """An SpTr chain (attention_step1 or dot_prod_with_idx_all, scatter_softmax_csr, attention_step2
+    [_with_rel_pos_value]) as one call of the fused window-attention kernel: nothing of size M
+    (the number of (query, key) pairs) is computed. No parameters: the tables stay the model's."""
+
+    def __init__(self, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.compute_dtype = compute_dtype  # None: q's dtype
+
+    def forward(self, q, k, v, index_0_offsets, index_1, xyz=None, window_size=None, quant_size=None,
+                quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None):
+        offsets = sptr.window_offsets_from_pairs(index_0_offsets, index_1)
+        coords = tables = None
+        if xyz is not None:
+            coords = sptr.quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win)
+            tables = (table_q, table_k, table_v)
+        out = window_attention(q, k, v, offsets, scale=1.0, coords=coords, tables=tables,
+                               dtype=self.compute_dtype or q.dtype)  # q is pre-scaled, as SpTr's
+        return out.to(q.dtype)
+
+    def extra_repr(self) -> str:
+        return f"compute_dtype={self.compute_dtype}"
+
+
 def merge_masks(attn_mask, key_padding_mask, n, heads, seq_q, seq_k, dtype):
     """nn.MultiheadAttention's two masks as one (mask, kind) over (n, heads, seq_q, seq_k).
 
@@ -190,7 +216,9 @@ def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
         compute_dtype=compute_dtype(options), dtype=dtype)
 
 
-def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> SparseAttention:
+def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> nn.Module:
+    if info.form == "window":
+        return SparseWindowAttention(compute_dtype(options))
     return SparseAttention(mask=info.mask, causal=info.causal, scale=info.scale,
                            dropout=info.dropout, compute_dtype=compute_dtype(options),
                            mask_kind_from_dtype=info.form == "sdpa")

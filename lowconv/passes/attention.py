@@ -73,14 +73,15 @@ class Step:
     problem: str | None = None
 
 
-def find_attention_sites(region: Region) -> list[Site]:
-    """The attention sites of `region`, in graph order."""
+def find_attention_sites(region: Region, names: dict[str, set[str]] | None = None) -> list[Site]:
+    """The attention sites of `region`, in graph order. `names`: owner FQN -> site names taken
+    (shared with other attention passes over the same region)."""
     if region.graph is None:
         if isinstance(region.module, nn.MultiheadAttention):
             return [lone_mha_site(region)]
         return []
     sites: list[Site] = []
-    names: dict[str, set[str]] = {}  # owner FQN -> names given to sites in it
+    names = {} if names is None else names
     mha_targets: set[str] = set()
     for node in region.graph.graph.nodes:
         if is_mha_call(region, node):

@@ -6,6 +6,7 @@ from torch import nn
 from lowconv.passes.attention import find_attention_sites
 from lowconv.passes.linear import find_linear_sites
 from lowconv.passes.trace import Trace
+from lowconv.passes.window_attention import find_window_attention_sites
 from lowconv.site import Site
 
 
@@ -27,5 +28,7 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
             if others and site.unsupported is None:
                 site.unsupported = f"weight is tied to {', '.join(others)}; converting would untie it"
             sites.append(site)
-        sites.extend(find_attention_sites(region))
+        taken: dict[str, set[str]] = {}  # attention sites are named per owner: one namespace per region
+        sites.extend(find_attention_sites(region, taken))
+        sites.extend(find_window_attention_sites(region, taken))
     return sites

@@ -1,0 +1,583 @@
+"""Windowed (variable-length) self-attention with SpTr's contextual relative position.
+
+Points are sorted by window; window w is rows offsets[w]:offsets[w+1] of q, k, v (N, h, d), and
+each point attends to the points of its own window. With relative position, each point has
+quantized in-window coordinates coords (N, 3) in [0, G-1], the tables tq, tk, tv are
+(L, 3, h, d) with L = 2G-1, and the pair (i, j) uses r_a = coords[i, a] - coords[j, a] + G - 1:
+
+    s_ij  = <qs_i, k_j + sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>,   qs = q * scale
+    out_i = sum_j softmax_j(s_ij) (v_j + sum_a tv[r_a, a])
+
+Numerics (compute dtype c = `dtype`, q's dtype if None):
+- q, k, v and the tables are rounded to c; qs = q * scale is taken in fp32 and rounded to c
+  (as if the caller had pre-scaled q, as SpTr's callers do); dq = scale * dqs.
+- Every dot product accumulates in fp32 (fp32 operands use 3-pass tf32, about fp32 accuracy);
+  the logits and the online softmax are fp32; lse (fp32) is saved for the backward.
+- Triton: exp(s - running max) is rounded to c before its products with v and with the
+  one-hot coordinate matrices that sum the value table (flash attention's P V rounding); the
+  normalizer sums the unrounded values. The output is rounded to c, then returned in q's dtype.
+- Backward (flash style): P = exp(s - lse) in fp32; P rounded to c for dv and dtv; dS = P (dP -
+  delta) in fp32 with delta_i = <dO_i, O_i>, rounded to c for dq, dk and the table gradients
+  dtq, dtk; the table gradients are summed in fp32 and rounded to c at the end.
+- The reference rounds the normalized probabilities to c instead: the same error, not the
+  same bits.
+
+How the relative terms avoid anything of size sum(n_w^2): per axis, r is a function of the
+row's own coordinate and the partner's coordinate c. So a (rows, L) block indexed by r (like
+qs @ tq^T) is re-indexed per row into a (rows, G) block indexed by c (`_by_partner`), and the
+pair terms become dot products with one-hot matrices of the partners' coordinates (exact in
+any precision). Sums over pairs for the table gradients go the other way: dS @ one-hot gives a
+(rows, G) block by c, re-indexed to (rows, L) by r (`_by_relative`), then a dot with the rows
+gives an (L, d) block per tile, added with one fp32 atomic per element. The three axes sit side
+by side in one block: column a*GP + c (a*LP + r), a fourth slot of zeros pads it to a power of two.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BACKENDS = ("auto", "triton", "reference")
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def window_attention(q, k, v, offsets, *, scale=None, coords=None, tables=None, dtype=None,
+                     backend="auto"):
+    """Self-attention within each window (see the module doc), differentiable for q, k, v and tables.
+
+    offsets (W+1,) integer: window w is rows offsets[w]:offsets[w+1] (empty windows allowed).
+    coords (N, 3) integer in [0, G-1] and tables = (tq, tk, tv), each (L, 3, h, d) with
+    L = 2G-1, turn on relative position; pass both or neither. `scale` None is d^-0.5.
+    `dtype` None computes in q's dtype. `backend` "auto" runs Triton on CUDA and the torch
+    reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
+    """
+    check_inputs(q, k, v, offsets, scale, coords, tables, dtype, backend)
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if not use_triton:
+        return window_attention_reference(q, k, v, offsets, scale=scale, coords=coords,
+                                          tables=tables, dtype=dtype)
+    check_triton_inputs(q, dtype)
+    out_dtype, dtype = q.dtype, dtype or q.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    offsets = offsets.to(torch.int32).contiguous()
+    window_of = torch.repeat_interleave(torch.arange(len(offsets) - 1, dtype=torch.int32,
+                                                     device=q.device),
+                                        offsets.diff(), output_size=q.shape[0])
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    if tables is None:
+        tq = tk = tv = None
+    else:
+        coords = coords.to(torch.int32).contiguous()
+        tq, tk, tv = (t.to(dtype).contiguous() for t in tables)
+    out = WindowAttention.apply(q, k, v, tq, tk, tv, offsets, window_of, coords, scale)
+    return out.to(out_dtype)
+
+
+def window_attention_reference(q, k, v, offsets, *, scale=None, coords=None, tables=None,
+                               dtype=None):
+    """The torch reference of `window_attention` (same arguments, no checks), over the pair
+    list: memory O(sum(n_w^2) * h * d), fine for tests and as the "SpTr in torch" baseline."""
+    dtype = dtype or q.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    query, key = window_pairs(offsets, q.shape[0])
+    qs = (q.to(dtype).to(acc) * scale).to(dtype).to(acc)
+    k, v = (t.to(dtype).to(acc) for t in (k, v))
+    q_pair, k_pair, v_pair = qs[query], k[key], v[key]
+    if tables is None:
+        logits = (q_pair * k_pair).sum(-1)
+    else:
+        g = (tables[0].shape[0] + 1) // 2
+        rel = (coords[query] - coords[key] + g - 1).long()
+        tq, tk, tv = (relative_sum(t.to(dtype).to(acc), rel) for t in tables)
+        logits = (q_pair * (k_pair + tq)).sum(-1) + (k_pair * tk).sum(-1)
+        v_pair = v_pair + tv
+    probs = segment_softmax(logits, query, q.shape[0]).to(dtype).to(acc)
+    out = torch.zeros(q.shape[0], *v.shape[1:], dtype=acc, device=q.device)
+    return out.index_add(0, query, probs[..., None] * v_pair).to(dtype).to(q.dtype)
+
+
+def window_pairs(offsets, n):
+    """(query, key) row indices of every pair within a window, query-major (SpTr's layout)."""
+    offsets = offsets.long()
+    sizes = offsets.diff()
+    window = torch.repeat_interleave(torch.arange(len(sizes), device=offsets.device), sizes,
+                                     output_size=n)
+    pairs_per_query = sizes[window]
+    query = torch.repeat_interleave(torch.arange(n, device=offsets.device), pairs_per_query)
+    first_pair = pairs_per_query.cumsum(0) - pairs_per_query
+    key = offsets[window][query] + torch.arange(len(query), device=offsets.device) - first_pair[query]
+    return query, key
+
+
+def relative_sum(table, rel):
+    """sum_a table[rel[:, a], a] for each pair: (M, h, d) from table (L, 3, h, d), rel (M, 3)."""
+    return table[rel[:, 0], 0] + table[rel[:, 1], 1] + table[rel[:, 2], 2]
+
+
+def segment_softmax(logits, query, n):
+    """Softmax of (M, h) pair logits over the pairs of each query."""
+    index = query[:, None].expand_as(logits)
+    row_max = torch.full((n, logits.shape[1]), float("-inf"), dtype=logits.dtype,
+                         device=logits.device)
+    row_max = row_max.scatter_reduce(0, index, logits.detach(), "amax")  # any shift is exact
+    e = (logits - row_max[query]).exp()
+    return e / torch.zeros_like(row_max).index_add(0, query, e)[query]
+
+
+def check_inputs(q, k, v, offsets, scale, coords, tables, dtype, backend):
+    """Raise ValueError naming what is wrong with window_attention's arguments."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
+            raise ValueError(f"window_attention: {name} must be a floating-point (N, h, d) "
+                             f"tensor, got {describe(t)}")
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(f"window_attention: q, k, v must have one shape (N, h, d), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"window_attention: q, k, v are on different devices: {q.device}, "
+                         f"{k.device}, {v.device}")
+    if not is_int_tensor(offsets) or offsets.dim() != 1 or len(offsets) < 1:
+        raise ValueError(f"window_attention: offsets must be a 1-D integer tensor (W+1,), got "
+                         f"{describe(offsets)}")
+    if offsets.device != q.device:
+        raise ValueError(f"window_attention: offsets is on {offsets.device}, q on {q.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"window_attention: scale must be a number or None, got "
+                         f"{type(scale).__name__}")
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"window_attention: dtype must be one of {COMPUTE_DTYPES} or None, "
+                         f"got {dtype}")
+    if backend not in BACKENDS:
+        raise ValueError(f"window_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    g = check_relative_position(q, coords, tables)
+    check_values(offsets, q.shape[0], coords, g)
+
+
+def check_relative_position(q, coords, tables):
+    """Check coords and tables; return G (coordinates lie in [0, G-1]), or None without them."""
+    if (coords is None) != (tables is None):
+        raise ValueError("window_attention: relative position needs both coords and tables "
+                         f"(got {'coords' if tables is None else 'tables'} only)")
+    if tables is None:
+        return None
+    n, h, d = q.shape
+    if not is_int_tensor(coords) or tuple(coords.shape) != (n, 3) or coords.device != q.device:
+        raise ValueError(f"window_attention: coords must be an integer ({n}, 3) tensor on "
+                         f"{q.device}, got {describe(coords)}")
+    if not isinstance(tables, (tuple, list)) or len(tables) != 3:
+        raise ValueError("window_attention: tables must be a (tq, tk, tv) tuple")
+    for name, t in zip(("tq", "tk", "tv"), tables):
+        if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 4
+                or tuple(t.shape[1:]) != (3, h, d) or t.device != q.device):
+            raise ValueError(f"window_attention: table {name} must be a floating-point "
+                             f"(L, 3, {h}, {d}) tensor on {q.device}, got {describe(t)}")
+    length = tables[0].shape[0]
+    if any(t.shape[0] != length for t in tables) or length % 2 == 0:
+        raise ValueError(f"window_attention: the tables must share one odd L = 2G-1, got "
+                         f"{[t.shape[0] for t in tables]}")
+    return (length + 1) // 2
+
+
+def check_values(offsets, n, coords, g):
+    """The data-dependent checks, read back from the device in one transfer."""
+    failures = {
+        f"offsets must start at 0 and end at N = {n}": (offsets[0] != 0) | (offsets[-1] != n),
+        "offsets must be non-decreasing": (offsets.diff() < 0).any(),
+    }
+    if coords is not None:
+        failures[f"coords must lie in [0, {g - 1}] (G = (L+1)/2 from the tables)"] = (
+            (coords < 0) | (coords >= g)).any()
+    failed = torch.stack(list(failures.values())).tolist()
+    for message, bad in zip(failures, failed):
+        if bad:
+            raise ValueError(f"window_attention: {message}")
+
+
+def check_triton_inputs(q, dtype):
+    d = q.shape[-1]
+    if (dtype or q.dtype) not in TRITON_DTYPES:
+        raise ValueError(f"window_attention: the Triton backend computes in {TRITON_DTYPES}, "
+                         f"got {dtype or q.dtype}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"window_attention: the Triton backend needs head_dim a power of two "
+                         f">= 16, got {d}")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("window_attention: the Triton backend on CPU tensors needs "
+                         "TRITON_INTERPRET=1 set before triton is imported")
+
+
+def is_int_tensor(t):
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() \
+        and t.dtype != torch.bool
+
+
+def describe(t):
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+class WindowAttention(torch.autograd.Function):
+    """The Triton kernels; inputs already in the compute dtype and contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tq, tk, tv, offsets, window_of, coords, scale):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        launch = Launch(q, tq, offsets, window_of, coords, scale)
+        launch.run(_forward_kernel, q.shape[0], q, k, v, out, lse, tq, tk, tv)
+        ctx.save_for_backward(q, k, v, tq, tk, tv, offsets, window_of, coords, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, tq, tk, tv, offsets, window_of, coords, out, lse = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype).contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        rel = tq is not None
+        dtq, dtk, dtv = ((torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                          for t in (tq, tk, tv)) if rel else (None, None, None))
+        launch = Launch(q, tq, offsets, window_of, coords, ctx.scale)
+        launch.run(_backward_query_kernel, q.shape[0], q, k, v, grad_out, lse, delta, dq,
+                   tq, tk, tv, dtq, dtv)
+        launch.run(_backward_key_kernel, q.shape[0], q, k, v, grad_out, lse, delta, dk, dv,
+                   tq, tk, tv, dtk)
+        table_grads = (dtq.to(q.dtype), dtk.to(q.dtype), dtv.to(q.dtype)) if rel else (None,) * 3
+        return dq, dk, dv, *table_grads, None, None, None, None
+
+
+def tile_config(rel, dtype):
+    """(BLOCK_M, BLOCK_N, num_warps): the largest tiles that compile without spilling much on
+    sm_90 (checked with the compiler's resource report); relative position holds several
+    (rows, 4*GP) fp32 blocks, so it takes smaller tiles and more warps."""
+    if rel:
+        return 32, 32, 8
+    return (32, 32, 4) if dtype == torch.float32 else (64, 64, 4)
+
+
+class Launch:
+    """The arguments and tile sizes every kernel of this file shares."""
+
+    def __init__(self, q, tq, offsets, window_of, coords, scale):
+        self.n, self.heads, self.head_dim = q.shape
+        self.rel = tq is not None
+        self.g = (tq.shape[0] + 1) // 2 if self.rel else 1
+        self.shared = (offsets, window_of, coords)
+        self.scale = scale
+        # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands).
+        self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
+                          torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
+        self.block_m, self.block_n, self.num_warps = tile_config(self.rel, q.dtype)
+
+    def run(self, kernel, rows, *tensors):
+        """Launch `kernel` over tiles of `rows` rows (query tiles, or key tiles) and heads."""
+        if self.n == 0:
+            return
+        tile = self.block_n if kernel is _backward_key_kernel else self.block_m
+        grid = (triton.cdiv(rows, tile), self.heads)
+        kernel[grid](*tensors, *self.shared, self.n, self.heads, self.g, self.scale,
+                     D=self.head_dim, REL=self.rel, GP=max(4, triton.next_power_of_2(self.g)),
+                     LP=max(4, triton.next_power_of_2(2 * self.g - 1)),
+                     PRECISION=self.precision, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+                     num_warps=self.num_warps)
+
+
+@triton.jit
+def _load_rows(ptr, rows, ok, head, H, D: tl.constexpr):
+    """The (len(rows), D) block of head `head` of an (N, H, D) tensor; zeros where not ok."""
+    offs = (rows.to(tl.int64)[:, None] * H + head) * D + tl.arange(0, D)[None, :]
+    return tl.load(ptr + offs, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, rows, ok, head, H, D: tl.constexpr, block):
+    offs = (rows.to(tl.int64)[:, None] * H + head) * D + tl.arange(0, D)[None, :]
+    tl.store(ptr + offs, block.to(ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _load_coords(coords, rows, ok):
+    c0 = tl.load(coords + rows * 3, mask=ok, other=0)
+    c1 = tl.load(coords + rows * 3 + 1, mask=ok, other=0)
+    c2 = tl.load(coords + rows * 3 + 2, mask=ok, other=0)
+    return c0, c1, c2
+
+
+@triton.jit
+def _window_span(offsets, window_of, first, last):
+    """Sorted rows first..last see [start of first's window, end of last's window)."""
+    return (tl.load(offsets + tl.load(window_of + first)),
+            tl.load(offsets + tl.load(window_of + last) + 1))
+
+
+@triton.jit
+def _table_offsets(head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """Offsets of the (4*LP, D) block of a table (L, 3, H, D) whose row a*LP + r is T[r, a]."""
+    row = tl.arange(0, 4 * LP)[:, None]
+    axis, r = row // LP, row % LP
+    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
+    return offs, (axis < 3) & (r < 2 * G - 1)
+
+
+@triton.jit
+def _load_table(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    offs, ok = _table_offsets(head, H, D, G, LP)
+    return tl.load(table + offs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _add_to_table(grad, head, H, D: tl.constexpr, G, LP: tl.constexpr, block):
+    """One fp32 atomic add per element of a tile's (4*LP, D) table-gradient block."""
+    offs, ok = _table_offsets(head, H, D, G, LP)
+    tl.atomic_add(grad + offs, block, mask=ok)
+
+
+@triton.jit
+def _axis_columns(c0, c1, c2, WIDTH: tl.constexpr):
+    """For a (rows, 4*WIDTH) block with column a*WIDTH + t for axis a: each column's axis,
+    its t, and each row's own coordinate on that column's axis."""
+    col = tl.arange(0, 4 * WIDTH)[None, :]
+    axis = col // WIDTH
+    own = tl.where(axis == 0, c0[:, None], tl.where(axis == 1, c1[:, None], c2[:, None]))
+    return axis, col % WIDTH, own
+
+
+@triton.jit
+def _one_hot(c0, c1, c2, GP: tl.constexpr, dtype: tl.constexpr):
+    """(rows, 4*GP): 1 at column a*GP + c_a of each row's coordinates."""
+    axis, t, own = _axis_columns(c0, c1, c2, GP)
+    return tl.where((axis < 3) & (own == t), 1.0, 0.0).to(dtype)
+
+
+@triton.jit
+def _regather(x, axis, t, u, SRC_WIDTH: tl.constexpr, src_valid):
+    """out[p, col] = x[p, axis*SRC_WIDTH + u[p, col]], zero where u is outside [0, src_valid)."""
+    ok = (axis < 3) & (u >= 0) & (u < src_valid)
+    return tl.where(ok, tl.gather(x, tl.where(ok, axis * SRC_WIDTH + u, 0), 1), 0.0)
+
+
+@triton.jit
+def _by_partner(x, c0, c1, c2, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
+    """(rows, 4*LP) indexed by r -> (rows, 4*GP) indexed by the partner's coordinate c.
+    Query row (own x): r = x - c + G-1. Key row: r = c - x + G-1."""
+    axis, c, own = _axis_columns(c0, c1, c2, GP)
+    r = own - c + G - 1 if IS_QUERY else c - own + G - 1
+    return _regather(x, axis, c, tl.where(c < G, r, -1), LP, 2 * G - 1)
+
+
+@triton.jit
+def _by_relative(x, c0, c1, c2, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
+    """(rows, 4*GP) indexed by the partner's coordinate c -> (rows, 4*LP) indexed by r."""
+    axis, r, own = _axis_columns(c0, c1, c2, LP)
+    c = own - r + G - 1 if IS_QUERY else r + own - (G - 1)
+    return _regather(x, axis, r, tl.where(r < 2 * G - 1, c, -1), GP, G)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b accumulated in fp32. PRECISION "upcast" (the interpreter with bf16, whose dot
+    multiplies bf16's raw bits) multiplies the same values in fp32, where their products are
+    exact: the same numbers as a bf16 MMA."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _split_dot(x, y, PRECISION: tl.constexpr):
+    """x @ y for fp32 x and y in the compute dtype (a one-hot, a table, rows): x is split into
+    a high and a low part in y's dtype, so x keeps about twice that dtype's mantissa bits
+    (16 for bf16, 22 for fp16) while the MMAs stay half precision; fp32 uses tf32x3."""
+    if y.dtype == tl.float32:
+        return tl.dot(x, y, input_precision="tf32x3")
+    high = x.to(y.dtype)
+    low = (x - high.to(tl.float32)).to(y.dtype)
+    return _dot(high, y, PRECISION) + _dot(low, y, PRECISION)
+
+
+@triton.jit
+def _table_dots(x, table, c0, c1, c2, IS_QUERY: tl.constexpr, head, H, D: tl.constexpr, G,
+                GP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr):
+    """(rows, 4*GP): <x_p, T[r_a, a]> at column a*GP + c, r_a the relative index of row p and a
+    partner with coordinate c on axis a. The table is re-read (from cache) at every call
+    rather than held in registers across a loop."""
+    x_by_r = _dot(x, tl.trans(_load_table(table, head, H, D, G, LP)), PRECISION)
+    return _by_partner(x_by_r, c0, c1, c2, IS_QUERY, G, GP, LP)
+
+
+@triton.jit
+def _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION: tl.constexpr):
+    """<qs_i, sum_a tq[r_a]> + <k_j, sum_a tk[r_a]> for (rows, cols): each side's (by r) block
+    re-indexed by the partner's coordinate, picked by the partners' one-hot."""
+    s = _split_dot(q_rel, tl.trans(k_hot), PRECISION)
+    return s + tl.trans(_split_dot(k_rel, tl.trans(q_hot), PRECISION))
+
+
+@triton.jit
+def _forward_kernel(q, k, v, out, lse, tq, tk, tv, offsets, window_of, coords, N, H, G, scale,
+                    D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile of BLOCK_M sorted query rows, one head: online softmax over the tile's key span."""
+    dtype = q.dtype.element_ty
+    first, head = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    lo, hi = _window_span(offsets, window_of, first, tl.minimum(first + BLOCK_M, N) - 1)
+    row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
+    qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
+    if REL:
+        qc0, qc1, qc2 = _load_coords(coords, rows, row_ok)
+        q_hot = _one_hot(qc0, qc1, qc2, GP, dtype)
+        q_rel = _table_dots(qs, tq, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+        v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
+    m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        kb = _load_rows(k, cols, col_ok, head, H, D)
+        vb = _load_rows(v, cols, col_ok, head, H, D)
+        if REL:
+            kc0, kc1, kc2 = _load_coords(coords, cols, col_ok)
+            k_hot = _one_hot(kc0, kc1, kc2, GP, dtype)
+            k_rel = _table_dots(kb, tk, kc0, kc1, kc2, False, head, H, D, G, GP, LP, PRECISION)
+        s = _dot(qs, tl.trans(kb), PRECISION)
+        if REL:
+            s += _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION)
+        col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
+        s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        p_rounded = p.to(dtype)
+        acc = acc * alpha[:, None] + _dot(p_rounded, vb, PRECISION)
+        if REL:
+            v_rel = v_rel * alpha[:, None] + _dot(p_rounded, k_hot, PRECISION)
+        m = m_new
+    if REL:
+        v_by_r = _by_relative(v_rel, qc0, qc1, qc2, True, G, GP, LP)
+        acc += _split_dot(v_by_r, _load_table(tv, head, H, D, G, LP), PRECISION)
+    l = tl.where(l > 0, l, 1.0)  # only padding rows have no key
+    _store_rows(out, rows, row_ok, head, H, D, acc / l[:, None])
+    tl.store(lse + rows * H + head, m + tl.log(l), mask=row_ok)
+
+
+@triton.jit
+def _backward_query_kernel(q, k, v, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
+                           offsets, window_of, coords, N, H, G, scale,
+                           D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr,
+                           LP: tl.constexpr, PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq for one query tile and head, and the tile's share of dtq and dtv."""
+    dtype = q.dtype.element_ty
+    first, head = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    lo, hi = _window_span(offsets, window_of, first, tl.minimum(first + BLOCK_M, N) - 1)
+    row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
+    qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
+    dob = _load_rows(do, rows, row_ok, head, H, D)
+    row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
+    row_delta = tl.load(delta + rows * H + head, mask=row_ok, other=0.0)
+    if REL:
+        qc0, qc1, qc2 = _load_coords(coords, rows, row_ok)
+        q_hot = _one_hot(qc0, qc1, qc2, GP, dtype)
+        q_rel = _table_dots(qs, tq, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+        do_rel = _table_dots(dob, tv, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+        ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
+        p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
+    dqs = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        kb = _load_rows(k, cols, col_ok, head, H, D)
+        vb = _load_rows(v, cols, col_ok, head, H, D)
+        if REL:
+            kc0, kc1, kc2 = _load_coords(coords, cols, col_ok)
+            k_hot = _one_hot(kc0, kc1, kc2, GP, dtype)
+            k_rel = _table_dots(kb, tk, kc0, kc1, kc2, False, head, H, D, G, GP, LP, PRECISION)
+        s = _dot(qs, tl.trans(kb), PRECISION)
+        if REL:
+            s += _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION)
+        col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
+        s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
+        p = tl.exp(s - row_lse[:, None])
+        dp = _dot(dob, tl.trans(vb), PRECISION)
+        if REL:
+            dp += _split_dot(do_rel, tl.trans(k_hot), PRECISION)
+        ds = (p * (dp - row_delta[:, None])).to(dtype)
+        dqs += _dot(ds, kb, PRECISION)
+        if REL:
+            ds_rel += _dot(ds, k_hot, PRECISION)
+            p_rel += _dot(p.to(dtype), k_hot, PRECISION)
+    if REL:
+        ds_by_r = _by_relative(ds_rel, qc0, qc1, qc2, True, G, GP, LP)
+        dqs += _split_dot(ds_by_r, _load_table(tq, head, H, D, G, LP), PRECISION)
+        _add_to_table(dtq, head, H, D, G, LP,
+                      _split_dot(tl.trans(ds_by_r), qs, PRECISION))
+        p_by_r = _by_relative(p_rel, qc0, qc1, qc2, True, G, GP, LP)
+        _add_to_table(dtv, head, H, D, G, LP,
+                      _split_dot(tl.trans(p_by_r), dob, PRECISION))
+    _store_rows(dq, rows, row_ok, head, H, D, dqs * scale)
+
+
+@triton.jit
+def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
+                         offsets, window_of, coords, N, H, G, scale,
+                         D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr,
+                         LP: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk, dv for one tile of BLOCK_N keys and one head (its query span, mirrored), and the
+    tile's share of dtk."""
+    dtype = q.dtype.element_ty
+    first, head = tl.program_id(0) * BLOCK_N, tl.program_id(1)
+    cols = first + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    lo, hi = _window_span(offsets, window_of, first, tl.minimum(first + BLOCK_N, N) - 1)
+    col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
+    kb = _load_rows(k, cols, col_ok, head, H, D)
+    vb = _load_rows(v, cols, col_ok, head, H, D)
+    if REL:
+        kc0, kc1, kc2 = _load_coords(coords, cols, col_ok)
+        k_hot = _one_hot(kc0, kc1, kc2, GP, dtype)
+        k_rel = _table_dots(kb, tk, kc0, kc1, kc2, False, head, H, D, G, GP, LP, PRECISION)
+        ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
+    dkb = tl.zeros([BLOCK_N, D], tl.float32)
+    dvb = tl.zeros([BLOCK_N, D], tl.float32)
+    for start in range(lo, hi, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < hi
+        qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
+        dob = _load_rows(do, rows, row_ok, head, H, D)
+        row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
+        row_delta = tl.load(delta + rows * H + head, mask=row_ok, other=0.0)
+        if REL:
+            qc0, qc1, qc2 = _load_coords(coords, rows, row_ok)
+            q_hot = _one_hot(qc0, qc1, qc2, GP, dtype)
+            q_rel = _table_dots(qs, tq, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+            do_rel = _table_dots(dob, tv, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+        s = _dot(qs, tl.trans(kb), PRECISION)
+        if REL:
+            s += _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION)
+        row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
+        s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
+        p = tl.exp(s - row_lse[:, None])
+        dp = _dot(dob, tl.trans(vb), PRECISION)
+        if REL:
+            dp += _split_dot(do_rel, tl.trans(k_hot), PRECISION)
+        ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))
+        dvb += _dot(tl.trans(p.to(dtype)), dob, PRECISION)
+        dkb += _dot(ds_t, qs, PRECISION)
+        if REL:
+            ds_rel += _dot(ds_t, q_hot, PRECISION)
+    if REL:
+        ds_by_r = _by_relative(ds_rel, kc0, kc1, kc2, False, G, GP, LP)
+        dkb += _split_dot(ds_by_r, _load_table(tk, head, H, D, G, LP), PRECISION)
+        _add_to_table(dtk, head, H, D, G, LP,
+                      _split_dot(tl.trans(ds_by_r), kb, PRECISION))
+    _store_rows(dk, cols, col_ok, head, H, D, dkb)
+    _store_rows(dv, cols, col_ok, head, H, D, dvb)

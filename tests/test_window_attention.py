@@ -1,0 +1,188 @@
+"""Windowed attention: the torch reference and the Triton kernels (run by Triton's interpreter
+on the CPU) against a float64 dense computation, window by window."""
+import os
+
+import torch
+
+# On the CPU, the Triton kernels run in Triton's interpreter, which must be switched on before
+# they are defined. Where CUDA is present (a GPU run collects this file too, in one process
+# with compiled kernels) the same tests run compiled, on CUDA tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from lowconv.kernels.window_attention import window_attention, window_attention_reference  # noqa: E402
+
+# The interpreter's loop over a loaded bound warns about numpy scalar conversion; harmless.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+# Many tiny windows in one tile, empty and size-1 windows, one window larger than any tile
+# (70 > BLOCK_M), and a ragged tail: N = 181 is no multiple of the tile sizes.
+SIZES = [2, 1, 3, 0, 1, 2, 2, 1, 3, 1, 1, 2, 0, 3, 1, 2, 2, 1, 1, 3, 2, 1, 2, 70, 1, 0, 5, 9,
+         2, 13, 1, 1, 4, 2, 3, 6, 1, 2, 1, 7, 0]
+G = 4  # coordinates in [0, 3], tables of L = 7 rows
+# Relative L2 error bounds vs float64 for the compute dtype: forward and every gradient.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def rel_error(x, ref):
+    x, ref = x.double(), ref.double()
+    assert not x.isnan().any(), "NaN in the result"
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def make_problem(sizes=SIZES, h=2, d=16, rel=True, seed=0):
+    """float64 leaves q, k, v (and tables), offsets, coords, and a random output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    offsets = torch.tensor([0] + sizes).cumsum(0).to(torch.int32).to(DEVICE)
+    n = int(offsets[-1])
+    q, k, v = (draw(n, h, d) for _ in range(3))
+    coords = torch.randint(0, G, (n, 3), generator=gen).to(DEVICE) if rel else None
+    tables = tuple(0.5 * draw(2 * G - 1, 3, h, d) for _ in range(3)) if rel else None
+    return q, k, v, offsets, coords, tables, draw(n, h, d)
+
+
+def leaves_of(problem):
+    q, k, v, _, _, tables, _ = problem
+    return [q, k, v, *(tables or ())]
+
+
+def dense_window_attention64(q, k, v, offsets, scale, coords=None, tables=None):
+    """The definition, in float64, one dense softmax per window."""
+    outs = [q.new_zeros(0, *q.shape[1:]).double()]
+    for w in range(len(offsets) - 1):
+        s, e = int(offsets[w]), int(offsets[w + 1])
+        qw, kw, vw = q[s:e].double() * scale, k[s:e].double(), v[s:e].double()
+        logits = torch.einsum("ihd,jhd->hij", qw, kw)
+        if tables is not None:
+            rel = (coords[s:e, None, :] - coords[None, s:e, :] + G - 1).long()
+            aq, ak, av = (sum(t.double()[rel[..., a], a] for a in range(3)) for t in tables)
+            logits = logits + torch.einsum("ihd,ijhd->hij", qw, aq) \
+                + torch.einsum("jhd,ijhd->hij", kw, ak)
+            vw = vw[None] + av
+        else:
+            vw = vw[None].expand(e - s, -1, -1, -1)
+        outs.append(torch.einsum("hij,ijhd->ihd", logits.softmax(-1), vw))
+    return torch.cat(outs)
+
+
+def outputs_and_grads(fn, problem):
+    """fn's output and the gradients of every leaf, with the problem's output gradient."""
+    leaves = [t.detach().requires_grad_() for t in leaves_of(problem)]
+    q, k, v, *tables = leaves
+    _, _, _, offsets, coords, _, grad_out = problem
+    out = fn(q, k, v, offsets, coords, tuple(tables) if tables else None)
+    return [out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype))]
+
+
+def errors_vs_dense(fn, problem, scale):
+    got = outputs_and_grads(fn, problem)
+    want = outputs_and_grads(lambda q, k, v, o, c, t: dense_window_attention64(q, k, v, o, scale, c, t),
+                             problem)
+    return [rel_error(x, ref) for x, ref in zip(got, want)]
+
+
+@pytest.mark.parametrize("rel", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_reference_matches_dense_float64(rel, dtype):
+    problem = make_problem(rel=rel)
+
+    def reference(q, k, v, offsets, coords, tables):
+        return window_attention(q, k, v, offsets, coords=coords, tables=tables, dtype=dtype,
+                                backend="reference")
+
+    errors = errors_vs_dense(reference, problem, 16 ** -0.5)
+    assert max(errors) < TOLERANCE[dtype], errors
+
+
+@pytest.mark.parametrize("rel,d", [(False, 16), (False, 64), (True, 16), (True, 32)])
+def test_triton_float32_matches_dense_float64(rel, d):
+    problem = make_problem(d=d, rel=rel, seed=1)
+
+    def triton_fp32(q, k, v, offsets, coords, tables):
+        return window_attention(q, k, v, offsets, coords=coords, tables=tables, scale=0.3,
+                                dtype=torch.float32, backend="triton")
+
+    errors = errors_vs_dense(triton_fp32, problem, 0.3)
+    assert max(errors) < TOLERANCE[torch.float32], errors
+
+
+@pytest.mark.parametrize("rel", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision_matches_dense_float64(rel, dtype):
+    """Within the dtype's tolerance, and within 3x the reference's own error (which rounds the
+    same operands, but not dS as the kernels do): a kernel bug shows far above it."""
+    problem = make_problem(rel=rel, seed=2)
+
+    def run(backend):
+        return lambda q, k, v, offsets, coords, tables: window_attention(
+            q, k, v, offsets, coords=coords, tables=tables, dtype=dtype, backend=backend)
+
+    errors = errors_vs_dense(run("triton"), problem, 16 ** -0.5)
+    reference_errors = errors_vs_dense(run("reference"), problem, 16 ** -0.5)
+    assert max(errors) < TOLERANCE[dtype], errors
+    assert all(e < 3 * r + 1e-6 for e, r in zip(errors, reference_errors)), (errors, reference_errors)
+
+
+def test_triton_output_keeps_the_input_dtype_and_matches_the_reference():
+    q, k, v, offsets, coords, tables, _ = make_problem(seed=3)
+    q, k, v = (t.float() for t in (q, k, v))
+    tables = tuple(t.float() for t in tables)
+    got = window_attention(q, k, v, offsets, coords=coords, tables=tables, dtype=torch.float16,
+                           backend="triton")
+    want = window_attention_reference(q, k, v, offsets, coords=coords, tables=tables,
+                                      dtype=torch.float16)
+    assert got.dtype == torch.float32
+    assert rel_error(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_points(backend):
+    q = torch.randn(0, 2, 16, device=DEVICE)
+    out = window_attention(q, q, q, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                           backend=backend)
+    assert out.shape == (0, 2, 16)
+
+
+def bad_inputs():
+    """(what to change in a valid call, the error's message)."""
+    q, k, v, offsets, coords, tables, _ = make_problem()
+    n = q.shape[0]
+    good = dict(q=q, k=k, v=v, offsets=offsets, coords=coords, tables=tables)
+    short_tables = tuple(t[:-1] for t in tables)
+    return [
+        (dict(q=q.int()), "q must be a floating-point"),
+        (dict(k=k[:-1]), "one shape"),
+        (dict(offsets=offsets.float()), "offsets must be a 1-D integer"),
+        (dict(offsets=torch.cat([offsets[:-1], offsets[-1:] + 1])), "end at N"),
+        (dict(offsets=torch.tensor([0, 5, 3, n], dtype=torch.int32, device=DEVICE)),
+         "non-decreasing"),
+        (dict(coords=None), "both coords and tables"),
+        (dict(coords=coords[:, :2]), "coords must be an integer"),
+        (dict(coords=coords + G), r"coords must lie in \[0, 3\]"),
+        (dict(tables=tables[:2]), "tables must be a"),
+        (dict(tables=short_tables), "odd L"),
+        (dict(tables=(tables[0], tables[1][:, :, :1], tables[2])), "table tk must be"),
+        (dict(scale="0.1"), "scale must be a number"),
+        (dict(dtype=torch.int8), "dtype must be one of"),
+        (dict(backend="cuda"), "backend must be one of"),
+        (dict(dtype=torch.float64, backend="triton"), "Triton backend computes in"),
+        (dict(q=q[..., :12], k=k[..., :12], v=v[..., :12], coords=None, tables=None,
+              dtype=torch.float32, backend="triton"), "head_dim a power of two"),
+    ], good
+
+
+@pytest.mark.parametrize("case", range(len(bad_inputs()[0])))
+def test_bad_inputs_raise_clear_errors(case):
+    changes, good = bad_inputs()
+    change, message = changes[case]
+    args = {**good, **change}
+    positional = [args.pop(name) for name in ("q", "k", "v", "offsets")]
+    with pytest.raises(ValueError, match=message):
+        window_attention(*positional, **args)
