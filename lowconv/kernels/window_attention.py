@@ -12,24 +12,26 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
 - q, k, v and the tables are rounded to c; qs = q * scale is taken in fp32 and rounded to c
   (as if the caller had pre-scaled q, as SpTr's callers do); dq = scale * dqs.
 - Every dot product accumulates in fp32 (fp32 operands use 3-pass tf32, about fp32 accuracy);
-  the logits and the online softmax are fp32; lse (fp32) is saved for the backward.
+  the logits, their relative terms and the online softmax are fp32; lse (fp32) is saved.
 - Triton: exp(s - running max) is rounded to c before its products with v and with the
   one-hot coordinate matrices that sum the value table (flash attention's P V rounding); the
   normalizer sums the unrounded values. The output is rounded to c, then returned in q's dtype.
 - Backward (flash style): P = exp(s - lse) in fp32; P rounded to c for dv and dtv; dS = P (dP -
-  delta) in fp32 with delta_i = <dO_i, O_i>, rounded to c for dq, dk and the table gradients
-  dtq, dtk; the table gradients are summed in fp32 and rounded to c at the end.
-- The reference rounds the normalized probabilities to c instead: the same error, not the
-  same bits.
+  delta) in fp32 with delta_i = <dO_i, O_i>, rounded to c for dq, dk, dtq and dtk.
+- Per-tile sums by relative index (fp32) meet the tables and rows in MMAs of c split into a
+  high and a low part (`_split_dot`: 16 mantissa bits for bf16, 22 for fp16); the table
+  gradients are summed in fp32 and rounded to c at the end.
+- The reference rounds the normalized probabilities to c instead, and not dS: the same
+  error, not the same bits.
 
-How the relative terms avoid anything of size sum(n_w^2): per axis, r is a function of the
-row's own coordinate and the partner's coordinate c. So a (rows, L) block indexed by r (like
-qs @ tq^T) is re-indexed per row into a (rows, G) block indexed by c (`_by_partner`), and the
-pair terms become dot products with one-hot matrices of the partners' coordinates (exact in
-any precision). Sums over pairs for the table gradients go the other way: dS @ one-hot gives a
-(rows, G) block by c, re-indexed to (rows, L) by r (`_by_relative`), then a dot with the rows
-gives an (L, d) block per tile, added with one fp32 atomic per element. The three axes sit side
-by side in one block: column a*GP + c (a*LP + r), a fourth slot of zeros pads it to a power of two.
+How the relative terms avoid anything of size sum(n_w^2): on axis a, r depends only on the two
+coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r, and each
+pair picks its entry with a register gather (tl.gather) at r_a(i, j) (`_pick`). Sums over pairs
+(the value table's term, the table gradients): P (or dS) @ the partners' one-hot coordinates
+gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
+(`_by_relative`), then multiplied with the table or with the rows: an (L, d) table-gradient
+block per tile, added with one fp32 atomic per element. Those blocks hold the three axes side
+by side, column a*GP + c (a*LP + r), a fourth slot of zeros padding them to a power of two.
 """
 import os
 
@@ -225,7 +227,7 @@ class WindowAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         launch = Launch(q, tq, offsets, window_of, coords, scale)
-        launch.run(_forward_kernel, q.shape[0], q, k, v, out, lse, tq, tk, tv)
+        launch.run(_forward_kernel, q, k, v, out, lse, tq, tk, tv)
         ctx.save_for_backward(q, k, v, tq, tk, tv, offsets, window_of, coords, out, lse)
         ctx.scale = scale
         return out
@@ -240,21 +242,23 @@ class WindowAttention(torch.autograd.Function):
         dtq, dtk, dtv = ((torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                           for t in (tq, tk, tv)) if rel else (None, None, None))
         launch = Launch(q, tq, offsets, window_of, coords, ctx.scale)
-        launch.run(_backward_query_kernel, q.shape[0], q, k, v, grad_out, lse, delta, dq,
+        launch.run(_backward_query_kernel, q, k, v, grad_out, lse, delta, dq,
                    tq, tk, tv, dtq, dtv)
-        launch.run(_backward_key_kernel, q.shape[0], q, k, v, grad_out, lse, delta, dk, dv,
+        launch.run(_backward_key_kernel, q, k, v, grad_out, lse, delta, dk, dv,
                    tq, tk, tv, dtk)
         table_grads = (dtq.to(q.dtype), dtk.to(q.dtype), dtv.to(q.dtype)) if rel else (None,) * 3
         return dq, dk, dv, *table_grads, None, None, None, None
 
 
-def tile_config(rel, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps): the largest tiles that compile without spilling much on
-    sm_90 (checked with the compiler's resource report); relative position holds several
-    (rows, 4*GP) fp32 blocks, so it takes smaller tiles and more warps."""
+def tile_config(kernel, rel, dtype):
+    """(BLOCK_M, BLOCK_N, num_warps) of a kernel: the fastest of a few measured on an H100 at
+    N = 268,720, h = 4, d = 16, fp16
+    (scripts/bench_window_attention.py). Relative position holds several
+    (rows, LP) and (rows, 4*GP) fp32 blocks in registers, so it runs best on small tiles;
+    fp32 takes smaller tiles to fit shared memory."""
     if rel:
-        return 32, 32, 8
-    return (32, 32, 4) if dtype == torch.float32 else (64, 64, 4)
+        return (16, 32, 4) if kernel is _backward_key_kernel else (16, 16, 4)
+    return (32, 32, 4) if dtype == torch.float32 else (64, 32, 4)
 
 
 class Launch:
@@ -266,22 +270,23 @@ class Launch:
         self.g = (tq.shape[0] + 1) // 2 if self.rel else 1
         self.shared = (offsets, window_of, coords)
         self.scale = scale
+        self.dtype = q.dtype
         # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands).
         self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
                           torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
-        self.block_m, self.block_n, self.num_warps = tile_config(self.rel, q.dtype)
 
-    def run(self, kernel, rows, *tensors):
-        """Launch `kernel` over tiles of `rows` rows (query tiles, or key tiles) and heads."""
+    def run(self, kernel, *tensors):
+        """Launch `kernel` over its tiles (of queries, or of keys) and the heads."""
         if self.n == 0:
             return
-        tile = self.block_n if kernel is _backward_key_kernel else self.block_m
-        grid = (triton.cdiv(rows, tile), self.heads)
+        block_m, block_n, num_warps = tile_config(kernel, self.rel, self.dtype)
+        tile = block_n if kernel is _backward_key_kernel else block_m
+        grid = (triton.cdiv(self.n, tile), self.heads)
         kernel[grid](*tensors, *self.shared, self.n, self.heads, self.g, self.scale,
                      D=self.head_dim, REL=self.rel, GP=max(4, triton.next_power_of_2(self.g)),
                      LP=max(4, triton.next_power_of_2(2 * self.g - 1)),
-                     PRECISION=self.precision, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                     num_warps=self.num_warps)
+                     PRECISION=self.precision, BLOCK_M=block_m, BLOCK_N=block_n,
+                     num_warps=num_warps)
 
 
 @triton.jit
@@ -299,10 +304,10 @@ def _store_rows(ptr, rows, ok, head, H, D: tl.constexpr, block):
 
 @triton.jit
 def _load_coords(coords, rows, ok):
-    c0 = tl.load(coords + rows * 3, mask=ok, other=0)
-    c1 = tl.load(coords + rows * 3 + 1, mask=ok, other=0)
-    c2 = tl.load(coords + rows * 3 + 2, mask=ok, other=0)
-    return c0, c1, c2
+    """The rows' coordinates on the three axes: a tuple of three int vectors."""
+    return (tl.load(coords + rows * 3, mask=ok, other=0),
+            tl.load(coords + rows * 3 + 1, mask=ok, other=0),
+            tl.load(coords + rows * 3 + 2, mask=ok, other=0))
 
 
 @triton.jit
@@ -310,69 +315,6 @@ def _window_span(offsets, window_of, first, last):
     """Sorted rows first..last see [start of first's window, end of last's window)."""
     return (tl.load(offsets + tl.load(window_of + first)),
             tl.load(offsets + tl.load(window_of + last) + 1))
-
-
-@triton.jit
-def _table_offsets(head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    """Offsets of the (4*LP, D) block of a table (L, 3, H, D) whose row a*LP + r is T[r, a]."""
-    row = tl.arange(0, 4 * LP)[:, None]
-    axis, r = row // LP, row % LP
-    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
-    return offs, (axis < 3) & (r < 2 * G - 1)
-
-
-@triton.jit
-def _load_table(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    offs, ok = _table_offsets(head, H, D, G, LP)
-    return tl.load(table + offs, mask=ok, other=0.0)
-
-
-@triton.jit
-def _add_to_table(grad, head, H, D: tl.constexpr, G, LP: tl.constexpr, block):
-    """One fp32 atomic add per element of a tile's (4*LP, D) table-gradient block."""
-    offs, ok = _table_offsets(head, H, D, G, LP)
-    tl.atomic_add(grad + offs, block, mask=ok)
-
-
-@triton.jit
-def _axis_columns(c0, c1, c2, WIDTH: tl.constexpr):
-    """For a (rows, 4*WIDTH) block with column a*WIDTH + t for axis a: each column's axis,
-    its t, and each row's own coordinate on that column's axis."""
-    col = tl.arange(0, 4 * WIDTH)[None, :]
-    axis = col // WIDTH
-    own = tl.where(axis == 0, c0[:, None], tl.where(axis == 1, c1[:, None], c2[:, None]))
-    return axis, col % WIDTH, own
-
-
-@triton.jit
-def _one_hot(c0, c1, c2, GP: tl.constexpr, dtype: tl.constexpr):
-    """(rows, 4*GP): 1 at column a*GP + c_a of each row's coordinates."""
-    axis, t, own = _axis_columns(c0, c1, c2, GP)
-    return tl.where((axis < 3) & (own == t), 1.0, 0.0).to(dtype)
-
-
-@triton.jit
-def _regather(x, axis, t, u, SRC_WIDTH: tl.constexpr, src_valid):
-    """out[p, col] = x[p, axis*SRC_WIDTH + u[p, col]], zero where u is outside [0, src_valid)."""
-    ok = (axis < 3) & (u >= 0) & (u < src_valid)
-    return tl.where(ok, tl.gather(x, tl.where(ok, axis * SRC_WIDTH + u, 0), 1), 0.0)
-
-
-@triton.jit
-def _by_partner(x, c0, c1, c2, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
-    """(rows, 4*LP) indexed by r -> (rows, 4*GP) indexed by the partner's coordinate c.
-    Query row (own x): r = x - c + G-1. Key row: r = c - x + G-1."""
-    axis, c, own = _axis_columns(c0, c1, c2, GP)
-    r = own - c + G - 1 if IS_QUERY else c - own + G - 1
-    return _regather(x, axis, c, tl.where(c < G, r, -1), LP, 2 * G - 1)
-
-
-@triton.jit
-def _by_relative(x, c0, c1, c2, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
-    """(rows, 4*GP) indexed by the partner's coordinate c -> (rows, 4*LP) indexed by r."""
-    axis, r, own = _axis_columns(c0, c1, c2, LP)
-    c = own - r + G - 1 if IS_QUERY else r + own - (G - 1)
-    return _regather(x, axis, r, tl.where(r < 2 * G - 1, c, -1), GP, G)
 
 
 @triton.jit
@@ -398,21 +340,93 @@ def _split_dot(x, y, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _table_dots(x, table, c0, c1, c2, IS_QUERY: tl.constexpr, head, H, D: tl.constexpr, G,
-                GP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr):
-    """(rows, 4*GP): <x_p, T[r_a, a]> at column a*GP + c, r_a the relative index of row p and a
-    partner with coordinate c on axis a. The table is re-read (from cache) at every call
-    rather than held in registers across a loop."""
-    x_by_r = _dot(x, tl.trans(_load_table(table, head, H, D, G, LP)), PRECISION)
-    return _by_partner(x_by_r, c0, c1, c2, IS_QUERY, G, GP, LP)
+def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """T[:, axis] of a table (L, 3, H, D) for one head: (LP, D), zero past L = 2G-1."""
+    r = tl.arange(0, LP)[:, None]
+    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
+    return tl.load(table + offs, mask=r < 2 * G - 1, other=0.0)
 
 
 @triton.jit
-def _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION: tl.constexpr):
-    """<qs_i, sum_a tq[r_a]> + <k_j, sum_a tk[r_a]> for (rows, cols): each side's (by r) block
-    re-indexed by the partner's coordinate, picked by the partners' one-hot."""
-    s = _split_dot(q_rel, tl.trans(k_hot), PRECISION)
-    return s + tl.trans(_split_dot(k_rel, tl.trans(q_hot), PRECISION))
+def _by_r(x, table, head, H, D: tl.constexpr, G, LP: tl.constexpr, PRECISION: tl.constexpr):
+    """For each axis a, the (rows, LP) fp32 block <x_p, T[r, a]> over r: a tuple of three."""
+    return (_dot(x, tl.trans(_axis_table(table, 0, head, H, D, G, LP)), PRECISION),
+            _dot(x, tl.trans(_axis_table(table, 1, head, H, D, G, LP)), PRECISION),
+            _dot(x, tl.trans(_axis_table(table, 2, head, H, D, G, LP)), PRECISION))
+
+
+@triton.jit
+def _pick_axis(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
+    """(own rows, partner rows): x_by_r[p, r(p, q)], r = query coordinate - key coordinate + G-1."""
+    if IS_QUERY:
+        rel = own[:, None] - partner[None, :] + G - 1
+    else:
+        rel = partner[None, :] - own[:, None] + G - 1
+    return tl.gather(x_by_r, rel, 1)
+
+
+@triton.jit
+def _pick(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
+    """sum over the axes of _pick_axis: each pair's relative term, e.g. <qs_i, sum_a tq[r_a, a]>."""
+    return (_pick_axis(x_by_r[0], own[0], partner[0], IS_QUERY, G)
+            + _pick_axis(x_by_r[1], own[1], partner[1], IS_QUERY, G)
+            + _pick_axis(x_by_r[2], own[2], partner[2], IS_QUERY, G))
+
+
+@triton.jit
+def _relative_logits(q_by_r, k_by_r, qc, kc, G):
+    """(queries, keys): <qs_i, sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>."""
+    return _pick(q_by_r, qc, kc, True, G) + tl.trans(_pick(k_by_r, kc, qc, False, G))
+
+
+@triton.jit
+def _table_offsets(head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """Offsets of the (4*LP, D) block of a table (L, 3, H, D) whose row a*LP + r is T[r, a]."""
+    row = tl.arange(0, 4 * LP)[:, None]
+    axis, r = row // LP, row % LP
+    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
+    return offs, (axis < 3) & (r < 2 * G - 1)
+
+
+@triton.jit
+def _load_table(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    offs, ok = _table_offsets(head, H, D, G, LP)
+    return tl.load(table + offs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _add_to_table(grad, head, H, D: tl.constexpr, G, LP: tl.constexpr, block):
+    """One fp32 atomic add per element of a tile's (4*LP, D) table-gradient block."""
+    offs, ok = _table_offsets(head, H, D, G, LP)
+    tl.atomic_add(grad + offs, block, mask=ok)
+
+
+@triton.jit
+def _axis_columns(c, WIDTH: tl.constexpr):
+    """For a (rows, 4*WIDTH) block with column a*WIDTH + t for axis a: each column's axis,
+    its t, and each row's own coordinate on that column's axis."""
+    col = tl.arange(0, 4 * WIDTH)[None, :]
+    axis = col // WIDTH
+    own = tl.where(axis == 0, c[0][:, None], tl.where(axis == 1, c[1][:, None], c[2][:, None]))
+    return axis, col % WIDTH, own
+
+
+@triton.jit
+def _one_hot(c, GP: tl.constexpr, dtype: tl.constexpr):
+    """(rows, 4*GP): 1 at column a*GP + c_a of each row's coordinates."""
+    axis, t, own = _axis_columns(c, GP)
+    return tl.where((axis < 3) & (own == t), 1.0, 0.0).to(dtype)
+
+
+@triton.jit
+def _by_relative(x, c, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
+    """(rows, 4*GP) indexed by the partner's coordinate p -> (rows, 4*LP) indexed by r, the
+    relative index of the row (own coordinate x) and that partner: a query row has
+    r = x - p + G-1, so p = x + G-1 - r; a key row has r = p - x + G-1, so p = r + x - (G-1)."""
+    axis, r, own = _axis_columns(c, LP)
+    partner = own - r + G - 1 if IS_QUERY else r + own - (G - 1)
+    ok = (axis < 3) & (r < 2 * G - 1) & (partner >= 0) & (partner < G)
+    return tl.where(ok, tl.gather(x, tl.where(ok, axis * GP + partner, 0), 1), 0.0)
 
 
 @triton.jit
@@ -428,9 +442,8 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, offsets, window_of, coords, N
     row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
     qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
     if REL:
-        qc0, qc1, qc2 = _load_coords(coords, rows, row_ok)
-        q_hot = _one_hot(qc0, qc1, qc2, GP, dtype)
-        q_rel = _table_dots(qs, tq, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+        qc = _load_coords(coords, rows, row_ok)
+        q_by_r = _by_r(qs, tq, head, H, D, G, LP, PRECISION)
         v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
     m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -440,13 +453,11 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, offsets, window_of, coords, N
         col_ok = cols < hi
         kb = _load_rows(k, cols, col_ok, head, H, D)
         vb = _load_rows(v, cols, col_ok, head, H, D)
-        if REL:
-            kc0, kc1, kc2 = _load_coords(coords, cols, col_ok)
-            k_hot = _one_hot(kc0, kc1, kc2, GP, dtype)
-            k_rel = _table_dots(kb, tk, kc0, kc1, kc2, False, head, H, D, G, GP, LP, PRECISION)
         s = _dot(qs, tl.trans(kb), PRECISION)
         if REL:
-            s += _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION)
+            kc = _load_coords(coords, cols, col_ok)
+            k_hot = _one_hot(kc, GP, dtype)
+            s += _relative_logits(q_by_r, _by_r(kb, tk, head, H, D, G, LP, PRECISION), qc, kc, G)
         col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -459,7 +470,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, offsets, window_of, coords, N
             v_rel = v_rel * alpha[:, None] + _dot(p_rounded, k_hot, PRECISION)
         m = m_new
     if REL:
-        v_by_r = _by_relative(v_rel, qc0, qc1, qc2, True, G, GP, LP)
+        v_by_r = _by_relative(v_rel, qc, True, G, GP, LP)
         acc += _split_dot(v_by_r, _load_table(tv, head, H, D, G, LP), PRECISION)
     l = tl.where(l > 0, l, 1.0)  # only padding rows have no key
     _store_rows(out, rows, row_ok, head, H, D, acc / l[:, None])
@@ -484,10 +495,9 @@ def _backward_query_kernel(q, k, v, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
     row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
     row_delta = tl.load(delta + rows * H + head, mask=row_ok, other=0.0)
     if REL:
-        qc0, qc1, qc2 = _load_coords(coords, rows, row_ok)
-        q_hot = _one_hot(qc0, qc1, qc2, GP, dtype)
-        q_rel = _table_dots(qs, tq, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
-        do_rel = _table_dots(dob, tv, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
+        qc = _load_coords(coords, rows, row_ok)
+        q_by_r = _by_r(qs, tq, head, H, D, G, LP, PRECISION)
+        do_by_r = _by_r(dob, tv, head, H, D, G, LP, PRECISION)
         ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
     dqs = tl.zeros([BLOCK_M, D], tl.float32)
@@ -496,32 +506,27 @@ def _backward_query_kernel(q, k, v, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         col_ok = cols < hi
         kb = _load_rows(k, cols, col_ok, head, H, D)
         vb = _load_rows(v, cols, col_ok, head, H, D)
-        if REL:
-            kc0, kc1, kc2 = _load_coords(coords, cols, col_ok)
-            k_hot = _one_hot(kc0, kc1, kc2, GP, dtype)
-            k_rel = _table_dots(kb, tk, kc0, kc1, kc2, False, head, H, D, G, GP, LP, PRECISION)
         s = _dot(qs, tl.trans(kb), PRECISION)
+        dp = _dot(dob, tl.trans(vb), PRECISION)
         if REL:
-            s += _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION)
+            kc = _load_coords(coords, cols, col_ok)
+            k_hot = _one_hot(kc, GP, dtype)
+            s += _relative_logits(q_by_r, _by_r(kb, tk, head, H, D, G, LP, PRECISION), qc, kc, G)
+            dp += _pick(do_by_r, qc, kc, True, G)
         col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
-        dp = _dot(dob, tl.trans(vb), PRECISION)
-        if REL:
-            dp += _split_dot(do_rel, tl.trans(k_hot), PRECISION)
         ds = (p * (dp - row_delta[:, None])).to(dtype)
         dqs += _dot(ds, kb, PRECISION)
         if REL:
             ds_rel += _dot(ds, k_hot, PRECISION)
             p_rel += _dot(p.to(dtype), k_hot, PRECISION)
     if REL:
-        ds_by_r = _by_relative(ds_rel, qc0, qc1, qc2, True, G, GP, LP)
+        ds_by_r = _by_relative(ds_rel, qc, True, G, GP, LP)
         dqs += _split_dot(ds_by_r, _load_table(tq, head, H, D, G, LP), PRECISION)
-        _add_to_table(dtq, head, H, D, G, LP,
-                      _split_dot(tl.trans(ds_by_r), qs, PRECISION))
-        p_by_r = _by_relative(p_rel, qc0, qc1, qc2, True, G, GP, LP)
-        _add_to_table(dtv, head, H, D, G, LP,
-                      _split_dot(tl.trans(p_by_r), dob, PRECISION))
+        _add_to_table(dtq, head, H, D, G, LP, _split_dot(tl.trans(ds_by_r), qs, PRECISION))
+        p_by_r = _by_relative(p_rel, qc, True, G, GP, LP)
+        _add_to_table(dtv, head, H, D, G, LP, _split_dot(tl.trans(p_by_r), dob, PRECISION))
     _store_rows(dq, rows, row_ok, head, H, D, dqs * scale)
 
 
@@ -542,9 +547,8 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
     kb = _load_rows(k, cols, col_ok, head, H, D)
     vb = _load_rows(v, cols, col_ok, head, H, D)
     if REL:
-        kc0, kc1, kc2 = _load_coords(coords, cols, col_ok)
-        k_hot = _one_hot(kc0, kc1, kc2, GP, dtype)
-        k_rel = _table_dots(kb, tk, kc0, kc1, kc2, False, head, H, D, G, GP, LP, PRECISION)
+        kc = _load_coords(coords, cols, col_ok)
+        k_by_r = _by_r(kb, tk, head, H, D, G, LP, PRECISION)
         ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
     dkb = tl.zeros([BLOCK_N, D], tl.float32)
     dvb = tl.zeros([BLOCK_N, D], tl.float32)
@@ -555,29 +559,24 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         dob = _load_rows(do, rows, row_ok, head, H, D)
         row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
         row_delta = tl.load(delta + rows * H + head, mask=row_ok, other=0.0)
-        if REL:
-            qc0, qc1, qc2 = _load_coords(coords, rows, row_ok)
-            q_hot = _one_hot(qc0, qc1, qc2, GP, dtype)
-            q_rel = _table_dots(qs, tq, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
-            do_rel = _table_dots(dob, tv, qc0, qc1, qc2, True, head, H, D, G, GP, LP, PRECISION)
         s = _dot(qs, tl.trans(kb), PRECISION)
+        dp = _dot(dob, tl.trans(vb), PRECISION)
         if REL:
-            s += _relative_logits(q_rel, q_hot, k_rel, k_hot, PRECISION)
+            qc = _load_coords(coords, rows, row_ok)
+            q_hot = _one_hot(qc, GP, dtype)
+            s += _relative_logits(_by_r(qs, tq, head, H, D, G, LP, PRECISION), k_by_r, qc, kc, G)
+            dp += _pick(_by_r(dob, tv, head, H, D, G, LP, PRECISION), qc, kc, True, G)
         row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
-        dp = _dot(dob, tl.trans(vb), PRECISION)
-        if REL:
-            dp += _split_dot(do_rel, tl.trans(k_hot), PRECISION)
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))
         dvb += _dot(tl.trans(p.to(dtype)), dob, PRECISION)
         dkb += _dot(ds_t, qs, PRECISION)
         if REL:
             ds_rel += _dot(ds_t, q_hot, PRECISION)
     if REL:
-        ds_by_r = _by_relative(ds_rel, kc0, kc1, kc2, False, G, GP, LP)
+        ds_by_r = _by_relative(ds_rel, kc, False, G, GP, LP)
         dkb += _split_dot(ds_by_r, _load_table(tk, head, H, D, G, LP), PRECISION)
-        _add_to_table(dtk, head, H, D, G, LP,
-                      _split_dot(tl.trans(ds_by_r), kb, PRECISION))
+        _add_to_table(dtk, head, H, D, G, LP, _split_dot(tl.trans(ds_by_r), kb, PRECISION))
     _store_rows(dk, cols, col_ok, head, H, D, dkb)
     _store_rows(dv, cols, col_ok, head, H, D, dvb)
