@@ -5,6 +5,7 @@ from torch import nn
 
 import lowconv
 from lowconv.compat import sptr
+from lowconv.compat.sptr import attention_step1, attention_step2, get_indices_params, scatter_softmax_csr
 from lowconv.model_file import load_model_file
 from lowconv.passes.trace import trace_model
 from lowconv.passes.window_attention import find_window_attention_sites
@@ -90,3 +91,20 @@ def test_point_transformer_example_converts():
     assert [d.fqn for d in converted.lowconv_plan.converted()] == ["blocks.0.attn.attention", "blocks.1.attn.attention"]
     report = lowconv.compare(loaded.model, converted, loaded.inputs, logits=True)
     assert report.passed and report.outputs[0].logits.top1 > 0.99
+
+
+def test_ops_imported_by_name_are_matched_too():
+    class ByName(nn.Module):
+        def forward(self, q, k, v, xyz, batch):
+            index_0, index_0_offsets, n_max, index_1, index_1_offsets, _ = get_indices_params(xyz, batch, 0.3, False)
+            attn = attention_step1(q, k, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
+            attn = scatter_softmax_csr(attn, index_0_offsets, dim=0)
+            return attention_step2(attn, v, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
+
+    _, xyz, batch = scene()
+    order = sptr.window_partition(xyz, batch, 0.3)[1]
+    xyz, batch = xyz[order], batch[order]
+    q = torch.randn(len(xyz), 2, 16)
+    trace = trace_model(ByName(), (q, q, q, xyz, batch))
+    [site] = find_window_attention_sites(trace.regions[0])
+    assert site.unsupported is None and site.info.rel_pos == "none"

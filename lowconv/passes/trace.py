@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from lowconv.compat import sptr
 from lowconv.errors import LowconvError
 
 # Modules that are sites by themselves: traced as calls, never into.
@@ -70,6 +71,11 @@ class SiteTracer(fx.Tracer):
     # Buffers become get_attr nodes (not constants): `self.mask[:, :, :T, :T]` with a traced T
     # then traces, and the attention pass can read the buffer to recognize a causal mask.
     proxy_buffer_attributes = True
+
+    def __init__(self):
+        # SpTr ops stay single calls even when a model imported them by name (torch.fx.wrap only
+        # patches calls through the module's namespace).
+        super().__init__(autowrap_functions=sptr.SPTR_OPS + sptr.SPTR_HELPERS)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return is_site_module(m) or super().is_leaf_module(m, qualname)
