@@ -1,19 +1,13 @@
 """Windowed attention: the torch reference and the Triton kernels (run by Triton's interpreter
 on the CPU) against a float64 dense computation, window by window."""
-import os
-
+import pytest
 import torch
 
-# On the CPU, the Triton kernels run in Triton's interpreter, which must be switched on before
-# they are defined. Where CUDA is present (a GPU run collects this file too, in one process
-# with compiled kernels) the same tests run compiled, on CUDA tensors.
+from lowconv.kernels.window_attention import window_attention, window_attention_reference
+
+# On the CPU, the Triton kernels run in Triton's interpreter (switched on in conftest.py). Where
+# CUDA is present (a GPU run collects this file too) the same tests run compiled, on CUDA tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from lowconv.kernels.window_attention import window_attention, window_attention_reference  # noqa: E402
 
 # The interpreter's loop over a loaded bound warns about numpy scalar conversion; harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
