@@ -3,7 +3,8 @@ on the CPU) against a float64 dense computation, window by window."""
 import pytest
 import torch
 
-from lowconv.kernels.window_attention import window_attention, window_attention_reference
+from lowconv.kernels.window_attention import (launch_row_windows, row_windows_from_offsets,
+                                              window_attention, window_attention_reference)
 
 # On the CPU, the Triton kernels run in Triton's interpreter (switched on in conftest.py). Where
 # CUDA is present (a GPU run collects this file too) the same tests run compiled, on CUDA tensors.
@@ -27,7 +28,7 @@ def rel_error(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
 
-def make_problem(sizes=SIZES, h=2, d=16, rel=True, seed=0):
+def make_problem(sizes=SIZES, h=2, d=16, rel=True, seed=0, g=G):
     """float64 leaves q, k, v (and tables), offsets, coords, and a random output gradient."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -37,8 +38,8 @@ def make_problem(sizes=SIZES, h=2, d=16, rel=True, seed=0):
     offsets = torch.tensor([0] + sizes).cumsum(0).to(torch.int32).to(DEVICE)
     n = int(offsets[-1])
     q, k, v = (draw(n, h, d) for _ in range(3))
-    coords = torch.randint(0, G, (n, 3), generator=gen).to(DEVICE) if rel else None
-    tables = tuple(0.5 * draw(2 * G - 1, 3, h, d) for _ in range(3)) if rel else None
+    coords = torch.randint(0, g, (n, 3), generator=gen).to(DEVICE) if rel else None
+    tables = tuple(0.5 * draw(2 * g - 1, 3, h, d) for _ in range(3)) if rel else None
     return q, k, v, offsets, coords, tables, draw(n, h, d)
 
 
@@ -55,7 +56,8 @@ def dense_window_attention64(q, k, v, offsets, scale, coords=None, tables=None):
         qw, kw, vw = q[s:e].double() * scale, k[s:e].double(), v[s:e].double()
         logits = torch.einsum("ihd,jhd->hij", qw, kw)
         if tables is not None:
-            rel = (coords[s:e, None, :] - coords[None, s:e, :] + G - 1).long()
+            g = (tables[0].shape[0] + 1) // 2
+            rel = (coords[s:e, None, :] - coords[None, s:e, :] + g - 1).long()
             aq, ak, av = (sum(t.double()[rel[..., a], a] for a in range(3)) for t in tables)
             logits = logits + torch.einsum("ihd,ijhd->hij", qw, aq) \
                 + torch.einsum("jhd,ijhd->hij", kw, ak)
@@ -144,14 +146,54 @@ def test_no_points(backend):
     assert out.shape == (0, 2, 16)
 
 
+def test_row_windows_kernel_matches_torch_with_empty_windows():
+    offsets = torch.tensor([0, 0, 2, 2, 2, 3, 9, 9, 10, 10], dtype=torch.int32, device=DEVICE)
+    got = launch_row_windows(offsets, 10)
+    want = row_windows_from_offsets(offsets, 10)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    assert want[0].tolist() == [0, 0, 2, 3, 3, 3, 3, 3, 3, 9]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_row_windows_give_the_same_result_as_offsets(backend):
+    q, k, v, offsets, coords, tables, _ = make_problem(seed=4)
+    q, k, v = (t.float() for t in (q, k, v))
+    tables = tuple(t.float() for t in tables)
+    row_windows = row_windows_from_offsets(offsets, q.shape[0])
+    by_offsets = window_attention(q, k, v, offsets, coords=coords, tables=tables, backend=backend)
+    by_rows = window_attention(q, k, v, row_windows=row_windows, coords=coords, tables=tables,
+                               backend=backend, validate=False)
+    torch.testing.assert_close(by_rows, by_offsets, rtol=0, atol=0)
+
+
+def test_sphereformer_grid_in_triton_matches_dense_float64():
+    """G = 24 (L = 47 table rows, padded to 64 per axis), as SphereFormer quantizes."""
+    problem = make_problem(sizes=[3, 17, 1, 40, 2, 0, 9], seed=5, g=24)
+
+    def triton_fp32(q, k, v, offsets, coords, tables):
+        return window_attention(q, k, v, offsets, coords=coords, tables=tables,
+                                dtype=torch.float32, backend="triton")
+
+    errors = errors_vs_dense(triton_fp32, problem, 16 ** -0.5)
+    assert max(errors) < TOLERANCE[torch.float32], errors
+
+
 def bad_inputs():
     """(what to change in a valid call, the error's message)."""
     q, k, v, offsets, coords, tables, _ = make_problem()
     n = q.shape[0]
     good = dict(q=q, k=k, v=v, offsets=offsets, coords=coords, tables=tables)
     short_tables = tuple(t[:-1] for t in tables)
+    start, end = row_windows_from_offsets(offsets, n)
+    shifted = end.clone()
+    shifted[1] += 1  # row 1 ends its window elsewhere than row 0 of the same window
     return [
         (dict(q=q.int()), "q must be a floating-point"),
+        (dict(offsets=None), "as offsets or as row_windows"),
+        (dict(row_windows=(start, end)), "as offsets or as row_windows"),
+        (dict(offsets=None, row_windows=(start, end[:-1])), "row_windows must be"),
+        (dict(offsets=None, row_windows=(start + 1, end)), "must hold each row"),
+        (dict(offsets=None, row_windows=(start, shifted)), "contiguous windows"),
         (dict(k=k[:-1]), "one shape"),
         (dict(offsets=offsets.float()), "offsets must be a 1-D integer"),
         (dict(offsets=torch.cat([offsets[:-1], offsets[-1:] + 1])), "end at N"),
@@ -180,3 +222,13 @@ def test_bad_inputs_raise_clear_errors(case):
     positional = [args.pop(name) for name in ("q", "k", "v", "offsets")]
     with pytest.raises(ValueError, match=message):
         window_attention(*positional, **args)
+
+
+def test_row_windows_from_sptr_pairs_match_offsets():
+    from lowconv.compat import sptr
+    counts = torch.tensor([s for s in SIZES if s], device=DEVICE)  # SpTr has no empty windows
+    n = int(counts.sum())
+    index_0_offsets, _, _, index_1 = sptr.precompute_all(n, len(counts), int(counts.max()), counts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    got = sptr.row_windows_from_pairs(index_0_offsets, index_1)
+    assert [t.tolist() for t in got] == [t.tolist() for t in row_windows_from_offsets(offsets, n)]

@@ -145,15 +145,12 @@ def relative_position_index(xyz, index_0, index_1, window_size, quant_size, quan
 
 
 @torch.fx.wrap
-def window_offsets_from_pairs(index_0_offsets, index_1):
-    """The window offsets (W+1,) int32 of SpTr's pair layout: a sorted query's first pair's key is
-    the first point of its window, so windows start where that changes."""
-    n_points = index_0_offsets.numel() - 1
-    starts = index_1.index_select(0, index_0_offsets[:-1].long()).long()
-    boundaries = torch.ones(n_points, dtype=torch.bool, device=starts.device)
-    boundaries[1:] = starts[1:] != starts[:-1]
-    offsets = torch.nonzero(boundaries).flatten()
-    return torch.cat([offsets, offsets.new_tensor([n_points])]).int()
+def row_windows_from_pairs(index_0_offsets, index_1):
+    """(start, end) int32 of each sorted point's window, from SpTr's pair layout without a host
+    sync: a query's first pair's key is the first point of its window, and it has one pair per
+    point of the window."""
+    start = index_1.index_select(0, index_0_offsets[:-1].long())
+    return start.int(), (start + index_0_offsets.diff()).int()
 
 
 def table_rows(table, rel_idx):
@@ -207,7 +204,7 @@ def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max,
 SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx_all,
             attention_step2_with_rel_pos_value)
 SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, relative_position_index, quantized_coordinates,
-                window_offsets_from_pairs)
+                row_windows_from_pairs)
 
 
 def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,

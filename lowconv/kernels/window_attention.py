@@ -1,9 +1,11 @@
 """Windowed (variable-length) self-attention with SpTr's contextual relative position.
 
 Points are sorted by window; window w is rows offsets[w]:offsets[w+1] of q, k, v (N, h, d), and
-each point attends to the points of its own window. With relative position, each point has
-quantized in-window coordinates coords (N, 3) in [0, G-1], the tables tq, tk, tv are
-(L, 3, h, d) with L = 2G-1, and the pair (i, j) uses r_a = coords[i, a] - coords[j, a] + G - 1:
+each point attends to the points of its own window. The kernels read the windows per row, as
+row_windows = (start, end), each (N,) int32: row i's window is rows start[i]:end[i]. With
+relative position, each point has quantized in-window coordinates coords (N, 3) in [0, G-1], the
+tables tq, tk, tv are (L, 3, h, d) with L = 2G-1, and the pair (i, j) uses
+r_a = coords[i, a] - coords[j, a] + G - 1:
 
     s_ij  = <qs_i, k_j + sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>,   qs = q * scale
     out_i = sum_j softmax_j(s_ij) (v_j + sum_a tv[r_a, a])
@@ -18,20 +20,22 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
   normalizer sums the unrounded values. The output is rounded to c, then returned in q's dtype.
 - Backward (flash style): P = exp(s - lse) in fp32; P rounded to c for dv and dtv; dS = P (dP -
   delta) in fp32 with delta_i = <dO_i, O_i>, rounded to c for dq, dk, dtq and dtk.
-- Per-tile sums by relative index (fp32) meet the tables and rows in MMAs of c split into a
-  high and a low part (`_split_dot`: 16 mantissa bits for bf16, 22 for fp16); the table
-  gradients are summed in fp32 and rounded to c at the end.
+- fp32 blocks that meet a one-hot, a table or rows in an MMA are split into a high and a low
+  part in c (`_split_dot`: 16 mantissa bits for bf16, 22 for fp16); the table gradients are
+  summed in fp32 and rounded to c at the end.
 - The reference rounds the normalized probabilities to c instead, and not dS: the same
   error, not the same bits.
 
-How the relative terms avoid anything of size sum(n_w^2): on axis a, r depends only on the two
-coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r, and each
-pair picks its entry with a register gather (tl.gather) at r_a(i, j) (`_pick`). Sums over pairs
-(the value table's term, the table gradients): P (or dS) @ the partners' one-hot coordinates
-gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
+How the relative terms avoid anything of size sum(n_w^2), and run on the tensor cores: on axis
+a, r depends only on the two coordinates. A tile's rows x (queries or keys) meet a table once,
+x @ T^T, an fp32 block by r; re-indexed per row by the partner's coordinate p (`_by_partner`:
+a query row has r = x - p + G-1, a key row r = p - x + G-1), it is a (rows, G) block per axis,
+and every pair's term is that block times the partners' one-hot coordinates, an MMA
+(`_pair_terms`). Sums over pairs go the other way: P (or dS) @ the partners' one-hot
+coordinates gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
 (`_by_relative`), then multiplied with the table or with the rows: an (L, d) table-gradient
 block per tile, added with one fp32 atomic per element. Those blocks hold the three axes side
-by side, column a*GP + c (a*LP + r), a fourth slot of zeros padding them to a power of two.
+by side, column a*GP + p (a*LP + r), a fourth slot of zeros padding them to a power of two.
 """
 import os
 
@@ -44,46 +48,53 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def window_attention(q, k, v, offsets, *, scale=None, coords=None, tables=None, dtype=None,
-                     backend="auto"):
+def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coords=None,
+                     tables=None, dtype=None, backend="auto", validate=True):
     """Self-attention within each window (see the module doc), differentiable for q, k, v and tables.
 
-    offsets (W+1,) integer: window w is rows offsets[w]:offsets[w+1] (empty windows allowed).
+    The windows come as offsets (W+1,) integer (window w is rows offsets[w]:offsets[w+1], empty
+    windows allowed) or as row_windows = (start, end), each (N,) integer; give one of them.
     coords (N, 3) integer in [0, G-1] and tables = (tq, tk, tv), each (L, 3, h, d) with
     L = 2G-1, turn on relative position; pass both or neither. `scale` None is d^-0.5.
     `dtype` None computes in q's dtype. `backend` "auto" runs Triton on CUDA and the torch
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
+    `validate` checks the values of offsets, row_windows and coords, which reads them back from
+    the device (a sync); a caller that built them itself can pass False (bad values then read
+    out of bounds).
     """
-    check_inputs(q, k, v, offsets, scale, coords, tables, dtype, backend)
+    check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, backend)
+    if validate:
+        check_values(q.shape[0], offsets, row_windows, coords, tables)
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if not use_triton:
-        return window_attention_reference(q, k, v, offsets, scale=scale, coords=coords,
-                                          tables=tables, dtype=dtype)
+        return window_attention_reference(q, k, v, offsets, row_windows=row_windows, scale=scale,
+                                          coords=coords, tables=tables, dtype=dtype)
     check_triton_inputs(q, dtype)
     out_dtype, dtype = q.dtype, dtype or q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    offsets = offsets.to(torch.int32).contiguous()
-    window_of = torch.repeat_interleave(torch.arange(len(offsets) - 1, dtype=torch.int32,
-                                                     device=q.device),
-                                        offsets.diff(), output_size=q.shape[0])
+    if offsets is None:
+        start, end = (t.to(torch.int32).contiguous() for t in row_windows)
+    else:
+        start, end = launch_row_windows(offsets, q.shape[0])
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     if tables is None:
         tq = tk = tv = None
     else:
         coords = coords.to(torch.int32).contiguous()
         tq, tk, tv = (t.to(dtype).contiguous() for t in tables)
-    out = WindowAttention.apply(q, k, v, tq, tk, tv, offsets, window_of, coords, scale)
+    out = WindowAttention.apply(q, k, v, tq, tk, tv, start, end, coords, scale)
     return out.to(out_dtype)
 
 
-def window_attention_reference(q, k, v, offsets, *, scale=None, coords=None, tables=None,
-                               dtype=None):
+def window_attention_reference(q, k, v, offsets=None, *, row_windows=None, scale=None,
+                               coords=None, tables=None, dtype=None):
     """The torch reference of `window_attention` (same arguments, no checks), over the pair
     list: memory O(sum(n_w^2) * h * d), fine for tests and as the "SpTr in torch" baseline."""
     dtype = dtype or q.dtype
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    query, key = window_pairs(offsets, q.shape[0])
+    query, key = window_pairs(*(row_windows if offsets is None else
+                                row_windows_from_offsets(offsets, q.shape[0])))
     qs = (q.to(dtype).to(acc) * scale).to(dtype).to(acc)
     k, v = (t.to(dtype).to(acc) for t in (k, v))
     q_pair, k_pair, v_pair = qs[query], k[key], v[key]
@@ -100,16 +111,23 @@ def window_attention_reference(q, k, v, offsets, *, scale=None, coords=None, tab
     return out.index_add(0, query, probs[..., None] * v_pair).to(dtype).to(q.dtype)
 
 
-def window_pairs(offsets, n):
-    """(query, key) row indices of every pair within a window, query-major (SpTr's layout)."""
+def row_windows_from_offsets(offsets, n):
+    """(start, end) int64 of each of the n sorted rows' window, from window offsets (W+1,)."""
     offsets = offsets.long()
-    sizes = offsets.diff()
-    window = torch.repeat_interleave(torch.arange(len(sizes), device=offsets.device), sizes,
-                                     output_size=n)
-    pairs_per_query = sizes[window]
-    query = torch.repeat_interleave(torch.arange(n, device=offsets.device), pairs_per_query)
+    window = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=offsets.device),
+                                     offsets.diff(), output_size=n)
+    return offsets[window], offsets[window + 1]
+
+
+def window_pairs(start, end):
+    """(query, key) row indices of every pair within a window, query-major (SpTr's layout)."""
+    start, end = start.long(), end.long()
+    pairs_per_query = end - start
+    n_pairs = int(pairs_per_query.sum())
+    query = torch.repeat_interleave(torch.arange(len(start), device=start.device), pairs_per_query,
+                                    output_size=n_pairs)
     first_pair = pairs_per_query.cumsum(0) - pairs_per_query
-    key = offsets[window][query] + torch.arange(len(query), device=offsets.device) - first_pair[query]
+    key = start[query] + torch.arange(n_pairs, device=start.device) - first_pair[query]
     return query, key
 
 
@@ -128,8 +146,9 @@ def segment_softmax(logits, query, n):
     return e / torch.zeros_like(row_max).index_add(0, query, e)[query]
 
 
-def check_inputs(q, k, v, offsets, scale, coords, tables, dtype, backend):
-    """Raise ValueError naming what is wrong with window_attention's arguments."""
+def check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, backend):
+    """Raise ValueError naming what is wrong with window_attention's arguments (their types,
+    shapes and devices; check_values reads the values)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
             raise ValueError(f"window_attention: {name} must be a floating-point (N, h, d) "
@@ -140,11 +159,7 @@ def check_inputs(q, k, v, offsets, scale, coords, tables, dtype, backend):
     if not q.device == k.device == v.device:
         raise ValueError(f"window_attention: q, k, v are on different devices: {q.device}, "
                          f"{k.device}, {v.device}")
-    if not is_int_tensor(offsets) or offsets.dim() != 1 or len(offsets) < 1:
-        raise ValueError(f"window_attention: offsets must be a 1-D integer tensor (W+1,), got "
-                         f"{describe(offsets)}")
-    if offsets.device != q.device:
-        raise ValueError(f"window_attention: offsets is on {offsets.device}, q on {q.device}")
+    check_windows(q, offsets, row_windows)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"window_attention: scale must be a number or None, got "
                          f"{type(scale).__name__}")
@@ -153,17 +168,34 @@ def check_inputs(q, k, v, offsets, scale, coords, tables, dtype, backend):
                          f"got {dtype}")
     if backend not in BACKENDS:
         raise ValueError(f"window_attention: backend must be one of {BACKENDS}, got {backend!r}")
-    g = check_relative_position(q, coords, tables)
-    check_values(offsets, q.shape[0], coords, g)
+    check_relative_position(q, coords, tables)
+
+
+def check_windows(q, offsets, row_windows):
+    if (offsets is None) == (row_windows is None):
+        raise ValueError("window_attention: give the windows as offsets or as row_windows, "
+                         "one of the two")
+    if offsets is not None:
+        if not is_int_tensor(offsets) or offsets.dim() != 1 or len(offsets) < 1:
+            raise ValueError(f"window_attention: offsets must be a 1-D integer tensor (W+1,), "
+                             f"got {describe(offsets)}")
+        if offsets.device != q.device:
+            raise ValueError(f"window_attention: offsets is on {offsets.device}, q on {q.device}")
+        return
+    n = q.shape[0]
+    if not isinstance(row_windows, (tuple, list)) or len(row_windows) != 2 or not all(
+            is_int_tensor(t) and tuple(t.shape) == (n,) and t.device == q.device
+            for t in row_windows):
+        raise ValueError(f"window_attention: row_windows must be (start, end), two integer "
+                         f"({n},) tensors on {q.device}")
 
 
 def check_relative_position(q, coords, tables):
-    """Check coords and tables; return G (coordinates lie in [0, G-1]), or None without them."""
     if (coords is None) != (tables is None):
         raise ValueError("window_attention: relative position needs both coords and tables "
                          f"(got {'coords' if tables is None else 'tables'} only)")
     if tables is None:
-        return None
+        return
     n, h, d = q.shape
     if not is_int_tensor(coords) or tuple(coords.shape) != (n, 3) or coords.device != q.device:
         raise ValueError(f"window_attention: coords must be an integer ({n}, 3) tensor on "
@@ -179,16 +211,28 @@ def check_relative_position(q, coords, tables):
     if any(t.shape[0] != length for t in tables) or length % 2 == 0:
         raise ValueError(f"window_attention: the tables must share one odd L = 2G-1, got "
                          f"{[t.shape[0] for t in tables]}")
-    return (length + 1) // 2
 
 
-def check_values(offsets, n, coords, g):
+def check_values(n, offsets, row_windows, coords, tables):
     """The data-dependent checks, read back from the device in one transfer."""
-    failures = {
-        f"offsets must start at 0 and end at N = {n}": (offsets[0] != 0) | (offsets[-1] != n),
-        "offsets must be non-decreasing": (offsets.diff() < 0).any(),
-    }
+    if offsets is not None:
+        failures = {
+            f"offsets must start at 0 and end at N = {n}": (offsets[0] != 0) | (offsets[-1] != n),
+            "offsets must be non-decreasing": (offsets.diff() < 0).any(),
+        }
+    else:
+        start, end = (t.long() for t in row_windows)
+        row = torch.arange(n, device=start.device)
+        new = start[1:] != start[:-1]  # row i+1 opens a window: the previous one ends there
+        failures = {
+            "row_windows must hold each row: 0 <= start[i] <= i < end[i] <= N":
+                ((start < 0) | (start > row) | (end <= row) | (end > n)).any(),
+            "row_windows must be contiguous windows (rows of a window share start and end)":
+                (new & ((start[1:] != row[1:]) | (end[:-1] != row[1:]))
+                 | ~new & (end[1:] != end[:-1])).any(),
+        }
     if coords is not None:
+        g = (tables[0].shape[0] + 1) // 2
         failures[f"coords must lie in [0, {g - 1}] (G = (L+1)/2 from the tables)"] = (
             (coords < 0) | (coords >= g)).any()
     failed = torch.stack(list(failures.values())).tolist()
@@ -219,30 +263,44 @@ def describe(t):
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
+def launch_row_windows(offsets, n):
+    """(start, end) int32 of each row's window from offsets, in one kernel (a binary search per
+    row), so the Triton path needs no host sync and no chain of small torch ops."""
+    offsets = offsets.to(torch.int32).contiguous()
+    start = torch.empty(n, dtype=torch.int32, device=offsets.device)
+    end = torch.empty_like(start)
+    if n:
+        windows = len(offsets) - 1
+        block = 1024
+        _row_windows_kernel[(triton.cdiv(n, block),)](
+            offsets, start, end, n, windows, max(1, windows.bit_length()), BLOCK=block)
+    return start, end
+
+
 class WindowAttention(torch.autograd.Function):
     """The Triton kernels; inputs already in the compute dtype and contiguous."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tq, tk, tv, offsets, window_of, coords, scale):
+    def forward(ctx, q, k, v, tq, tk, tv, start, end, coords, scale):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        launch = Launch(q, tq, offsets, window_of, coords, scale)
+        launch = Launch(q, tq, start, end, coords, scale)
         launch.run(_forward_kernel, q, k, v, out, lse, tq, tk, tv)
-        ctx.save_for_backward(q, k, v, tq, tk, tv, offsets, window_of, coords, out, lse)
+        ctx.save_for_backward(q, k, v, tq, tk, tv, start, end, coords, out, lse)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, tq, tk, tv, offsets, window_of, coords, out, lse = ctx.saved_tensors
+        q, k, v, tq, tk, tv, start, end, coords, out, lse = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype).contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1)
+        delta = torch.empty_like(lse)  # written by the query kernel, read by the key kernel
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rel = tq is not None
         dtq, dtk, dtv = ((torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                           for t in (tq, tk, tv)) if rel else (None, None, None))
-        launch = Launch(q, tq, offsets, window_of, coords, ctx.scale)
-        launch.run(_backward_query_kernel, q, k, v, grad_out, lse, delta, dq,
+        launch = Launch(q, tq, start, end, coords, ctx.scale)
+        launch.run(_backward_query_kernel, q, k, v, out, grad_out, lse, delta, dq,
                    tq, tk, tv, dtq, dtv)
         launch.run(_backward_key_kernel, q, k, v, grad_out, lse, delta, dk, dv,
                    tq, tk, tv, dtk)
@@ -251,24 +309,22 @@ class WindowAttention(torch.autograd.Function):
 
 
 def tile_config(kernel, rel, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps) of a kernel: the fastest of a few measured on an H100 at
-    N = 268,720, h = 4, d = 16, fp16
-    (scripts/bench_window_attention.py). Relative position holds several
-    (rows, LP) and (rows, 4*GP) fp32 blocks in registers, so it runs best on small tiles;
-    fp32 takes smaller tiles to fit shared memory."""
+    """(BLOCK_M, BLOCK_N, num_warps) of a kernel: the fastest of those tried on an H100 at
+    N = 268,720, h = 4, d = 16, G = 24 (scripts/tune_window_attention.py). fp32 takes smaller
+    tiles to fit shared memory."""
     if rel:
-        return (16, 32, 4) if kernel is _backward_key_kernel else (16, 16, 4)
+        return (32, 32, 4) if kernel is _backward_key_kernel else (32, 32, 4)
     return (32, 32, 4) if dtype == torch.float32 else (64, 32, 4)
 
 
 class Launch:
-    """The arguments and tile sizes every kernel of this file shares."""
+    """The arguments and tile sizes every attention kernel of this file shares."""
 
-    def __init__(self, q, tq, offsets, window_of, coords, scale):
+    def __init__(self, q, tq, start, end, coords, scale):
         self.n, self.heads, self.head_dim = q.shape
         self.rel = tq is not None
         self.g = (tq.shape[0] + 1) // 2 if self.rel else 1
-        self.shared = (offsets, window_of, coords)
+        self.shared = (start, end, coords)
         self.scale = scale
         self.dtype = q.dtype
         # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands).
@@ -290,6 +346,23 @@ class Launch:
 
 
 @triton.jit
+def _row_windows_kernel(offsets, start, end, N, W, STEPS, BLOCK: tl.constexpr):
+    """start, end of each row: the last window w with offsets[w] <= row (non-empty, so
+    offsets[w+1] > row), found by binary search over [0, W)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + W
+    for _ in range(STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(offsets + mid, mask=ok, other=0) <= rows
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    tl.store(start + rows, tl.load(offsets + lo, mask=ok), mask=ok)
+    tl.store(end + rows, tl.load(offsets + lo + 1, mask=ok), mask=ok)
+
+
+@triton.jit
 def _load_rows(ptr, rows, ok, head, H, D: tl.constexpr):
     """The (len(rows), D) block of head `head` of an (N, H, D) tensor; zeros where not ok."""
     offs = (rows.to(tl.int64)[:, None] * H + head) * D + tl.arange(0, D)[None, :]
@@ -303,18 +376,37 @@ def _store_rows(ptr, rows, ok, head, H, D: tl.constexpr, block):
 
 
 @triton.jit
+def _tile(start, end, first, N, BLOCK: tl.constexpr, OTHER: tl.constexpr):
+    """A tile of BLOCK sorted rows from `first`: rows, which exist, each row's window (its
+    start; OTHER where the row does not exist), and the span [lo, hi) of partner rows its
+    windows cover (from the first row's window start to the last row's window end)."""
+    rows = first + tl.arange(0, BLOCK)
+    ok = rows < N
+    window = tl.load(start + rows, mask=ok, other=OTHER)
+    lo = tl.load(start + first)
+    hi = tl.load(end + tl.minimum(first + BLOCK, N) - 1)
+    return rows, ok, window, lo, hi
+
+
+@triton.jit
+def _partners(start, rows, hi, OTHER: tl.constexpr):
+    """A block of partner rows below hi: which exist, and each one's window."""
+    ok = rows < hi
+    return ok, tl.load(start + rows, mask=ok, other=OTHER)
+
+
+@triton.jit
+def _load_scaled(q, rows, ok, head, H, D: tl.constexpr, scale):
+    """qs = q * scale in fp32, rounded to q's dtype."""
+    return (_load_rows(q, rows, ok, head, H, D).to(tl.float32) * scale).to(q.dtype.element_ty)
+
+
+@triton.jit
 def _load_coords(coords, rows, ok):
     """The rows' coordinates on the three axes: a tuple of three int vectors."""
     return (tl.load(coords + rows * 3, mask=ok, other=0),
             tl.load(coords + rows * 3 + 1, mask=ok, other=0),
             tl.load(coords + rows * 3 + 2, mask=ok, other=0))
-
-
-@triton.jit
-def _window_span(offsets, window_of, first, last):
-    """Sorted rows first..last see [start of first's window, end of last's window)."""
-    return (tl.load(offsets + tl.load(window_of + first)),
-            tl.load(offsets + tl.load(window_of + last) + 1))
 
 
 @triton.jit
@@ -329,54 +421,19 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 @triton.jit
 def _split_dot(x, y, PRECISION: tl.constexpr):
-    """x @ y for fp32 x and y in the compute dtype (a one-hot, a table, rows): x is split into
-    a high and a low part in y's dtype, so x keeps about twice that dtype's mantissa bits
-    (16 for bf16, 22 for fp16) while the MMAs stay half precision; fp32 uses tf32x3."""
-    if y.dtype == tl.float32:
+    """x @ y where one operand is fp32 and the other in the compute dtype (a one-hot, a table,
+    rows): the fp32 one is split into a high and a low part in the other's dtype, so it keeps
+    about twice that dtype's mantissa bits (16 for bf16, 22 for fp16) while the MMAs stay half
+    precision; with both fp32, tf32x3."""
+    if x.dtype == tl.float32 and y.dtype == tl.float32:
         return tl.dot(x, y, input_precision="tf32x3")
-    high = x.to(y.dtype)
-    low = (x - high.to(tl.float32)).to(y.dtype)
-    return _dot(high, y, PRECISION) + _dot(low, y, PRECISION)
-
-
-@triton.jit
-def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    """T[:, axis] of a table (L, 3, H, D) for one head: (LP, D), zero past L = 2G-1."""
-    r = tl.arange(0, LP)[:, None]
-    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
-    return tl.load(table + offs, mask=r < 2 * G - 1, other=0.0)
-
-
-@triton.jit
-def _by_r(x, table, head, H, D: tl.constexpr, G, LP: tl.constexpr, PRECISION: tl.constexpr):
-    """For each axis a, the (rows, LP) fp32 block <x_p, T[r, a]> over r: a tuple of three."""
-    return (_dot(x, tl.trans(_axis_table(table, 0, head, H, D, G, LP)), PRECISION),
-            _dot(x, tl.trans(_axis_table(table, 1, head, H, D, G, LP)), PRECISION),
-            _dot(x, tl.trans(_axis_table(table, 2, head, H, D, G, LP)), PRECISION))
-
-
-@triton.jit
-def _pick_axis(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
-    """(own rows, partner rows): x_by_r[p, r(p, q)], r = query coordinate - key coordinate + G-1."""
-    if IS_QUERY:
-        rel = own[:, None] - partner[None, :] + G - 1
-    else:
-        rel = partner[None, :] - own[:, None] + G - 1
-    return tl.gather(x_by_r, rel, 1)
-
-
-@triton.jit
-def _pick(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
-    """sum over the axes of _pick_axis: each pair's relative term, e.g. <qs_i, sum_a tq[r_a, a]>."""
-    return (_pick_axis(x_by_r[0], own[0], partner[0], IS_QUERY, G)
-            + _pick_axis(x_by_r[1], own[1], partner[1], IS_QUERY, G)
-            + _pick_axis(x_by_r[2], own[2], partner[2], IS_QUERY, G))
-
-
-@triton.jit
-def _relative_logits(q_by_r, k_by_r, qc, kc, G):
-    """(queries, keys): <qs_i, sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>."""
-    return _pick(q_by_r, qc, kc, True, G) + tl.trans(_pick(k_by_r, kc, qc, False, G))
+    if x.dtype == tl.float32:
+        high = x.to(y.dtype)
+        low = (x - high.to(tl.float32)).to(y.dtype)
+        return _dot(high, y, PRECISION) + _dot(low, y, PRECISION)
+    high = y.to(x.dtype)
+    low = (y - high.to(tl.float32)).to(x.dtype)
+    return _dot(x, high, PRECISION) + _dot(x, low, PRECISION)
 
 
 @triton.jit
@@ -419,6 +476,32 @@ def _one_hot(c, GP: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _by_partner(x, c, table, G, IS_QUERY: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """(rows, 4*GP) fp32: column a*GP + p holds <x_row, T[r, a]> for the relative index r of the
+    row (own coordinate c_a) and a partner at coordinate p: r = c_a - p + G-1 for a query row,
+    p - c_a + G-1 for a key row. `table` is a (4*LP, D) block from _load_table."""
+    x_by_r = _dot(x, tl.trans(table), PRECISION)  # (rows, 4*LP), column a*LP + r
+    axis, p, own = _axis_columns(c, GP)
+    r = own - p + G - 1 if IS_QUERY else p - own + G - 1
+    ok = (axis < 3) & (p < G)
+    return tl.where(ok, tl.gather(x_by_r, tl.where(ok, axis * LP + r, 0), 1), 0.0)
+
+
+@triton.jit
+def _pair_terms(x_by_partner, partner_hot, PRECISION: tl.constexpr):
+    """(rows, partners): sum_a x_by_partner[row, a*GP + c_a(partner)], as an MMA with the
+    partners' one-hot coordinates."""
+    return _split_dot(x_by_partner, tl.trans(partner_hot), PRECISION)
+
+
+@triton.jit
+def _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION: tl.constexpr):
+    """(queries, keys): <qs_i, sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>."""
+    return _pair_terms(q_by_p, k_hot, PRECISION) + _split_dot(q_hot, tl.trans(k_by_p), PRECISION)
+
+
+@triton.jit
 def _by_relative(x, c, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
     """(rows, 4*GP) indexed by the partner's coordinate p -> (rows, 4*LP) indexed by r, the
     relative index of the row (own coordinate x) and that partner: a query row has
@@ -430,35 +513,34 @@ def _by_relative(x, c, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.const
 
 
 @triton.jit
-def _forward_kernel(q, k, v, out, lse, tq, tk, tv, offsets, window_of, coords, N, H, G, scale,
+def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, scale,
                     D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile of BLOCK_M sorted query rows, one head: online softmax over the tile's key span."""
     dtype = q.dtype.element_ty
-    first, head = tl.program_id(0) * BLOCK_M, tl.program_id(1)
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    lo, hi = _window_span(offsets, window_of, first, tl.minimum(first + BLOCK_M, N) - 1)
-    row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
-    qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
+    head = tl.program_id(1)
+    rows, row_ok, row_window, lo, hi = _tile(start, end, tl.program_id(0) * BLOCK_M, N, BLOCK_M, -1)
+    qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_r = _by_r(qs, tq, head, H, D, G, LP, PRECISION)
+        q_hot = _one_hot(qc, GP, dtype)
+        q_by_p = _by_partner(qs, qc, _load_table(tq, head, H, D, G, LP), G, True, GP, LP, PRECISION)
+        tk_block = _load_table(tk, head, H, D, G, LP)
         v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
     m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
+    for first in range(lo, hi, BLOCK_N):
+        cols = first + tl.arange(0, BLOCK_N)
+        col_ok, col_window = _partners(start, cols, hi, -2)
         kb = _load_rows(k, cols, col_ok, head, H, D)
         vb = _load_rows(v, cols, col_ok, head, H, D)
         s = _dot(qs, tl.trans(kb), PRECISION)
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _relative_logits(q_by_r, _by_r(kb, tk, head, H, D, G, LP, PRECISION), qc, kc, G)
-        col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
+            k_by_p = _by_partner(kb, kc, tk_block, G, False, GP, LP, PRECISION)
+            s += _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -478,32 +560,33 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, offsets, window_of, coords, N
 
 
 @triton.jit
-def _backward_query_kernel(q, k, v, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
-                           offsets, window_of, coords, N, H, G, scale,
+def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
+                           start, end, coords, N, H, G, scale,
                            D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr,
                            LP: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq for one query tile and head, and the tile's share of dtq and dtv."""
+    """dq for one query tile and head, the tile's share of dtq and dtv, and the tile's
+    delta = <dO, O> per row (stored for the key kernel)."""
     dtype = q.dtype.element_ty
-    first, head = tl.program_id(0) * BLOCK_M, tl.program_id(1)
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    lo, hi = _window_span(offsets, window_of, first, tl.minimum(first + BLOCK_M, N) - 1)
-    row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
-    qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
+    head = tl.program_id(1)
+    rows, row_ok, row_window, lo, hi = _tile(start, end, tl.program_id(0) * BLOCK_M, N, BLOCK_M, -1)
+    qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
     dob = _load_rows(do, rows, row_ok, head, H, D)
+    row_delta = tl.sum(dob.to(tl.float32) * _load_rows(o, rows, row_ok, head, H, D).to(tl.float32), 1)
+    tl.store(delta + rows * H + head, row_delta, mask=row_ok)
     row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
-    row_delta = tl.load(delta + rows * H + head, mask=row_ok, other=0.0)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_r = _by_r(qs, tq, head, H, D, G, LP, PRECISION)
-        do_by_r = _by_r(dob, tv, head, H, D, G, LP, PRECISION)
+        q_hot = _one_hot(qc, GP, dtype)
+        q_by_p = _by_partner(qs, qc, _load_table(tq, head, H, D, G, LP), G, True, GP, LP, PRECISION)
+        do_by_p = _by_partner(dob, qc, _load_table(tv, head, H, D, G, LP), G, True, GP, LP, PRECISION)
+        tk_block = _load_table(tk, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
     dqs = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
+    for first in range(lo, hi, BLOCK_N):
+        cols = first + tl.arange(0, BLOCK_N)
+        col_ok, col_window = _partners(start, cols, hi, -2)
         kb = _load_rows(k, cols, col_ok, head, H, D)
         vb = _load_rows(v, cols, col_ok, head, H, D)
         s = _dot(qs, tl.trans(kb), PRECISION)
@@ -511,9 +594,9 @@ def _backward_query_kernel(q, k, v, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _relative_logits(q_by_r, _by_r(kb, tk, head, H, D, G, LP, PRECISION), qc, kc, G)
-            dp += _pick(do_by_r, qc, kc, True, G)
-        col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
+            k_by_p = _by_partner(kb, kc, tk_block, G, False, GP, LP, PRECISION)
+            s += _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION)
+            dp += _pair_terms(do_by_p, k_hot, PRECISION)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds = (p * (dp - row_delta[:, None])).to(dtype)
@@ -532,30 +615,30 @@ def _backward_query_kernel(q, k, v, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
 
 @triton.jit
 def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
-                         offsets, window_of, coords, N, H, G, scale,
+                         start, end, coords, N, H, G, scale,
                          D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr,
                          LP: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv for one tile of BLOCK_N keys and one head (its query span, mirrored), and the
     tile's share of dtk."""
     dtype = q.dtype.element_ty
-    first, head = tl.program_id(0) * BLOCK_N, tl.program_id(1)
-    cols = first + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    lo, hi = _window_span(offsets, window_of, first, tl.minimum(first + BLOCK_N, N) - 1)
-    col_window = tl.load(window_of + cols, mask=col_ok, other=-2)
+    head = tl.program_id(1)
+    cols, col_ok, col_window, lo, hi = _tile(start, end, tl.program_id(0) * BLOCK_N, N, BLOCK_N, -2)
     kb = _load_rows(k, cols, col_ok, head, H, D)
     vb = _load_rows(v, cols, col_ok, head, H, D)
     if REL:
         kc = _load_coords(coords, cols, col_ok)
-        k_by_r = _by_r(kb, tk, head, H, D, G, LP, PRECISION)
+        k_hot = _one_hot(kc, GP, dtype)
+        k_by_p = _by_partner(kb, kc, _load_table(tk, head, H, D, G, LP), G, False, GP, LP, PRECISION)
+        tq_block = _load_table(tq, head, H, D, G, LP)
+        tv_block = _load_table(tv, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
     dkb = tl.zeros([BLOCK_N, D], tl.float32)
     dvb = tl.zeros([BLOCK_N, D], tl.float32)
-    for start in range(lo, hi, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < hi
-        qs = (_load_rows(q, rows, row_ok, head, H, D).to(tl.float32) * scale).to(dtype)
+    for first in range(lo, hi, BLOCK_M):
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok, row_window = _partners(start, rows, hi, -1)
+        qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
         dob = _load_rows(do, rows, row_ok, head, H, D)
         row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
         row_delta = tl.load(delta + rows * H + head, mask=row_ok, other=0.0)
@@ -564,9 +647,10 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         if REL:
             qc = _load_coords(coords, rows, row_ok)
             q_hot = _one_hot(qc, GP, dtype)
-            s += _relative_logits(_by_r(qs, tq, head, H, D, G, LP, PRECISION), k_by_r, qc, kc, G)
-            dp += _pick(_by_r(dob, tv, head, H, D, G, LP, PRECISION), qc, kc, True, G)
-        row_window = tl.load(window_of + rows, mask=row_ok, other=-1)
+            q_by_p = _by_partner(qs, qc, tq_block, G, True, GP, LP, PRECISION)
+            s += _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION)
+            do_by_p = _by_partner(dob, qc, tv_block, G, True, GP, LP, PRECISION)
+            dp += _pair_terms(do_by_p, k_hot, PRECISION)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Tile sizes of the window-attention kernels, measured: each kernel alone, for each candidate
+(BLOCK_M, BLOCK_N, num_warps), on the dense scene of bench_sparse_attention.py (268,720 voxels,
+head_dim 16, G = 24), with and without relative position. The fastest per kernel go into
+lowconv.kernels.window_attention.tile_config by hand.
+
+Compiling every candidate takes minutes, so worker processes compile them in parallel first
+(into Triton's cache, with the same shapes as the timed run); the timing is then one process.
+
+    python3 scripts/tune_window_attention.py --out DIR [--heads 1,4] [--dtypes fp16,fp32]
+"""
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import lowconv.kernels.window_attention as wa  # noqa: E402
+from scripts.bench_sparse_attention import DTYPES, FULL_POINTS, build_scene, make_inputs  # noqa: E402
+
+KERNELS = {"forward": wa._forward_kernel, "backward query": wa._backward_query_kernel,
+           "backward key": wa._backward_key_kernel}
+CANDIDATES = {
+    False: [(32, 32, 4), (64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8), (64, 16, 4)],
+    True: [(16, 16, 4), (32, 16, 4), (16, 32, 4), (32, 32, 4), (64, 32, 4), (32, 32, 8),
+           (64, 32, 8), (64, 64, 8)],
+}
+
+
+def jobs(dtypes):
+    """Every (dtype name, rel, kernel name, config) to measure."""
+    return [(dtype, rel, kernel, config) for dtype in dtypes for rel in (False, True)
+            for kernel in KERNELS for config in CANDIDATES[rel]]
+
+
+class Problem:
+    """The dense scene's inputs at h heads in one dtype, and every buffer the kernels write."""
+
+    def __init__(self, scene, heads, dtype):
+        x = make_inputs(scene.n, heads, dtype, torch.device("cuda"), seed=0)
+        self.q, self.k, self.v = (t.detach() for t in (x.q, x.k, x.v))
+        self.tables = tuple(t.detach() for t in x.tables)
+        self.do = x.grad_out
+        self.start, self.end = scene.row_windows
+        self.coords = scene.coords
+        self.out = torch.empty_like(self.q)
+        self.lse = torch.empty(self.q.shape[:2], dtype=torch.float32, device="cuda")
+        self.delta = torch.empty_like(self.lse)
+        self.grads = [torch.empty_like(self.q) for _ in range(3)]
+        self.table_grads = [torch.zeros(t.shape, dtype=torch.float32, device="cuda")
+                            for t in self.tables]
+
+    def call(self, kernel, rel):
+        """A function launching `kernel` once on these inputs, with the tile_config in force."""
+        tq, tk, tv = self.tables if rel else (None, None, None)
+        dtq, dtk, dtv = self.table_grads if rel else (None, None, None)
+        dq, dk, dv = self.grads
+        launch = wa.Launch(self.q, tq, self.start, self.end, self.coords if rel else None, 1.0)
+        args = {
+            "forward": (self.q, self.k, self.v, self.out, self.lse, tq, tk, tv),
+            "backward query": (self.q, self.k, self.v, self.out, self.do, self.lse, self.delta, dq,
+                               tq, tk, tv, dtq, dtv),
+            "backward key": (self.q, self.k, self.v, self.do, self.lse, self.delta, dk, dv,
+                             tq, tk, tv, dtk),
+        }[kernel]
+        return lambda: launch.run(KERNELS[kernel], *args)
+
+
+def use_config(config):
+    wa.tile_config = lambda kernel, rel, dtype: config
+
+
+def run_jobs(selected, heads, measure):
+    """Run each job (compile, and time it if `measure`), forward first so lse and delta exist."""
+    scene = build_scene("dense", FULL_POINTS, torch.device("cuda"))
+    problems = {}
+    results = []
+    for dtype, rel, kernel, config in selected:
+        for h in heads:
+            key = (dtype, h)
+            if key not in problems:
+                problems[key] = Problem(scene, h, DTYPES[dtype])
+                use_config((32, 32, 4))
+                problems[key].call("forward", True)()
+                problems[key].call("backward query", True)()  # writes delta
+            use_config(config)
+            fn = problems[key].call(kernel, rel)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") if measure else None
+                results.append({"dtype": dtype, "h": h, "rel": rel, "kernel": kernel,
+                                "config": list(config), "ms": ms})
+            except Exception as error:  # e.g. out of shared memory: the candidate is out
+                results.append({"dtype": dtype, "h": h, "rel": rel, "kernel": kernel,
+                                "config": list(config), "error": f"{type(error).__name__}: {error}"[:200]})
+    return results
+
+
+def compile_in_parallel(all_jobs, heads, workers):
+    """Fill Triton's cache: `workers` processes each compile a share of the jobs (at every h:
+    h = 1 compiles apart, Triton specializes integer arguments equal to 1)."""
+    dtypes = ",".join(sorted({job[0] for job in all_jobs}))
+    procs = [subprocess.Popen([sys.executable, __file__, "--compile-part", f"{i}/{workers}",
+                               "--heads", heads, "--dtypes", dtypes]) for i in range(workers)]
+    for p in procs:
+        p.wait()
+
+
+def report(results, out):
+    rows = []
+    for (dtype, rel, kernel), group in itertools.groupby(
+            sorted(results, key=lambda r: (r["dtype"], r["rel"], r["kernel"], r["h"])),
+            key=lambda r: (r["dtype"], r["rel"], r["kernel"])):
+        group = list(group)
+        for h in sorted({r["h"] for r in group}):
+            timed = [r for r in group if r["h"] == h and r.get("ms") is not None]
+            timed.sort(key=lambda r: r["ms"])
+            cells = [f"{tuple(r['config'])}: {r['ms']:.3f}" for r in timed]
+            failed = [tuple(r["config"]) for r in group if r["h"] == h and "error" in r]
+            rows.append([dtype, h, "on" if rel else "off", kernel, "; ".join(cells),
+                         ", ".join(map(str, failed))])
+    text = tabulate(rows, headers=["dtype", "h", "rel pos", "kernel", "ms per config, fastest first",
+                                   "failed"], tablefmt="github")
+    (out / "tune_window_attention.md").write_text(text + "\n")
+    (out / "tune_window_attention.json").write_text(json.dumps(results, indent=1))
+    print(text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--heads", default="1,4")
+    parser.add_argument("--dtypes", default="fp16")
+    parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--compile-part", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    heads = [int(h) for h in args.heads.split(",")]
+    all_jobs = jobs(args.dtypes.split(","))
+    if args.compile_part:
+        part, parts = map(int, args.compile_part.split("/"))
+        run_jobs(all_jobs[part::parts], heads, measure=False)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    compile_in_parallel(all_jobs, args.heads, args.workers)
+    print(f"compiled in {time.time() - start:.0f} s", flush=True)
+    results = run_jobs(all_jobs, heads, measure=True)
+    print(f"total {time.time() - start:.0f} s")
+    report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
