@@ -1,2 +1,3 @@
 """Drop-in functional APIs of other projects, in plain torch, so their models run anywhere and
-lowconv's passes can recognize their calls (sptr.py: SparseTransformer, used by SphereFormer)."""
+lowconv's passes can recognize their calls (sptr.py: SparseTransformer, used by SphereFormer;
+sptr_install.py: the callables of a real SpTr install that these stand for)."""

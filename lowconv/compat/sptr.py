@@ -23,6 +23,9 @@ insides). sparse_self_attention and VarLengthMultiheadSA are traced through, to 
 ops. This holds for calls through this module's namespace (`sptr.attention_step1(...)`, and all
 calls made here); a model that does `from ...sptr import attention_step1` binds the unpatched
 function, and a tracer catches it only with `fx.Tracer(autowrap_functions=SPTR_OPS + SPTR_HELPERS)`.
+A real SpTr install's ops (autograd Functions over its CUDA extension, which a Proxy cannot go
+through) are kept single calls by lowconv's tracer too, and read by the passes as these
+(sptr_install.py, which also says how the real package is laid out).
 """
 from __future__ import annotations
 

@@ -18,15 +18,17 @@ Tracing works on the module it is given; callers pass a copy, never the user's m
 from __future__ import annotations
 
 import inspect
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from lowconv.compat import sptr
+from lowconv.compat import sptr, sptr_install
 from lowconv.errors import LowconvError
 
 # Modules that are sites by themselves: traced as calls, never into.
@@ -62,6 +64,14 @@ class Trace:
     untraced: list[Untraced]
 
 
+class SetItemProxy(fx.Proxy):
+    """A Proxy that records `x[i] = y` as an operator.setitem call, which fx generates code for
+    but its Proxy refuses; SpTr's sparse_self_attention puts its output back in order that way."""
+
+    def __setitem__(self, key, value):
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class SiteTracer(fx.Tracer):
     """fx's default tracer, but everything it may need to rewrite stays a call_module.
 
@@ -74,8 +84,32 @@ class SiteTracer(fx.Tracer):
 
     def __init__(self):
         # SpTr ops stay single calls even when a model imported them by name (torch.fx.wrap only
-        # patches calls through the module's namespace).
-        super().__init__(autowrap_functions=sptr.SPTR_OPS + sptr.SPTR_HELPERS)
+        # patches calls through the module's namespace); so do a real SpTr install's, whose
+        # autograd Functions and CUDA extension cannot take a Proxy.
+        real_ops = sptr_install.real_ops()
+        super().__init__(autowrap_functions=sptr.SPTR_OPS + sptr.SPTR_HELPERS + tuple(op.real for op in real_ops))
+        # fx patches autowrap functions in the traced forwards' globals and in the modules of its
+        # (private) _autowrap_search list: adding sptr's catches `sptr.functional.attention_step1(...)`,
+        # `F.attention_step1(...)` and the calls in sptr's own sparse_self_attention. (The public
+        # autowrap_modules would also wrap every other callable there, SparseTrTensor included.)
+        self._autowrap_search += sptr_install.loaded_modules()
+        # By id: fx records the very object it patched, and call targets need not be hashable.
+        self.real_ops = {id(op.real): op for op in real_ops}
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        if kind == "call_function":
+            target = self.real_ops.get(id(target), target)  # a real SpTr op is recorded as its RealOp
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+    def create_arg(self, a):
+        # SpTr keeps window and quant sizes as numpy arrays (to_3d_numpy) and passes them to
+        # get_indices_params; fx takes no numpy argument, so the graph rebuilds the array.
+        if isinstance(a, np.ndarray):
+            return self.create_node("call_function", np.array, (a.tolist(),), {"dtype": str(a.dtype)})
+        return super().create_arg(a)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return SetItemProxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return is_site_module(m) or super().is_leaf_module(m, qualname)

@@ -1,4 +1,5 @@
-"""Find SpTr windowed-attention chains (lowconv.compat.sptr) in a traced region.
+"""Find SpTr windowed-attention chains (lowconv.compat.sptr, or a real SpTr install's ops, read as
+their compat equivalents: compat/sptr_install.py) in a traced region.
 
     attn = attention_step1(q, k, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
     attn = scatter_softmax_csr(attn, index_0_offsets)
@@ -11,19 +12,23 @@ relative_position_index(xyz, index_0, index_1, window_size, quant_size, G, shift
 Each chain becomes one site whose op takes q, k, v and what the fused kernel needs instead of the
 (M, h) pair tensors: the window offsets (derived from index_0_offsets and index_1) and, with
 relative position, the points' xyz and the quantization that rel_idx was made from, and the tables.
-The rel_idx node goes with the chain, so nothing of size M x 3 is computed either.
+The rel_idx node goes with the chain, so nothing of size M x 3 is computed either. Real SpTr
+computes rel_idx inline, with no function to read the points from: its contextual chains are found
+but kept, and the site says why.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from lowconv.compat import sptr
+from lowconv.compat.sptr_install import as_compat
 from lowconv.passes.attention import owner_of, site_fqn
 from lowconv.passes.fx_nodes import call_args
 from lowconv.passes.trace import Region
 from lowconv.site import AttentionInfo, Site, class_names, tensor_meta
 
 STEP1_ARGS = ("q", "k", "index_0", "index_0_offsets", "index_1", "index_1_offsets", "n_max")
+SOFTMAX_ARGS = ("src", "indptr", "dim")
 STEP2_ARGS = ("attn", "v", "index_0", "index_0_offsets", "index_1", "index_1_offsets", "n_max")
 DOT_PROD_ARGS = ("q", "index_0", "index_0_offsets", "k", "index_1", "index_1_offsets", "table_q", "table_k",
                  "rel_idx", "n_max")
@@ -31,10 +36,30 @@ STEP2_REL_ARGS = ("attn", "v", "index_0", "index_0_offsets", "n_max", "index_1",
                   "rel_idx")
 REL_IDX_ARGS = ("xyz", "index_0", "index_1", "window_size", "quant_size", "quant_grid_length", "shift_win")
 SHARED = ("index_0", "index_0_offsets", "index_1", "index_1_offsets")
+INT_CASTS = ("int", "long")
 
 
 def calls(node, function) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is function
+    """Whether node calls `function`, a lowconv.compat.sptr function, or a real SpTr op standing for it."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and as_compat(node.target) is function
+
+
+def uncast(node):
+    """node less its integer casts: real SpTr passes `index_0_offsets.long()` to the softmax."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in INT_CASTS:
+        node = node.args[0]
+    return node
+
+
+def made_by(node) -> str:
+    """What computed node, for a message."""
+    if not isinstance(node, fx.Node):
+        return "a constant"
+    if node.op == "call_method":
+        return f"a `.{node.target}()` call"
+    if node.op == "call_function":
+        return f"a call of `{getattr(node.target, '__name__', node.target)}`"
+    return f"`{node.target}` ({node.op})"
 
 
 def find_window_attention_sites(region: Region, names: dict[str, set[str]] | None = None) -> list[Site]:
@@ -57,7 +82,8 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     softmax = second["attn"]
     if not calls(softmax, sptr.scatter_softmax_csr):
         return None
-    step1 = softmax.args[0]
+    scores = call_args(softmax, SOFTMAX_ARGS)
+    step1 = scores.get("src")
     rel_query = calls(step1, sptr.dot_prod_with_idx_all)
     if not (rel_query or calls(step1, sptr.attention_step1)):
         return None
@@ -66,7 +92,8 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     problems = []
     if len(step1.users) > 1 or len(softmax.users) > 1:
         problems.append("the attention scores or probabilities are also used elsewhere")
-    if any(first[name] is not second[name] for name in SHARED) or softmax.args[1] is not first["index_0_offsets"]:
+    if (any(uncast(first[name]) is not uncast(second[name]) for name in SHARED)
+            or uncast(scores.get("indptr")) is not uncast(first["index_0_offsets"])):
         problems.append("the chain's ops do not share one pair layout")
     if rel_query != rel_value:
         problems.append("relative position on the query/key side only or on the value side only")
@@ -74,9 +101,12 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     args = [first["q"], first["k"], second["v"], first["index_0_offsets"], first["index_1"]]
     if rel_query and rel_value:
         rel_idx = first["rel_idx"]
-        if second["rel_idx"] is not rel_idx or not calls(rel_idx, sptr.relative_position_index):
-            problems.append("rel_idx is not relative_position_index(...) of the points (e.g. rewritten by a "
-                            "split function), so it has no per-point coordinates")
+        if second["rel_idx"] is not rel_idx:
+            problems.append("the query/key and the value side take different rel_idx")
+        elif not calls(rel_idx, sptr.relative_position_index):
+            problems.append(f"rel_idx is not relative_position_index(...) of the points but made by "
+                            f"{made_by(rel_idx)} (real SpTr computes it inline; a split function rewrites it), "
+                            f"so it has no per-point coordinates")
         else:
             made = call_args(rel_idx, REL_IDX_ARGS)
             args += [made["xyz"], made["window_size"], made["quant_size"], made["quant_grid_length"],

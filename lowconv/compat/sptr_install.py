@@ -1,0 +1,95 @@
+"""A real SpTr install (package `sptr`, CUDA ops) seen from lowconv: the callables of it that
+lowconv.compat.sptr reimplements, found among the modules already imported, so that a trace keeps
+them single calls (passes/trace.py) and the passes read each as its compat equivalent.
+
+Real SpTr, as read (dvlab-research/SparseTransformer; the stored copies read are
+tokuda99/SparseTransformer sptr/{__init__,functional,utils,modules}.py at 3f33e4d, a fork of it,
+and dvlab-research/SphereFormer third_party/SparseTransformer/sptr/modules.py, sptr_backup/utils.py
+and model/spherical_transformer.py at 43ec041; the lh9171338 fork's Python files were not there):
+- sptr/functional.py imports `sptr_cuda` (the extension) and defines each op as a
+  torch.autograd.Function exposed as `name = Class.apply`: attention_step1 (AttentionStep1),
+  attention_step2, dot_prod_with_idx_all, attention_step2_with_rel_pos_value, precompute_all,
+  and dot_prod_with_idx (no compat equivalent, not called by sptr's modules). Their argument
+  orders are the compat ones, and sptr calls them positionally; their keyword names differ
+  (index0, index_q, table), so a call by those keywords is not read as a chain.
+- sptr/utils.py has plain functions: to_3d_numpy (sizes as numpy arrays), grid_sample
+  (torch_geometric's voxel_grid), get_indices_params (grid_sample, .item() and precompute_all:
+  does not trace), scatter_softmax_csr (torch_scatter's segment_csr and gather_csr).
+- sptr/__init__.py star-imports functional and utils (no __all__), so `sptr.attention_step1` is
+  the same object, and defines SparseTrTensor; sptr/modules.py has sparse_self_attention and
+  VarLengthMultiheadSA, which import the ops by name and call scatter_softmax_csr with keywords
+  (src=, indptr=index_0_offsets.long(), dim=0).
+- rel_idx has no function: sparse_self_attention computes it inline with torch ops (xyz quantized
+  in its window, per pair difference + G - 1, optionally rewritten by split_func and clamped,
+  then `.int()`).
+- SphereFormer imports the package vendored, as `third_party.SparseTransformer.sptr`.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+from lowconv.compat import sptr
+
+# The real callables that stand for compat functions: compat name -> the package's submodule
+# defining it (under the same name).
+REAL_NAMES = {
+    "attention_step1": "functional",
+    "attention_step2": "functional",
+    "dot_prod_with_idx_all": "functional",
+    "attention_step2_with_rel_pos_value": "functional",
+    "precompute_all": "functional",
+    "scatter_softmax_csr": "utils",
+    "get_indices_params": "utils",
+}
+
+
+class RealOp:
+    """A real SpTr callable as an fx call target, standing for the compat function `compat`.
+
+    Not the callable itself: fx writes a bound `Function.apply` into generated code as
+    `torch.autograd.function.apply`, which does not exist; this object is a global there instead.
+    """
+
+    def __init__(self, name: str, real):
+        self.__name__ = name  # names the node and the global in generated code
+        self.real = real
+        self.compat = getattr(sptr, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.real(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<real sptr {self.__name__}>"
+
+
+def as_compat(target):
+    """The compat function that a call_function target stands for (itself if none)."""
+    return target.compat if isinstance(target, RealOp) else target
+
+
+def loaded_packages() -> list[str]:
+    """The real SpTr packages already imported, `sptr` or vendored (`...sptr`), told by their
+    `functional` submodule. Never imports: sptr loads its CUDA extension, and a model that calls
+    it has imported it already."""
+    suffix = ".functional"
+    return [name.removesuffix(suffix) for name in list(sys.modules)
+            if name == "sptr" + suffix or name.endswith(".sptr" + suffix)]
+
+
+def loaded_modules() -> list[ModuleType]:
+    """The loaded modules of the real SpTr packages: those whose code calls the ops by name."""
+    packages = loaded_packages()
+    return [module for name, module in list(sys.modules.items())
+            if isinstance(module, ModuleType) and any(name == p or name.startswith(p + ".") for p in packages)]
+
+
+def real_ops() -> list[RealOp]:
+    """The known callables of each loaded real SpTr package."""
+    ops = []
+    for package in loaded_packages():
+        for name, submodule in REAL_NAMES.items():
+            real = getattr(sys.modules.get(f"{package}.{submodule}"), name, None)
+            if callable(real):
+                ops.append(RealOp(name, real))
+    return ops
