@@ -4,18 +4,22 @@ The `sptr` here is a fake written to tmp_path with the real one's layout (compat
 says where it was read): ops are autograd Functions exposed as `Class.apply` over an extension
 module, `sptr_cuda`, that rejects anything but tensors and numbers as a C++ binding does, so a
 Proxy cannot get through; it computes with lowconv.compat.sptr. scatter_softmax_csr goes through
-a fake torch_scatter of the same kind, and rel_idx is computed inline, as in SpTr's modules.py.
+a fake torch_scatter of the same kind, and rel_idx is computed inline, as in SpTr's modules.py
+(a split function and its clamp included).
 """
 import importlib
+import operator
 import sys
 import textwrap
 
 import pytest
 import torch
 import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
 
 import lowconv
 from lowconv.compat import sptr as compat
+from lowconv.compat import sptr_install
 from lowconv.compat.sptr_install import RealOp, as_compat
 from lowconv.passes.trace import SiteTracer, trace_model
 from lowconv.passes.window_attention import find_window_attention_sites
@@ -193,6 +197,9 @@ FAKE_SPTR = {
                                       rounding_mode="floor")
                 relative_position = xyz_quant[index_0.long()] - xyz_quant[index_1.long()]
                 relative_position_index = relative_position + quant_grid_length - 1
+                if split_func:
+                    relative_position_index = split_func(xyz_ctg, index_0, index_1, relative_position_index.clone())
+                    relative_position_index = torch.clamp(relative_position_index, 0, 2 * quant_grid_length - 1)
                 relative_position_index = relative_position_index.int()
                 attn_flat = dot_prod_with_idx_all(query, index_0, index_0_offsets, key, index_1, index_1_offsets,
                                                   relative_pos_query_table, relative_pos_key_table,
@@ -315,11 +322,19 @@ FAKE_SPTR = {
                 return self.attn(tensor).query_feats
 
 
+        def radial_split(xyz, index_0, index_1, relative_position_index):
+            """Of the kind of SphereFormer's exponential_split: the radial column rewritten in place."""
+            rel_pos = xyz[:, 2][index_0.long()] - xyz[:, 2][index_1.long()]
+            relative_position_index[:, 2] = torch.sign(rel_pos) * 2 + 5  # rows 3, 5, 7 of 11
+            return relative_position_index
+
+
         class Contextual(nn.Module):
             """sparse_self_attention with contextual relative position (rel_idx inline), as SphereFormer calls it."""
 
-            def __init__(self):
+            def __init__(self, shift_win=False, split_func=None):
                 super().__init__()
+                self.shift_win, self.split_func = shift_win, split_func
                 self.qkv = nn.Linear(32, 96)
                 self.tables = nn.Parameter(torch.randn(3, 11, 3, 2, 16) * 0.5)  # 2G-1 rows, G = 6
                 self.window_size, self.quant_size = sptr.to_3d_numpy(0.3), sptr.to_3d_numpy(0.3 / 6)
@@ -327,14 +342,79 @@ FAKE_SPTR = {
             def forward(self, feats, xyz, batch):
                 q, k, v = self.qkv(feats).reshape(-1, 3, 2, 16).unbind(1)
                 index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = get_indices_params(
-                    xyz, batch, self.window_size, False)
+                    xyz, batch, self.window_size, self.shift_win)
                 x = sparse_self_attention(
                     q * 0.25, k, v, xyz, index_0.int(), index_0_offsets.int(), n_max, index_1.int(),
-                    index_1_offsets.int(), sort_idx, self.window_size, False, pe_type="contextual", rel_query=True,
-                    rel_key=True, rel_value=True, quant_size=self.quant_size, quant_grid_length=6,
+                    index_1_offsets.int(), sort_idx, self.window_size, self.shift_win, pe_type="contextual",
+                    rel_query=True, rel_key=True, rel_value=True, quant_size=self.quant_size, quant_grid_length=6,
                     relative_pos_query_table=self.tables[0], relative_pos_key_table=self.tables[1],
-                    relative_pos_value_table=self.tables[2])
+                    relative_pos_value_table=self.tables[2], split_func=self.split_func)
                 return x.flatten(1)
+
+
+        # rel_idx written other ways, from the differences d = P[index_0] - P[index_1] (G = 6, tables of 11 rows).
+        REL_IDX = {
+            "folded": lambda d: (5 + d).long(),
+            "clamped": lambda d: torch.clamp(d + 6 - 1, 0, 11).int(),  # as SpTr clamps after a split function
+            "narrowly clamped": lambda d: (d + 5).clamp(0, 8).int(),
+            "negated": lambda d: (5 - d).int(),
+        }
+
+
+        class Written(nn.Module):
+            """SpTr's chain written out in a model, its ops called positionally or by their own keyword names
+            (index0, index_q, table): plain (rel_idx "none") or contextual, rel_idx inline as REL_IDX says or
+            "unrounded" (coordinates not floored)."""
+
+            def __init__(self, rel_idx="none", keywords=False):
+                super().__init__()
+                self.rel_idx, self.keywords = rel_idx, keywords
+                self.qkv = nn.Linear(32, 96)
+                self.tables = nn.Parameter(torch.randn(3, 11, 3, 2, 16) * 0.5)
+
+            def forward(self, feats, xyz, batch):
+                q, k, v = self.qkv(feats).reshape(-1, 3, 2, 16).unbind(1)
+                index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = get_indices_params(
+                    xyz, batch, 0.3, False)
+                q, k, v, xyz = q[sort_idx] * 0.25, k[sort_idx], v[sort_idx], xyz[sort_idx]
+                index_0, index_0_offsets, index_1, index_1_offsets = (
+                    t.int() for t in (index_0, index_0_offsets, index_1, index_1_offsets))
+                if self.rel_idx == "none":
+                    x = self.plain(q, k, v, index_0, index_0_offsets, n_max, index_1, index_1_offsets)
+                else:
+                    x = self.contextual(q, k, v, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets)
+                return torch.empty_like(x).index_copy(0, sort_idx, x).flatten(1)
+
+            def plain(self, q, k, v, index_0, index_0_offsets, n_max, index_1, index_1_offsets):
+                if self.keywords:
+                    layout = dict(index0=index_0, index0_offsets=index_0_offsets, index1=index_1,
+                                  index1_offsets=index_1_offsets, n_max=n_max)
+                    attn = attention_step1(q, k, **layout)
+                    attn = scatter_softmax_csr(src=attn, indptr=index_0_offsets.long(), dim=0)
+                    return attention_step2(attn, v, **layout)
+                attn = attention_step1(q, k, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
+                attn = scatter_softmax_csr(attn, index_0_offsets.long(), dim=0)
+                return attention_step2(attn, v, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
+
+            def contextual(self, q, k, v, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets):
+                in_window = (xyz - xyz.min(0)[0]) % 0.3
+                quant = in_window / 0.05 if self.rel_idx == "unrounded" else in_window // 0.05
+                d = quant[index_0.long()] - quant[index_1.long()]
+                rel_idx = (d + 5).int() if self.rel_idx == "unrounded" else REL_IDX[self.rel_idx](d)
+                if self.keywords:
+                    attn = F.dot_prod_with_idx_all(
+                        q, index_q=index_0, index_q_offsets=index_0_offsets, k=k, index_k=index_1,
+                        index_k_offsets=index_1_offsets, table_q=self.tables[0], table_k=self.tables[1],
+                        rel_idx=rel_idx, n_max=n_max)
+                    attn = scatter_softmax_csr(src=attn, indptr=index_0_offsets.long(), dim=0)
+                    return F.attention_step2_with_rel_pos_value(
+                        attn, v, index0=index_0, index0_offsets=index_0_offsets, n_max=n_max, index1=index_1,
+                        index1_offsets=index_1_offsets, table=self.tables[2], rel_idx=rel_idx)
+                attn = F.dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offsets,
+                                               self.tables[0], self.tables[1], rel_idx, n_max)
+                attn = scatter_softmax_csr(attn, index_0_offsets.long(), dim=0)
+                return F.attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max, index_1,
+                                                            index_1_offsets, self.tables[2], rel_idx)
     ''',
 }
 FLOAT32 = parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }')
@@ -408,9 +488,19 @@ def test_each_call_style_traces_to_single_op_nodes_and_one_site(models, style):
     assert (site.info.form, site.info.heads, site.info.head_dim, site.info.rel_pos) == ("window", 2, 16, "none")
 
 
-@pytest.mark.parametrize("model", ["package", "alias", "name", "block"])
+MODELS = {
+    "package": lambda models: models.Chain("package"),
+    "alias": lambda models: models.Chain("alias"),
+    "name": lambda models: models.Chain("name"),
+    "block": lambda models: models.Block(),
+    "contextual": lambda models: models.Contextual(),
+    "contextual, shifted windows": lambda models: models.Contextual(shift_win=True),
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
 def test_conversion_leaves_no_sptr_op_and_matches(models, model, tmp_path):
-    model, inputs = (models.Block() if model == "block" else models.Chain(model)).eval(), scene()
+    model, inputs = MODELS[model](models).eval(), scene()
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
     assert [d.op for d in converted.lowconv_plan.converted()] == ["sparse_attention"]
     assert not sptr_ops(converted.graph)
@@ -422,14 +512,81 @@ def test_conversion_leaves_no_sptr_op_and_matches(models, model, tmp_path):
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_inline_rel_idx_chain_is_found_but_kept_with_why(models):
+def pair_sized(gm: fx.GraphModule, inputs) -> list[str]:
+    """The nodes that compute something with a row per (query, key) pair; the pair layout's own
+    outputs (get_indices_params' tuple items) aside."""
+    n_pairs = len(compat.get_indices_params(inputs[1], inputs[2], 0.3, False)[0])
+    ShapeProp(gm).propagate(*inputs)
+    return [node.name for node in gm.graph.nodes
+            if getattr(node.meta.get("tensor_meta"), "shape", (0,))[:1] == (n_pairs,)
+            and not (node.target is operator.getitem and as_compat(node.args[0].target) is compat.get_indices_params)]
+
+
+def test_inline_rel_idx_goes_with_the_chain(models):
     model, inputs = models.Contextual().eval(), scene()
+    assert pair_sized(trace_model(model, inputs).regions[0].graph, inputs)  # rel_idx, the ops, the index casts
     [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
-    assert site.info.rel_pos == "contextual"
-    assert "made by a `.int()` call (real SpTr computes it inline" in site.unsupported
+    assert site.unsupported is None and site.info.rel_pos == "contextual"
+    coords, grid_length = site.args[-1], site.args[8]
+    assert (coords.target, coords.kwargs, grid_length) == (torch.div, {"rounding_mode": "floor"}, 6)
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    assert not pair_sized(converted, inputs)
+
+
+@pytest.mark.parametrize("rel_idx", ["folded", "clamped"])
+def test_inline_rel_idx_written_otherwise_converts(models, rel_idx):
+    model, inputs = models.Written(rel_idx).eval(), scene()
+    [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    assert site.unsupported is None and site.args[8] == 6
+    with torch.no_grad():
+        torch.testing.assert_close(lowconv.convert(model, FLOAT32, inputs)(*inputs), model(*inputs),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rel_idx, why", [
+    ("narrowly clamped", "a clamp (a `.clamp()` call) to other bounds than [0, 10] or wider can change its values"),
+    ("negated", "less its casts, clamps and added numbers it is made by a call of `sub`, not P[index_0] - P[index_1]"),
+    ("unrounded", "its coordinates are made by a call of `truediv`, which need not give whole numbers"),
+])
+def test_inline_rel_idx_of_another_form_is_kept_with_why(models, rel_idx, why):
+    model, inputs = models.Written(rel_idx).eval(), scene()
+    [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    assert site.unsupported.startswith("rel_idx is not relative_position_index(...) of the points, nor SpTr's inline")
+    assert why in site.unsupported
+
+
+def test_rel_idx_rewritten_by_a_split_function_is_kept_with_why(models):
+    model, inputs = models.Contextual(split_func=models.radial_split).eval(), scene()
+    [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    assert "(a split function rewrites it): less its casts, clamps and added numbers it is made by a `.clone()` call" \
+        in site.unsupported
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
     [decision] = [d for d in converted.lowconv_plan.decisions if d.fqn == site.fqn]
-    assert decision.op == "keep" and "real SpTr computes it inline" in decision.reason
+    assert decision.op == "keep" and "a split function rewrites it" in decision.reason
+    with torch.no_grad():
+        assert torch.equal(converted(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("rel_idx", ["none", "folded"])
+def test_ops_called_by_their_own_keyword_names_are_read(models, rel_idx):
+    model, inputs = models.Written(rel_idx, keywords=True).eval(), scene()
+    [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    assert site.unsupported is None
+    with torch.no_grad():
+        torch.testing.assert_close(lowconv.convert(model, FLOAT32, inputs)(*inputs), model(*inputs),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_keywords_of_an_op_whose_signature_cannot_be_read_keep_the_chain_with_why(models, monkeypatch):
+    monkeypatch.setattr(sptr_install, "parameter_names", lambda real: None)
+    model, inputs = models.Written("folded", keywords=True).eval(), scene()
+    [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    assert site.unsupported == (
+        "`dot_prod_with_idx_all` is called with keywords that lowconv cannot place among its parameters "
+        "(index_q, index_q_offsets, index_k, index_k_offsets); `attention_step2_with_rel_pos_value` is called "
+        "with keywords that lowconv cannot place among its parameters (index0, index0_offsets, index1, "
+        "index1_offsets, table)")
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
     with torch.no_grad():
         assert torch.equal(converted(*inputs), model(*inputs))
 

@@ -182,6 +182,14 @@ def test_relative_position_index_is_the_quantized_offset(shift):
     assert torch.equal(rel_idx.long(), qxyz[index_0.long()] - qxyz[index_1.long()] + 3)
 
 
+def test_coordinates_in_window_keep_the_differences_within_each_window_in_0_to_g_minus_1():
+    coords = torch.tensor([[2., 7., 1.], [4., 6., 3.], [3., 8., 2.], [6., 0., 0.], [0., 0., 0.]])
+    window_start = torch.tensor([0, 0, 0, 3, 3], dtype=torch.int32)
+    expected = torch.tensor([[0, 1, 0], [2, 0, 2], [1, 2, 1],
+                             [4, 0, 0], [0, 0, 0]])  # the second window spans 7 cells: clamped to G = 5
+    assert torch.equal(sptr.coordinates_in_window(coords, window_start, 5), expected)
+
+
 def test_each_op_matches_dense_window_math():
     xyz, batch = random_points()
     index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = sptr.get_indices_params(

@@ -156,6 +156,19 @@ def row_windows_from_pairs(index_0_offsets, index_1):
     return start.int(), (start + index_0_offsets.diff()).int()
 
 
+@torch.fx.wrap
+def coordinates_in_window(coords, window_start, quant_grid_length):
+    """Whole-number coordinates (N, 3) in window (sorted) order as the kernel takes them, int64 in
+    [0, G-1]: each less the least of its window (window_start (N,): the first sorted point of each
+    point's window). rel_idx reads only differences within a window, which this keeps; a window
+    spread over more than G cells (SpTr's coordinates reach G only by rounding, and its rel_idx then
+    leaves the tables) is clamped."""
+    coords, window_start = coords.long(), window_start.long()
+    least = torch.zeros_like(coords).scatter_reduce_(0, window_start[:, None].expand_as(coords), coords, "amin",
+                                                     include_self=False)
+    return (coords - least[window_start]).clamp_(0, quant_grid_length - 1)
+
+
 def table_rows(table, rel_idx):
     """sum over axes a of table[rel_idx[:, a], a]: (M, h, d) from a table (L, 3, h, d)."""
     return sum(table[:, axis].index_select(0, rel_idx[:, axis]) for axis in range(3))
@@ -207,7 +220,7 @@ def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max,
 SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx_all,
             attention_step2_with_rel_pos_value)
 SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, relative_position_index, quantized_coordinates,
-                row_windows_from_pairs)
+                row_windows_from_pairs, coordinates_in_window)
 
 
 def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,

@@ -11,7 +11,7 @@ and model/spherical_transformer.py at 43ec041; the lh9171338 fork's Python files
   attention_step2, dot_prod_with_idx_all, attention_step2_with_rel_pos_value, precompute_all,
   and dot_prod_with_idx (no compat equivalent, not called by sptr's modules). Their argument
   orders are the compat ones, and sptr calls them positionally; their keyword names differ
-  (index0, index_q, table), so a call by those keywords is not read as a chain.
+  (index0, index_q, table): a call by keywords is read by position in the real signature.
 - sptr/utils.py has plain functions: to_3d_numpy (sizes as numpy arrays), grid_sample
   (torch_geometric's voxel_grid), get_indices_params (grid_sample, .item() and precompute_all:
   does not trace), scatter_softmax_csr (torch_scatter's segment_csr and gather_csr).
@@ -19,15 +19,20 @@ and model/spherical_transformer.py at 43ec041; the lh9171338 fork's Python files
   the same object, and defines SparseTrTensor; sptr/modules.py has sparse_self_attention and
   VarLengthMultiheadSA, which import the ops by name and call scatter_softmax_csr with keywords
   (src=, indptr=index_0_offsets.long(), dim=0).
-- rel_idx has no function: sparse_self_attention computes it inline with torch ops (xyz quantized
-  in its window, per pair difference + G - 1, optionally rewritten by split_func and clamped,
-  then `.int()`).
+- rel_idx has no function: sparse_self_attention computes it inline with torch ops,
+  xyz_quant = torch.div((xyz - xyz.min(0)[0] + shift) % window_size, quant_size, rounding_mode="floor"),
+  then xyz_quant[index_0.long()] - xyz_quant[index_1.long()] + quant_grid_length - 1, optionally
+  rewritten by split_func and clamped to [0, 2G-1], then `.int()`; passes/window_attention.py reads
+  that form without split_func.
 - SphereFormer imports the package vendored, as `third_party.SparseTransformer.sptr`.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from types import ModuleType
+
+import torch
 
 from lowconv.compat import sptr
 
@@ -55,12 +60,28 @@ class RealOp:
         self.__name__ = name  # names the node and the global in generated code
         self.real = real
         self.compat = getattr(sptr, name)
+        self.parameter_names = parameter_names(real)
 
     def __call__(self, *args, **kwargs):
         return self.real(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<real sptr {self.__name__}>"
+
+
+def parameter_names(real) -> tuple[str, ...] | None:
+    """The names a real callable's arguments have, in order (None where inspect cannot read them):
+    an autograd Function's `apply` takes its forward's, less the ctx an old-style forward has."""
+    function = getattr(real, "__self__", None)
+    is_function_apply = isinstance(function, type) and issubclass(function, torch.autograd.Function)
+    try:
+        signature = inspect.signature(function.forward if is_function_apply else real)
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in signature.parameters.values()
+             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    new_style = is_function_apply and function.setup_context != torch.autograd.Function.setup_context
+    return tuple(names[1:] if is_function_apply and not new_style else names)
 
 
 def as_compat(target):

@@ -140,19 +140,28 @@ class SparseMultiheadAttention(nn.Module):
 class SparseWindowAttention(nn.Module):
     """An SpTr chain (attention_step1 or dot_prod_with_idx_all, scatter_softmax_csr, attention_step2
     [_with_rel_pos_value]) as one call of the fused window-attention kernel: nothing of size M
-    (the number of (query, key) pairs) is computed. No parameters: the tables stay the model's."""
+    (the number of (query, key) pairs) is computed. No parameters: the tables stay the model's.
+
+    Relative position comes as what rel_idx was made from: the points' xyz with window_size,
+    quant_size, quant_grid_length and shift_win (compat's relative_position_index), or `coords`, the
+    per-point whole-number coordinates that SpTr's inline rel_idx differences, with quant_grid_length.
+    """
 
     def __init__(self, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.compute_dtype = compute_dtype  # None: q's dtype
 
     def forward(self, q, k, v, index_0_offsets, index_1, xyz=None, window_size=None, quant_size=None,
-                quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None):
+                quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None, coords=None):
         row_windows = sptr.row_windows_from_pairs(index_0_offsets, index_1)
-        coords = tables = None
+        tables = None
         if xyz is not None:
             coords = sptr.quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win)
-            tables = (table_q, table_k, table_v)
+        elif coords is not None:
+            coords = sptr.coordinates_in_window(coords, row_windows[0], quant_grid_length)
+        if coords is not None:
+            # The kernel reads G off the tables' length; rel_idx, in [0, 2G-2], reads their first 2G-1 rows only.
+            tables = tuple(t[:2 * quant_grid_length - 1] for t in (table_q, table_k, table_v))
         # The windows and coordinates are valid by construction: no check that reads them back.
         out = window_attention(q, k, v, row_windows=row_windows, scale=1.0, coords=coords,
                                tables=tables, dtype=self.compute_dtype or q.dtype,

@@ -9,26 +9,39 @@ or, with contextual relative position, dot_prod_with_idx_all(q, ..., table_q, ta
 n_max) and attention_step2_with_rel_pos_value(attn, v, ..., table_v, rel_idx), where rel_idx is
 relative_position_index(xyz, index_0, index_1, window_size, quant_size, G, shift_win).
 
+Real SpTr computes rel_idx inline instead (compat/sptr_install.py):
+
+    rel_idx = (P[index_0.long()] - P[index_1.long()] + G - 1).int()
+
+with P (N, 3) the points' whole-number quantized coordinates; that form is read too, its casts,
+an added constant folded in any order and a clamp that cannot change its values allowed.
+
 Each chain becomes one site whose op takes q, k, v and what the fused kernel needs instead of the
 (M, h) pair tensors: the window offsets (derived from index_0_offsets and index_1) and, with
-relative position, the points' xyz and the quantization that rel_idx was made from, and the tables.
-The rel_idx node goes with the chain, so nothing of size M x 3 is computed either. Real SpTr
-computes rel_idx inline, with no function to read the points from: its contextual chains are found
-but kept, and the site says why.
+relative position, the tables and what rel_idx was made from: the points' xyz and quantization, or
+P and G. The rel_idx nodes (and the index casts only the chain reads) go with the chain, so nothing
+of size M x 3 is computed either. A rel_idx of another form (SphereFormer's split function
+rewrites it) has no per-point coordinates: its chain is found but kept, and the site says why.
+A real op called with its own keyword names (index0, index_q, table) is read through its signature.
 """
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
+import torch
 import torch.fx as fx
 
 from lowconv.compat import sptr
 from lowconv.compat.sptr_install import as_compat
 from lowconv.passes.attention import owner_of, site_fqn
-from lowconv.passes.fx_nodes import call_args
+from lowconv.passes.fx_nodes import call_args, is_number, mutates, op_is
 from lowconv.passes.trace import Region
 from lowconv.site import AttentionInfo, Site, class_names, tensor_meta
 
 STEP1_ARGS = ("q", "k", "index_0", "index_0_offsets", "index_1", "index_1_offsets", "n_max")
 SOFTMAX_ARGS = ("src", "indptr", "dim")
+OPTIONAL_ARGS = ("dim",)  # the ops' only argument with a default
 STEP2_ARGS = ("attn", "v", "index_0", "index_0_offsets", "index_1", "index_1_offsets", "n_max")
 DOT_PROD_ARGS = ("q", "index_0", "index_0_offsets", "k", "index_1", "index_1_offsets", "table_q", "table_k",
                  "rel_idx", "n_max")
@@ -37,6 +50,11 @@ STEP2_REL_ARGS = ("attn", "v", "index_0", "index_0_offsets", "n_max", "index_1",
 REL_IDX_ARGS = ("xyz", "index_0", "index_1", "window_size", "quant_size", "quant_grid_length", "shift_win")
 SHARED = ("index_0", "index_0_offsets", "index_1", "index_1_offsets")
 INT_CASTS = ("int", "long")
+CLAMPS, CLAMP_METHODS = (torch.clamp, torch.clip), ("clamp", "clip")
+ADDS, SUBS = (operator.add, torch.add), (operator.sub, torch.sub)
+# What makes whole numbers of any tensor (torch.div and .div only with a rounding mode).
+ROUNDINGS = (operator.floordiv, torch.floor_divide, torch.floor, torch.ceil, torch.trunc)
+ROUNDING_METHODS = ("floor_divide", "floor", "ceil", "trunc") + INT_CASTS
 
 
 def calls(node, function) -> bool:
@@ -49,6 +67,36 @@ def uncast(node):
     while isinstance(node, fx.Node) and node.op == "call_method" and node.target in INT_CASTS:
         node = node.args[0]
     return node
+
+
+def casts(node) -> list[fx.Node]:
+    """The integer casts between node and uncast(node)."""
+    found = []
+    while op_is(node, (), INT_CASTS):
+        found.append(node)
+        node = node.args[0]
+    return found
+
+
+def op_args(node: fx.Node, names: tuple[str, ...]) -> dict:
+    """An SpTr op call's arguments by compat parameter name (`names`, in order). A real op's keywords
+    are its own names (index0, index_q, table): renamed by their place in its signature. A keyword
+    that names no parameter keeps its name (unread_arguments)."""
+    own = getattr(node.target, "parameter_names", None) or names
+    rename = dict(zip(own, names))
+    return {**dict(zip(names, node.args)), **{rename.get(key, key): value for key, value in node.kwargs.items()}}
+
+
+def unread_arguments(node: fx.Node, args: dict, names: tuple[str, ...]) -> str | None:
+    """Why a call's arguments cannot all be read by name (None when they can)."""
+    unread = [key for key in args if key not in names]
+    if unread:
+        return (f"`{node.target.__name__}` is called with keywords that lowconv cannot place among its "
+                f"parameters ({', '.join(unread)})")
+    missing = [name for name in names if name not in args and name not in OPTIONAL_ARGS]
+    if missing:
+        return f"`{node.target.__name__}` is called without {', '.join(missing)}"
+    return None
 
 
 def made_by(node) -> str:
@@ -78,51 +126,73 @@ def find_window_attention_sites(region: Region, names: dict[str, set[str]] | Non
 
 def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Site | None:
     rel_value = calls(step2, sptr.attention_step2_with_rel_pos_value)
-    second = call_args(step2, STEP2_REL_ARGS if rel_value else STEP2_ARGS)
-    softmax = second["attn"]
+    second_names = STEP2_REL_ARGS if rel_value else STEP2_ARGS
+    second = op_args(step2, second_names)
+    softmax = second.get("attn")
     if not calls(softmax, sptr.scatter_softmax_csr):
         return None
-    scores = call_args(softmax, SOFTMAX_ARGS)
+    scores = op_args(softmax, SOFTMAX_ARGS)
     step1 = scores.get("src")
     rel_query = calls(step1, sptr.dot_prod_with_idx_all)
     if not (rel_query or calls(step1, sptr.attention_step1)):
         return None
-    first = call_args(step1, DOT_PROD_ARGS if rel_query else STEP1_ARGS)
+    first_names = DOT_PROD_ARGS if rel_query else STEP1_ARGS
+    first = op_args(step1, first_names)
+    contextual = rel_query and rel_value
 
+    unread = [why for why in (unread_arguments(step1, first, first_names),
+                              unread_arguments(softmax, scores, SOFTMAX_ARGS),
+                              unread_arguments(step2, second, second_names)) if why]
+    if unread:  # what the chain computes is not known: nothing more to say of it
+        return window_site(region, first.get("q"), step2, contextual, unread, (), [step1, softmax, step2], names)
     problems = []
     if len(step1.users) > 1 or len(softmax.users) > 1:
         problems.append("the attention scores or probabilities are also used elsewhere")
     if (any(uncast(first[name]) is not uncast(second[name]) for name in SHARED)
-            or uncast(scores.get("indptr")) is not uncast(first["index_0_offsets"])):
+            or uncast(scores["indptr"]) is not uncast(first["index_0_offsets"])):
         problems.append("the chain's ops do not share one pair layout")
     if rel_query != rel_value:
         problems.append("relative position on the query/key side only or on the value side only")
-    nodes = [step1, softmax, step2]
-    args = [first["q"], first["k"], second["v"], first["index_0_offsets"], first["index_1"]]
-    if rel_query and rel_value:
+    # The op takes the index tensors uncast (same values); their casts go with the chain, removed
+    # where nothing else reads them: real SpTr's `index_0.int()` alone is M-sized.
+    index_casts = [cast for arg in [*(first[n] for n in SHARED), *(second[n] for n in SHARED), scores["indptr"]]
+                   for cast in casts(arg)]
+    nodes = [*index_casts, step1, softmax, step2]
+    args = [first["q"], first["k"], second["v"], uncast(first["index_0_offsets"]), uncast(first["index_1"])]
+    if contextual:
         rel_idx = first["rel_idx"]
+        tables = [first["table_q"], first["table_k"], second["table_v"]]
         if second["rel_idx"] is not rel_idx:
             problems.append("the query/key and the value side take different rel_idx")
-        elif not calls(rel_idx, sptr.relative_position_index):
-            problems.append(f"rel_idx is not relative_position_index(...) of the points but made by "
-                            f"{made_by(rel_idx)} (real SpTr computes it inline; a split function rewrites it), "
-                            f"so it has no per-point coordinates")
-        else:
+        elif calls(rel_idx, sptr.relative_position_index):
             made = call_args(rel_idx, REL_IDX_ARGS)
             args += [made["xyz"], made["window_size"], made["quant_size"], made["quant_grid_length"],
-                     made.get("shift_win", False), first["table_q"], first["table_k"], second["table_v"]]
-            nodes.insert(0, rel_idx)
+                     made.get("shift_win", False), *tables]
+            nodes.append(rel_idx)
+        elif isinstance(inline := inline_rel_idx(rel_idx, first["index_0"], first["index_1"]), InlineRelIdx):
+            # The op's xyz form is left empty (xyz, window_size, quant_size; shift_win False): coords last.
+            args += [None, None, None, inline.grid_length, False, *tables, inline.coords]
+            nodes += inline.nodes
+        else:
+            problems.append(f"rel_idx is not relative_position_index(...) of the points, nor SpTr's inline "
+                            f"P[index_0] - P[index_1] + G - 1 of per-point whole-number coordinates P "
+                            f"(a split function rewrites it): {inline}; so it has no per-point coordinates")
+    return window_site(region, first["q"], step2, contextual, problems, args, nodes, names)
 
-    q_meta = tensor_meta(first["q"])
+
+def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: list[str], args, nodes,
+                names: dict[str, set[str]]) -> Site:
+    q_meta = tensor_meta(q)
     info = AttentionInfo(
         form="window",
         heads=q_meta.shape[1] if q_meta else None,
         kv_heads=q_meta.shape[1] if q_meta else None,
         head_dim=q_meta.shape[2] if q_meta else None,
         scale=1.0,  # SpTr's q comes pre-scaled
-        rel_pos="contextual" if rel_query and rel_value else "none",
+        rel_pos="contextual" if contextual else "none",
     )
     owner_fqn, owner = owner_of(region, step2)
+    order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
     return Site(
         kind="attention",
         fqn=site_fqn(owner_fqn, owner, names),
@@ -134,5 +204,74 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
         unsupported="; ".join(problems) or None,
         args=tuple(args),
         output_node=step2,
-        nodes=nodes,
+        nodes=sorted(set(nodes), key=order.__getitem__),  # graph order: the rewrite erases them last first
     )
+
+
+@dataclass
+class InlineRelIdx:
+    coords: fx.Node  # P (N, 3), whole numbers
+    grid_length: int  # G
+    nodes: list[fx.Node]  # what computes rel_idx from P and the index tensors
+
+
+def inline_rel_idx(rel_idx, index_0, index_1) -> InlineRelIdx | str:
+    """rel_idx read as SpTr's inline cast(P[cast(index_0)] - P[cast(index_1)] + c), c = G - 1 made of
+    numbers added or subtracted in any order, with any clamp outside the sum that cannot change it;
+    else why not."""
+    nodes, node = [], rel_idx
+    while op_is(node, CLAMPS, CLAMP_METHODS + INT_CASTS):
+        nodes.append(node)
+        node = node.args[0]
+    constant = 0
+    while (term := added_number(node)) is not None:
+        nodes.append(node)
+        node, number = term
+        constant += number
+    if not (op_is(node, SUBS) and not node.kwargs and len(node.args) == 2
+            and all(op_is(a, (operator.getitem,)) for a in node.args)):
+        return f"less its casts, clamps and added numbers it is made by {made_by(node)}, not P[index_0] - P[index_1]"
+    (coords, index_q), (coords_k, index_k) = (a.args for a in node.args)
+    if coords_k is not coords or uncast(index_q) is not uncast(index_0) or uncast(index_k) is not uncast(index_1):
+        return "it is not the difference of one tensor indexed by the chain's index_0 and index_1"
+    nodes += [node, *node.args, *casts(index_q), *casts(index_k)]
+    if not whole_numbers(coords):
+        return f"its coordinates are made by {made_by(coords)}, which need not give whole numbers"
+    if not (float(constant).is_integer() and constant >= 0):
+        return f"the number added, {constant}, is not G - 1 for a whole G >= 1"
+    for clamp in nodes:
+        if op_is(clamp, CLAMPS, CLAMP_METHODS) and not clamps_wider(clamp, 0, 2 * constant):
+            return f"a clamp ({made_by(clamp)}) to other bounds than [0, {2 * constant}] or wider can change its values"
+    if any(mutates(user) and user.args[0] is n for n in [*nodes, coords] for user in n.users):
+        return "a tensor it is computed from is changed in place"
+    return InlineRelIdx(coords, int(constant) + 1, nodes)
+
+
+def added_number(node) -> tuple[fx.Node, float] | None:
+    """(x, n) where node is x + n, n + x or x - n with n a number; else None."""
+    if not (op_is(node, ADDS + SUBS) and not node.kwargs and len(node.args) == 2):
+        return None
+    left, right = node.args
+    if is_number(right):
+        return left, right if op_is(node, ADDS) else -right
+    if is_number(left) and op_is(node, ADDS):
+        return right, left
+    return None
+
+
+def clamps_wider(clamp: fx.Node, low, high) -> bool:
+    """Whether a clamp's bounds are numbers (or none) that leave [low, high] alone."""
+    bounds = call_args(clamp, ("input", "min", "max"))
+    lower, upper = bounds.get("min"), bounds.get("max")
+    return ((lower is None or is_number(lower) and lower <= low)
+            and (upper is None or is_number(upper) and upper >= high))
+
+
+def whole_numbers(node) -> bool:
+    """Whether node holds whole numbers by how it is made: rounded, cast to or of an integer dtype."""
+    meta = tensor_meta(node)
+    if meta is not None and not getattr(torch, meta.dtype).is_floating_point:
+        return True
+    if op_is(node, (torch.div,), ("div",)):
+        return node.kwargs.get("rounding_mode") in ("floor", "trunc")
+    return op_is(node, ROUNDINGS, ROUNDING_METHODS)
