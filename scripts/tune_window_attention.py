@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Tile sizes of the window-attention kernels, measured: each kernel alone, for each candidate
-(BLOCK_M, BLOCK_N, num_warps), on the dense scene of bench_sparse_attention.py (268,720 voxels,
-head_dim 16, G = 24), with and without relative position. The fastest per kernel go into
-lowconv.kernels.window_attention.tile_config by hand.
+Tiles (BLOCK_M, BLOCK_N, num_warps), on the dense scene of bench_sparse_attention.py (268,720
+voxels, head_dim 16, G = 24), with and without relative position. The fastest per kernel go
+into lowconv.kernels.window_attention.tile_config by hand.
 
 Compiling every candidate takes minutes, so worker processes compile them in parallel first
 (into Triton's cache, with the same shapes as the timed run); the timing is then one process.
 
-    python3 scripts/tune_window_attention.py --out DIR [--heads 1,4] [--dtypes fp16,fp32]
+    python3 scripts/tune_window_attention.py --out DIR [--heads 1,4] [--dtypes fp16,fp32] [--rel on]
 """
 import argparse
 import itertools
@@ -28,16 +28,17 @@ from scripts.bench_sparse_attention import DTYPES, FULL_POINTS, build_scene, mak
 
 KERNELS = {"forward": wa._forward_kernel, "backward query": wa._backward_query_kernel,
            "backward key": wa._backward_key_kernel}
+REL_TILES = [(16, 16, 4), (32, 16, 4), (16, 32, 4), (32, 32, 4), (32, 32, 8), (64, 32, 8)]
 CANDIDATES = {
-    False: [(32, 32, 4), (64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8), (64, 16, 4)],
-    True: [(16, 16, 4), (32, 16, 4), (16, 32, 4), (32, 32, 4), (64, 32, 4), (32, 32, 8),
-           (64, 32, 8), (64, 64, 8)],
+    False: [wa.Tiles(*t) for t in [(32, 32, 4), (64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8),
+                                   (64, 16, 4)]],
+    True: [wa.Tiles(*t) for t in REL_TILES],
 }
 
 
-def jobs(dtypes):
+def jobs(dtypes, rels):
     """Every (dtype name, rel, kernel name, config) to measure."""
-    return [(dtype, rel, kernel, config) for dtype in dtypes for rel in (False, True)
+    return [(dtype, rel, kernel, config) for dtype in dtypes for rel in rels
             for kernel in KERNELS for config in CANDIDATES[rel]]
 
 
@@ -75,7 +76,7 @@ class Problem:
 
 
 def use_config(config):
-    wa.tile_config = lambda kernel, rel, dtype: config
+    wa.tile_config = lambda kernel, rel: config
 
 
 def run_jobs(selected, heads, measure):
@@ -88,7 +89,7 @@ def run_jobs(selected, heads, measure):
             key = (dtype, h)
             if key not in problems:
                 problems[key] = Problem(scene, h, DTYPES[dtype])
-                use_config((32, 32, 4))
+                use_config(wa.Tiles(32, 32, 4))
                 problems[key].call("forward", True)()
                 problems[key].call("backward query", True)()  # writes delta
             use_config(config)
@@ -105,12 +106,12 @@ def run_jobs(selected, heads, measure):
     return results
 
 
-def compile_in_parallel(all_jobs, heads, workers):
+def compile_in_parallel(all_jobs, heads, rel, workers):
     """Fill Triton's cache: `workers` processes each compile a share of the jobs (at every h:
     h = 1 compiles apart, Triton specializes integer arguments equal to 1)."""
     dtypes = ",".join(sorted({job[0] for job in all_jobs}))
     procs = [subprocess.Popen([sys.executable, __file__, "--compile-part", f"{i}/{workers}",
-                               "--heads", heads, "--dtypes", dtypes]) for i in range(workers)]
+                               "--heads", heads, "--dtypes", dtypes, "--rel", rel]) for i in range(workers)]
     for p in procs:
         p.wait()
 
@@ -140,18 +141,20 @@ def main():
     parser.add_argument("--out", type=Path)
     parser.add_argument("--heads", default="1,4")
     parser.add_argument("--dtypes", default="fp16")
+    parser.add_argument("--rel", choices=("off", "on", "both"), default="both",
+                        help="candidates without relative position, with it, or both")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--compile-part", help=argparse.SUPPRESS)
     args = parser.parse_args()
     heads = [int(h) for h in args.heads.split(",")]
-    all_jobs = jobs(args.dtypes.split(","))
+    all_jobs = jobs(args.dtypes.split(","), {"off": (False,), "on": (True,), "both": (False, True)}[args.rel])
     if args.compile_part:
         part, parts = map(int, args.compile_part.split("/"))
         run_jobs(all_jobs[part::parts], heads, measure=False)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    compile_in_parallel(all_jobs, args.heads, args.workers)
+    compile_in_parallel(all_jobs, args.heads, args.rel, args.workers)
     print(f"compiled in {time.time() - start:.0f} s", flush=True)
     results = run_jobs(all_jobs, heads, measure=True)
     print(f"total {time.time() - start:.0f} s")

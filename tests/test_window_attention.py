@@ -163,7 +163,7 @@ def test_row_windows_give_the_same_result_as_offsets(backend):
     by_offsets = window_attention(q, k, v, offsets, coords=coords, tables=tables, backend=backend)
     by_rows = window_attention(q, k, v, row_windows=row_windows, coords=coords, tables=tables,
                                backend=backend, validate=False)
-    torch.testing.assert_close(by_rows, by_offsets, rtol=0, atol=0)
+    torch.testing.assert_close(by_rows, by_offsets)  # the reference's index_add is not bitwise stable on CUDA
 
 
 def test_sphereformer_grid_in_triton_matches_dense_float64():

@@ -20,24 +20,26 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
   normalizer sums the unrounded values. The output is rounded to c, then returned in q's dtype.
 - Backward (flash style): P = exp(s - lse) in fp32; P rounded to c for dv and dtv; dS = P (dP -
   delta) in fp32 with delta_i = <dO_i, O_i>, rounded to c for dq, dk, dtq and dtk.
-- fp32 blocks that meet a one-hot, a table or rows in an MMA are split into a high and a low
-  part in c (`_split_dot`: 16 mantissa bits for bf16, 22 for fp16); the table gradients are
-  summed in fp32 and rounded to c at the end.
+- Per-tile sums by relative index (fp32) meet the tables and rows in MMAs of c split into a
+  high and a low part (`_split_dot`: 16 mantissa bits for bf16, 22 for fp16); the table
+  gradients are summed in fp32 and rounded to c at the end.
 - The reference rounds the normalized probabilities to c instead, and not dS: the same
   error, not the same bits.
 
-How the relative terms avoid anything of size sum(n_w^2), and run on the tensor cores: on axis
-a, r depends only on the two coordinates. A tile's rows x (queries or keys) meet a table once,
-x @ T^T, an fp32 block by r; re-indexed per row by the partner's coordinate p (`_by_partner`:
-a query row has r = x - p + G-1, a key row r = p - x + G-1), it is a (rows, G) block per axis,
-and every pair's term is that block times the partners' one-hot coordinates, an MMA
-(`_pair_terms`). Sums over pairs go the other way: P (or dS) @ the partners' one-hot
-coordinates gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
+How the relative terms avoid anything of size sum(n_w^2): on axis a, r depends only on the two
+coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r, and each
+pair picks its entry with a register gather (tl.gather) at r_a(i, j) (`_pick`). Sums over pairs
+(the value table's term, the table gradients): P (or dS) @ the partners' one-hot coordinates
+gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
 (`_by_relative`), then multiplied with the table or with the rows: an (L, d) table-gradient
 block per tile, added with one fp32 atomic per element. Those blocks hold the three axes side
-by side, column a*GP + p (a*LP + r), a fourth slot of zeros padding them to a power of two.
+by side, column a*GP + c (a*LP + r), a fourth slot of zeros padding them to a power of two.
+(Measured on the H100, scripts/tune_window_attention.py: the gathers from three (rows, L) blocks
+beat one-hot MMAs over partner-indexed blocks 1.7-2x, and a gather from one (rows, 3L) block
+is 2-4x slower than from three.)
 """
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -308,13 +310,19 @@ class WindowAttention(torch.autograd.Function):
         return dq, dk, dv, *table_grads, None, None, None, None
 
 
-def tile_config(kernel, rel, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps) of a kernel: the fastest of those tried on an H100 at
-    N = 268,720, h = 4, d = 16, G = 24 (scripts/tune_window_attention.py). fp32 takes smaller
-    tiles to fit shared memory."""
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def tile_config(kernel, rel):
+    """The Tiles of a kernel: the fastest of those tried on an H100 at N = 268,720, h = 1 and 4,
+    d = 16, G = 24, fp16 and fp32 (scripts/tune_window_attention.py; BENCHMARKS.md). Relative
+    position holds (rows, LP) fp32 blocks per axis in registers, so it runs best on small tiles."""
     if rel:
-        return (32, 32, 4) if kernel is _backward_key_kernel else (32, 32, 4)
-    return (32, 32, 4) if dtype == torch.float32 else (64, 32, 4)
+        return Tiles(16, 32, 4) if kernel is _backward_key_kernel else Tiles(32, 16, 4)
+    return Tiles(64, 64, 4) if kernel is _backward_key_kernel else Tiles(64, 32, 4)
 
 
 class Launch:
@@ -326,7 +334,6 @@ class Launch:
         self.g = (tq.shape[0] + 1) // 2 if self.rel else 1
         self.shared = (start, end, coords)
         self.scale = scale
-        self.dtype = q.dtype
         # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands).
         self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
                           torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
@@ -335,14 +342,14 @@ class Launch:
         """Launch `kernel` over its tiles (of queries, or of keys) and the heads."""
         if self.n == 0:
             return
-        block_m, block_n, num_warps = tile_config(kernel, self.rel, self.dtype)
-        tile = block_n if kernel is _backward_key_kernel else block_m
+        tiles = tile_config(kernel, self.rel)
+        tile = tiles.block_n if kernel is _backward_key_kernel else tiles.block_m
         grid = (triton.cdiv(self.n, tile), self.heads)
         kernel[grid](*tensors, *self.shared, self.n, self.heads, self.g, self.scale,
                      D=self.head_dim, REL=self.rel, GP=max(4, triton.next_power_of_2(self.g)),
                      LP=max(4, triton.next_power_of_2(2 * self.g - 1)),
-                     PRECISION=self.precision, BLOCK_M=block_m, BLOCK_N=block_n,
-                     num_warps=num_warps)
+                     PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                     num_warps=tiles.num_warps)
 
 
 @triton.jit
@@ -421,19 +428,14 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 @triton.jit
 def _split_dot(x, y, PRECISION: tl.constexpr):
-    """x @ y where one operand is fp32 and the other in the compute dtype (a one-hot, a table,
-    rows): the fp32 one is split into a high and a low part in the other's dtype, so it keeps
-    about twice that dtype's mantissa bits (16 for bf16, 22 for fp16) while the MMAs stay half
-    precision; with both fp32, tf32x3."""
-    if x.dtype == tl.float32 and y.dtype == tl.float32:
+    """x @ y for fp32 x and y in the compute dtype (a table, rows): x is split into a high and a
+    low part in y's dtype, so x keeps about twice that dtype's mantissa bits (16 for bf16, 22
+    for fp16) while the MMAs stay half precision; fp32 uses tf32x3."""
+    if y.dtype == tl.float32:
         return tl.dot(x, y, input_precision="tf32x3")
-    if x.dtype == tl.float32:
-        high = x.to(y.dtype)
-        low = (x - high.to(tl.float32)).to(y.dtype)
-        return _dot(high, y, PRECISION) + _dot(low, y, PRECISION)
-    high = y.to(x.dtype)
-    low = (y - high.to(tl.float32)).to(x.dtype)
-    return _dot(x, high, PRECISION) + _dot(x, low, PRECISION)
+    high = x.to(y.dtype)
+    low = (x - high.to(tl.float32)).to(y.dtype)
+    return _dot(high, y, PRECISION) + _dot(low, y, PRECISION)
 
 
 @triton.jit
@@ -476,29 +478,49 @@ def _one_hot(c, GP: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _by_partner(x, c, table, G, IS_QUERY: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """(rows, 4*GP) fp32: column a*GP + p holds <x_row, T[r, a]> for the relative index r of the
-    row (own coordinate c_a) and a partner at coordinate p: r = c_a - p + G-1 for a query row,
-    p - c_a + G-1 for a key row. `table` is a (4*LP, D) block from _load_table."""
-    x_by_r = _dot(x, tl.trans(table), PRECISION)  # (rows, 4*LP), column a*LP + r
-    axis, p, own = _axis_columns(c, GP)
-    r = own - p + G - 1 if IS_QUERY else p - own + G - 1
-    ok = (axis < 3) & (p < G)
-    return tl.where(ok, tl.gather(x_by_r, tl.where(ok, axis * LP + r, 0), 1), 0.0)
+def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """T[:, axis] of a table (L, 3, H, D) for one head: (LP, D), zero past L = 2G-1."""
+    r = tl.arange(0, LP)[:, None]
+    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
+    return tl.load(table + offs, mask=r < 2 * G - 1, other=0.0)
 
 
 @triton.jit
-def _pair_terms(x_by_partner, partner_hot, PRECISION: tl.constexpr):
-    """(rows, partners): sum_a x_by_partner[row, a*GP + c_a(partner)], as an MMA with the
-    partners' one-hot coordinates."""
-    return _split_dot(x_by_partner, tl.trans(partner_hot), PRECISION)
+def _axis_tables(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """The three (LP, D) axis blocks of a table for one head."""
+    return (_axis_table(table, 0, head, H, D, G, LP), _axis_table(table, 1, head, H, D, G, LP),
+            _axis_table(table, 2, head, H, D, G, LP))
 
 
 @triton.jit
-def _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION: tl.constexpr):
+def _by_r(x, tables, PRECISION: tl.constexpr):
+    """For each axis a, the (rows, LP) fp32 block <x_row, T[r, a]> over r: a tuple of three."""
+    return (_dot(x, tl.trans(tables[0]), PRECISION), _dot(x, tl.trans(tables[1]), PRECISION),
+            _dot(x, tl.trans(tables[2]), PRECISION))
+
+
+@triton.jit
+def _pick_axis(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
+    """(own rows, partners): x_by_r[o, r], r = query coordinate - key coordinate + G-1."""
+    if IS_QUERY:
+        rel = own[:, None] - partner[None, :] + G - 1
+    else:
+        rel = partner[None, :] - own[:, None] + G - 1
+    return tl.gather(x_by_r, rel, 1)
+
+
+@triton.jit
+def _pick(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
+    """(own rows, partners): sum over the axes of _pick_axis, e.g. <qs_i, sum_a tq[r_a, a]>."""
+    return (_pick_axis(x_by_r[0], own[0], partner[0], IS_QUERY, G)
+            + _pick_axis(x_by_r[1], own[1], partner[1], IS_QUERY, G)
+            + _pick_axis(x_by_r[2], own[2], partner[2], IS_QUERY, G))
+
+
+@triton.jit
+def _relative_logits(q_by_r, k_by_r, qc, kc, G):
     """(queries, keys): <qs_i, sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>."""
-    return _pair_terms(q_by_p, k_hot, PRECISION) + _split_dot(q_hot, tl.trans(k_by_p), PRECISION)
+    return _pick(q_by_r, qc, kc, True, G) + tl.trans(_pick(k_by_r, kc, qc, False, G))
 
 
 @triton.jit
@@ -523,9 +545,8 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
     qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_hot = _one_hot(qc, GP, dtype)
-        q_by_p = _by_partner(qs, qc, _load_table(tq, head, H, D, G, LP), G, True, GP, LP, PRECISION)
-        tk_block = _load_table(tk, head, H, D, G, LP)
+        q_by_r = _by_r(qs, _axis_tables(tq, head, H, D, G, LP), PRECISION)
+        tk_axes = _axis_tables(tk, head, H, D, G, LP)
         v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
     m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -539,8 +560,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            k_by_p = _by_partner(kb, kc, tk_block, G, False, GP, LP, PRECISION)
-            s += _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION)
+            s += _relative_logits(q_by_r, _by_r(kb, tk_axes, PRECISION), qc, kc, G)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -577,10 +597,9 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
     row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_hot = _one_hot(qc, GP, dtype)
-        q_by_p = _by_partner(qs, qc, _load_table(tq, head, H, D, G, LP), G, True, GP, LP, PRECISION)
-        do_by_p = _by_partner(dob, qc, _load_table(tv, head, H, D, G, LP), G, True, GP, LP, PRECISION)
-        tk_block = _load_table(tk, head, H, D, G, LP)
+        q_by_r = _by_r(qs, _axis_tables(tq, head, H, D, G, LP), PRECISION)
+        do_by_r = _by_r(dob, _axis_tables(tv, head, H, D, G, LP), PRECISION)
+        tk_axes = _axis_tables(tk, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
     dqs = tl.zeros([BLOCK_M, D], tl.float32)
@@ -594,9 +613,8 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            k_by_p = _by_partner(kb, kc, tk_block, G, False, GP, LP, PRECISION)
-            s += _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION)
-            dp += _pair_terms(do_by_p, k_hot, PRECISION)
+            s += _relative_logits(q_by_r, _by_r(kb, tk_axes, PRECISION), qc, kc, G)
+            dp += _pick(do_by_r, qc, kc, True, G)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds = (p * (dp - row_delta[:, None])).to(dtype)
@@ -628,10 +646,9 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
     vb = _load_rows(v, cols, col_ok, head, H, D)
     if REL:
         kc = _load_coords(coords, cols, col_ok)
-        k_hot = _one_hot(kc, GP, dtype)
-        k_by_p = _by_partner(kb, kc, _load_table(tk, head, H, D, G, LP), G, False, GP, LP, PRECISION)
-        tq_block = _load_table(tq, head, H, D, G, LP)
-        tv_block = _load_table(tv, head, H, D, G, LP)
+        k_by_r = _by_r(kb, _axis_tables(tk, head, H, D, G, LP), PRECISION)
+        tq_axes = _axis_tables(tq, head, H, D, G, LP)
+        tv_axes = _axis_tables(tv, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
     dkb = tl.zeros([BLOCK_N, D], tl.float32)
     dvb = tl.zeros([BLOCK_N, D], tl.float32)
@@ -647,10 +664,8 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         if REL:
             qc = _load_coords(coords, rows, row_ok)
             q_hot = _one_hot(qc, GP, dtype)
-            q_by_p = _by_partner(qs, qc, tq_block, G, True, GP, LP, PRECISION)
-            s += _relative_logits(q_by_p, q_hot, k_by_p, k_hot, PRECISION)
-            do_by_p = _by_partner(dob, qc, tv_block, G, True, GP, LP, PRECISION)
-            dp += _pair_terms(do_by_p, k_hot, PRECISION)
+            s += _relative_logits(_by_r(qs, tq_axes, PRECISION), k_by_r, qc, kc, G)
+            dp += _pick(_by_r(dob, tv_axes, PRECISION), qc, kc, True, G)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))
