@@ -13,6 +13,7 @@ PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$
 status=${PIPESTATUS[0]}
 PYTHONPATH=. python3 scripts/bench_sparse_attention.py --out "$OUT" --budget-s "${BENCH_BUDGET_S:-300}" \
   > "$OUT/bench_sparse_attention.txt" 2>&1 || status=1
+PYTHONPATH=. python3 scripts/host_time_window_attention.py --out "$OUT" > "$OUT/host_time.txt" 2>&1 || status=1
 for recipe in fp8-dynamic mixed; do
   PYTHONPATH=. python3 -m lowconv.cli convert examples/vit.py "$recipe" -o "$OUT/vit-$recipe" --device cuda \
     > "$OUT/vit-$recipe.txt" 2>&1
