@@ -567,6 +567,26 @@ def test_rel_idx_rewritten_by_a_split_function_is_kept_with_why(models):
         assert torch.equal(converted(*inputs), model(*inputs))
 
 
+def function_apply_takes_keywords() -> bool:
+    """Whether this torch's autograd.Function.apply accepts keyword arguments (2.11 does not, so
+    there a real SpTr op called by keyword fails in the model itself, before lowconv sees it)."""
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+    try:
+        Identity.apply(x=torch.zeros(1))
+    except TypeError:
+        return False
+    return True
+
+
+needs_apply_keywords = pytest.mark.skipif(not function_apply_takes_keywords(),
+                                          reason="this torch's Function.apply takes no keyword arguments")
+
+
+@needs_apply_keywords
 @pytest.mark.parametrize("rel_idx", ["none", "folded"])
 def test_ops_called_by_their_own_keyword_names_are_read(models, rel_idx):
     model, inputs = models.Written(rel_idx, keywords=True).eval(), scene()
@@ -577,6 +597,7 @@ def test_ops_called_by_their_own_keyword_names_are_read(models, rel_idx):
                                    rtol=1e-4, atol=1e-5)
 
 
+@needs_apply_keywords
 def test_keywords_of_an_op_whose_signature_cannot_be_read_keep_the_chain_with_why(models, monkeypatch):
     monkeypatch.setattr(sptr_install, "parameter_names", lambda real: None)
     model, inputs = models.Written("folded", keywords=True).eval(), scene()
