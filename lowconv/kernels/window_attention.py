@@ -27,8 +27,9 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
   error, not the same bits.
 
 How the relative terms avoid anything of size sum(n_w^2): on axis a, r depends only on the two
-coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r, and each
-pair picks its entry with a register gather (tl.gather) at r_a(i, j) (`_pick`). Sums over pairs
+coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r,
+re-indexed per row by the partner's coordinate to a (rows, G) block (`_by_partner`), and each
+pair picks its entry with a register gather (tl.gather) at the partner's coordinate (`_pick`). Sums over pairs
 (the value table's term, the table gradients): P (or dS) @ the partners' one-hot coordinates
 gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
 (`_by_relative`), then multiplied with the table or with the rows: an (L, d) table-gradient
@@ -493,34 +494,43 @@ def _axis_tables(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
 
 
 @triton.jit
-def _by_r(x, tables, PRECISION: tl.constexpr):
-    """For each axis a, the (rows, LP) fp32 block <x_row, T[r, a]> over r: a tuple of three."""
-    return (_dot(x, tl.trans(tables[0]), PRECISION), _dot(x, tl.trans(tables[1]), PRECISION),
-            _dot(x, tl.trans(tables[2]), PRECISION))
+def _by_partner_axis(x, table, own, IS_QUERY: tl.constexpr, G, GP: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """(rows, GP) fp32: column p holds <x_row, T[r, a]> (table: the (LP, D) block of axis a) for
+    the relative index r of the row (coordinate `own`) and a partner at coordinate p:
+    r = own - p + G-1 for a query row, p - own + G-1 for a key row; zero for p >= G."""
+    x_by_r = _dot(x, tl.trans(table), PRECISION)  # (rows, LP), column r
+    p = tl.arange(0, GP)[None, :]
+    r = own[:, None] - p + G - 1 if IS_QUERY else p - own[:, None] + G - 1
+    ok = p < G
+    return tl.where(ok, tl.gather(x_by_r, tl.where(ok, r, 0), 1), 0.0)
 
 
 @triton.jit
-def _pick_axis(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
-    """(own rows, partners): x_by_r[o, r], r = query coordinate - key coordinate + G-1."""
-    if IS_QUERY:
-        rel = own[:, None] - partner[None, :] + G - 1
-    else:
-        rel = partner[None, :] - own[:, None] + G - 1
-    return tl.gather(x_by_r, rel, 1)
+def _by_partner(x, tables, c, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, PRECISION: tl.constexpr):
+    """_by_partner_axis on the three axes: a tuple of three (rows, GP) blocks."""
+    return (_by_partner_axis(x, tables[0], c[0], IS_QUERY, G, GP, PRECISION),
+            _by_partner_axis(x, tables[1], c[1], IS_QUERY, G, GP, PRECISION),
+            _by_partner_axis(x, tables[2], c[2], IS_QUERY, G, GP, PRECISION))
 
 
 @triton.jit
-def _pick(x_by_r, own, partner, IS_QUERY: tl.constexpr, G):
-    """(own rows, partners): sum over the axes of _pick_axis, e.g. <qs_i, sum_a tq[r_a, a]>."""
-    return (_pick_axis(x_by_r[0], own[0], partner[0], IS_QUERY, G)
-            + _pick_axis(x_by_r[1], own[1], partner[1], IS_QUERY, G)
-            + _pick_axis(x_by_r[2], own[2], partner[2], IS_QUERY, G))
+def _pick_axis(x_by_p, partner):
+    """(rows, partners): x_by_p[row, partner coordinate], one register gather per pair."""
+    return tl.gather(x_by_p, tl.broadcast_to(partner[None, :], (x_by_p.shape[0], partner.shape[0])), 1)
 
 
 @triton.jit
-def _relative_logits(q_by_r, k_by_r, qc, kc, G):
+def _pick(x_by_p, partner):
+    """(rows, partners): sum over the axes of _pick_axis, e.g. <qs_i, sum_a tq[r_a, a]>."""
+    return (_pick_axis(x_by_p[0], partner[0]) + _pick_axis(x_by_p[1], partner[1])
+            + _pick_axis(x_by_p[2], partner[2]))
+
+
+@triton.jit
+def _relative_logits(q_by_p, k_by_p, qc, kc):
     """(queries, keys): <qs_i, sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>."""
-    return _pick(q_by_r, qc, kc, True, G) + tl.trans(_pick(k_by_r, kc, qc, False, G))
+    return _pick(q_by_p, kc) + tl.trans(_pick(k_by_p, qc))
 
 
 @triton.jit
@@ -545,7 +555,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
     qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_r = _by_r(qs, _axis_tables(tq, head, H, D, G, LP), PRECISION)
+        q_by_p = _by_partner(qs, _axis_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
         tk_axes = _axis_tables(tk, head, H, D, G, LP)
         v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
     m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
@@ -560,7 +570,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _relative_logits(q_by_r, _by_r(kb, tk_axes, PRECISION), qc, kc, G)
+            s += _relative_logits(q_by_p, _by_partner(kb, tk_axes, kc, False, G, GP, PRECISION), qc, kc)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -597,8 +607,8 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
     row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_r = _by_r(qs, _axis_tables(tq, head, H, D, G, LP), PRECISION)
-        do_by_r = _by_r(dob, _axis_tables(tv, head, H, D, G, LP), PRECISION)
+        q_by_p = _by_partner(qs, _axis_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
+        do_by_p = _by_partner(dob, _axis_tables(tv, head, H, D, G, LP), qc, True, G, GP, PRECISION)
         tk_axes = _axis_tables(tk, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
@@ -613,8 +623,8 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _relative_logits(q_by_r, _by_r(kb, tk_axes, PRECISION), qc, kc, G)
-            dp += _pick(do_by_r, qc, kc, True, G)
+            s += _relative_logits(q_by_p, _by_partner(kb, tk_axes, kc, False, G, GP, PRECISION), qc, kc)
+            dp += _pick(do_by_p, kc)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds = (p * (dp - row_delta[:, None])).to(dtype)
@@ -646,7 +656,7 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
     vb = _load_rows(v, cols, col_ok, head, H, D)
     if REL:
         kc = _load_coords(coords, cols, col_ok)
-        k_by_r = _by_r(kb, _axis_tables(tk, head, H, D, G, LP), PRECISION)
+        k_by_p = _by_partner(kb, _axis_tables(tk, head, H, D, G, LP), kc, False, G, GP, PRECISION)
         tq_axes = _axis_tables(tq, head, H, D, G, LP)
         tv_axes = _axis_tables(tv, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
@@ -664,8 +674,8 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         if REL:
             qc = _load_coords(coords, rows, row_ok)
             q_hot = _one_hot(qc, GP, dtype)
-            s += _relative_logits(_by_r(qs, tq_axes, PRECISION), k_by_r, qc, kc, G)
-            dp += _pick(_by_r(dob, tv_axes, PRECISION), qc, kc, True, G)
+            s += _relative_logits(_by_partner(qs, tq_axes, qc, True, G, GP, PRECISION), k_by_p, qc, kc)
+            dp += _pick(_by_partner(dob, tv_axes, qc, True, G, GP, PRECISION), kc)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))
