@@ -4,7 +4,8 @@ lowconv model file: build_model() returns the model, example_inputs() its forwar
 (feats, xyz, batch) for a synthetic two-scan LiDAR scene. As in SphereFormer, the windows and
 the pair indices are computed inside forward from xyz and batch (get_indices_params, one fx
 node): they depend on the points, so a model served on new scans has to recompute them, and
-inputs that carried them could silently disagree with the points.
+inputs that carried them could silently disagree with the points. Converted, it computes only
+the windows (get_window_rows), not the pair indices.
 
 synthetic_lidar_scene() also makes the full-size scenes of the benchmarks.
 """

@@ -512,6 +512,15 @@ def test_conversion_leaves_no_sptr_op_and_matches(models, model, tmp_path):
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_a_real_get_indices_params_stays(models):
+    """Its windows and sort order need not be compat's (passes/window_rows.py): the converted chain
+    reads its pair layout, not compat's get_window_rows."""
+    model, inputs = models.Block().eval(), scene()
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    [indices] = [n.target for n in converted.graph.nodes if as_compat(n.target) is compat.get_indices_params]
+    assert isinstance(indices, RealOp) and compat.get_window_rows not in compat_targets(converted.graph)
+
+
 def pair_sized(gm: fx.GraphModule, inputs) -> list[str]:
     """The nodes that compute something with a row per (query, key) pair; the pair layout's own
     outputs (get_indices_params' tuple items) aside."""

@@ -13,7 +13,10 @@ The data (N points, h heads, d head_dim, windows of n_w points, M = sum n_w^2 pa
   `index_1` = s + t;
 - `index_0_offsets` (N+1): CSR row pointer of each query's pairs (last = M);
 - `index_1_offsets` (N): key j's pairs are at index_1_offsets[j] + i*n_w, i < n_w;
-- `n_max`: the largest n_w; `rel_idx` (M, 3): quantized relative position of each pair.
+- `n_max`: the largest n_w; `rel_idx` (M, 3): quantized relative position of each pair;
+- row windows (start, end), each (N,): each sorted point's window, what lowconv's fused kernel
+  reads; row_windows_from_pairs takes them from the pair layout, get_window_rows builds them
+  without it (what a converted model calls instead of get_indices_params).
 Index tensors are int32 (sort_idx int64, as SpTr's). q is pre-scaled by the caller.
 
 fx: the ops (SPTR_OPS) and the index helpers (SPTR_HELPERS) are `torch.fx.wrap`ped, so a
@@ -127,6 +130,17 @@ def get_indices_params(xyz, batch, window_size, shift_win: bool):
 
 
 @torch.fx.wrap
+def get_window_rows(xyz, batch, window_size, shift_win: bool):
+    """What a model converted by lowconv reads of get_indices_params, without its pair layout
+    (nothing of size M): (sort_idx, window_start, window_end), sorted point i's window being sorted
+    positions window_start[i] to window_end[i] (int32, as row_windows_from_pairs gives them).
+    The same window_partition call, so the same windows and sort_idx; its host sync is the only one."""
+    window_index, sort_idx, window_offsets = window_partition(xyz, batch, window_size, shift_win)
+    window = window_index[sort_idx]  # each sorted point's window
+    return sort_idx, window_offsets[window], window_offsets[window + 1]
+
+
+@torch.fx.wrap
 def quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win=False):
     """qxyz (N, 3) int64: each point's quant cell inside its window,
     floor(((xyz - min + shift) mod window_size) / quant_size), in [0, G-1] with G = quant_grid_length."""
@@ -219,8 +233,8 @@ def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max,
 
 SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx_all,
             attention_step2_with_rel_pos_value)
-SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, relative_position_index, quantized_coordinates,
-                row_windows_from_pairs, coordinates_in_window)
+SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, get_window_rows, relative_position_index,
+                quantized_coordinates, row_windows_from_pairs, coordinates_in_window)
 
 
 def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,

@@ -142,6 +142,9 @@ class SparseWindowAttention(nn.Module):
     [_with_rel_pos_value]) as one call of the fused window-attention kernel: nothing of size M
     (the number of (query, key) pairs) is computed. No parameters: the tables stay the model's.
 
+    The windows come as SpTr's pair layout, of which index_0_offsets (N+1) and each query's first
+    entry of index_1 are read, or as `row_windows` = (start, end), each (N,), in place of those two:
+    what the rewrite passes once no one else reads the pair layout (passes/window_rows.py).
     Relative position comes as what rel_idx was made from: the points' xyz with window_size,
     quant_size, quant_grid_length and shift_win (compat's relative_position_index), or `coords`, the
     per-point whole-number coordinates that SpTr's inline rel_idx differences, with quant_grid_length.
@@ -151,9 +154,11 @@ class SparseWindowAttention(nn.Module):
         super().__init__()
         self.compute_dtype = compute_dtype  # None: q's dtype
 
-    def forward(self, q, k, v, index_0_offsets, index_1, xyz=None, window_size=None, quant_size=None,
-                quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None, coords=None):
-        row_windows = sptr.row_windows_from_pairs(index_0_offsets, index_1)
+    def forward(self, q, k, v, index_0_offsets=None, index_1=None, xyz=None, window_size=None, quant_size=None,
+                quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None, coords=None,
+                row_windows=None):
+        if row_windows is None:
+            row_windows = sptr.row_windows_from_pairs(index_0_offsets, index_1)
         tables = None
         if xyz is not None:
             coords = sptr.quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win)

@@ -4,7 +4,8 @@ A site that is a whole module (nn.Linear, nn.MultiheadAttention) is swapped for 
 at the same FQN. A site that is a piece of graph (F.linear, addmm, SDPA, hand-written attention)
 becomes one call_module of the op module, registered at the site's FQN; the old nodes and the
 parameters only they used are removed, and the region's GraphModule takes the place of the
-region's module in the model (a region with swaps only keeps its own module and class).
+region's module in the model (a region with swaps only keeps its own module and class). SpTr's
+pair layout that only converted window attention reads is then dropped (window_rows.py).
 The model passed in is changed: callers pass their own copy.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from lowconv.passes.trace import Region, Trace
+from lowconv.passes.window_rows import drop_pair_layouts
 from lowconv.site import Site
 
 
@@ -93,6 +95,7 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         gm = region.graph
         for site in todo:
             replace_in_graph(gm, site, relative(site.fqn, region), modules[site.fqn])
+        drop_pair_layouts(gm)  # once all of the region's sites are in: a kept chain's layout stays
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()

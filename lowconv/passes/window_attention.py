@@ -20,8 +20,10 @@ Each chain becomes one site whose op takes q, k, v and what the fused kernel nee
 (M, h) pair tensors: the window offsets (derived from index_0_offsets and index_1) and, with
 relative position, the tables and what rel_idx was made from: the points' xyz and quantization, or
 P and G. The rel_idx nodes (and the index casts only the chain reads) go with the chain, so nothing
-of size M x 3 is computed either. A rel_idx of another form (SphereFormer's split function
-rewrites it) has no per-point coordinates: its chain is found but kept, and the site says why.
+of size M x 3 is computed either; after the rewrite, a get_indices_params whose pair layout only
+converted chains read is replaced too (window_rows.py). A rel_idx of another form (SphereFormer's
+split function rewrites it) has no per-point coordinates: its chain is found but kept, and the site
+says why.
 A real op called with its own keyword names (index0, index_q, table) is read through its signature.
 """
 from __future__ import annotations
