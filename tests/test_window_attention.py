@@ -156,12 +156,15 @@ def test_row_windows_kernel_matches_torch_with_empty_windows():
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_row_windows_give_the_same_result_as_offsets(backend):
+    """Row windows written out by hand (not from row_windows_from_offsets, which the offsets path uses)."""
     q, k, v, offsets, coords, tables, _ = make_problem(seed=4)
     q, k, v = (t.float() for t in (q, k, v))
     tables = tuple(t.float() for t in tables)
-    row_windows = row_windows_from_offsets(offsets, q.shape[0])
+    bounds = offsets.tolist()
+    start = torch.tensor([s for s, e in zip(bounds, bounds[1:]) for _ in range(s, e)], device=DEVICE)
+    end = torch.tensor([e for s, e in zip(bounds, bounds[1:]) for _ in range(s, e)], device=DEVICE)
     by_offsets = window_attention(q, k, v, offsets, coords=coords, tables=tables, backend=backend)
-    by_rows = window_attention(q, k, v, row_windows=row_windows, coords=coords, tables=tables,
+    by_rows = window_attention(q, k, v, row_windows=(start, end), coords=coords, tables=tables,
                                backend=backend, validate=False)
     torch.testing.assert_close(by_rows, by_offsets)  # the reference's index_add is not bitwise stable on CUDA
 

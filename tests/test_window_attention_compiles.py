@@ -6,13 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 POINTER = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 INT_POINTERS = ("start", "end", "coords")
 FP32_POINTERS = ("lse", "delta", "dtq", "dtk", "dtv")
 H100_SHARED_BYTES = 232448  # per block
 CASES = [(kernel, dtype, rel) for kernel in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
-         for dtype in ("fp16", "fp32") for rel in (False, True)]
+         for dtype in ("fp16", "bf16", "fp32") for rel in (False, True)]
 
 
 def signature(kernel, dtype, constexprs):
@@ -45,9 +48,8 @@ def compile_case(kernel_name, dtype, rel):
     kernel = getattr(wa, kernel_name)
     g = 24  # SphereFormer's grid: L = 47 table rows
     tiles = wa.tile_config(kernel, rel)
-    constexprs = dict(D=16, REL=rel, GP=triton.next_power_of_2(g), LP=triton.next_power_of_2(2 * g - 1),
-                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", BLOCK_M=tiles.block_m,
-                      BLOCK_N=tiles.block_n)
+    constexprs = dict(D=16, REL=rel, **wa.padded_widths(g), PRECISION="tf32x3" if dtype == "fp32" else "tf32",
+                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
     source = ASTSource(kernel, signature(kernel, dtype, constexprs),
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
@@ -59,8 +61,11 @@ def compile_case(kernel_name, dtype, rel):
 
 
 def test_kernels_compile_for_sm90():
+    # The child imports this checkout's lowconv (not an installed one) and compiles, not interprets.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True,
+                           timeout=900)
     assert child.returncode == 0, child.stderr[-3000:]
     results = json.loads(child.stdout.splitlines()[-1])
     failed = {case: result for case, result in results.items() if isinstance(result, str)}

@@ -29,15 +29,16 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
 How the relative terms avoid anything of size sum(n_w^2): on axis a, r depends only on the two
 coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r,
 re-indexed per row by the partner's coordinate to a (rows, G) block (`_by_partner`), and each
-pair picks its entry with a register gather (tl.gather) at the partner's coordinate (`_pick`). Sums over pairs
-(the value table's term, the table gradients): P (or dS) @ the partners' one-hot coordinates
-gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
+pair picks its entry with a register gather (tl.gather) at the partner's coordinate (`_pick`).
+Sums over pairs (the value table's term, the table gradients): P (or dS) @ the partners' one-hot
+coordinates gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
 (`_by_relative`), then multiplied with the table or with the rows: an (L, d) table-gradient
 block per tile, added with one fp32 atomic per element. Those blocks hold the three axes side
 by side, column a*GP + c (a*LP + r), a fourth slot of zeros padding them to a power of two.
-(Measured on the H100, scripts/tune_window_attention.py: the gathers from three (rows, L) blocks
-beat one-hot MMAs over partner-indexed blocks 1.7-2x, and a gather from one (rows, 3L) block
-is 2-4x slower than from three.)
+(Measured on the H100 with scripts/tune_window_attention.py, dense scene, G = 24, fp16, h = 4:
+gathers from these (rows, G) blocks are 7-26% faster than from (rows, L) blocks by relative index,
+2.1-2.3x faster than one-hot MMAs over the partner-indexed blocks, and 4-13x faster than gathers
+from one (rows, 3L) block; BENCHMARKS.md.)
 """
 import os
 from typing import NamedTuple
@@ -189,8 +190,10 @@ def check_windows(q, offsets, row_windows):
     if not isinstance(row_windows, (tuple, list)) or len(row_windows) != 2 or not all(
             is_int_tensor(t) and tuple(t.shape) == (n,) and t.device == q.device
             for t in row_windows):
+        got = ", ".join(map(describe, row_windows)) if isinstance(row_windows, (tuple, list)) \
+            else describe(row_windows)
         raise ValueError(f"window_attention: row_windows must be (start, end), two integer "
-                         f"({n},) tensors on {q.device}")
+                         f"({n},) tensors on {q.device}, got {got}")
 
 
 def check_relative_position(q, coords, tables):
@@ -326,6 +329,12 @@ def tile_config(kernel, rel):
     return Tiles(64, 64, 4) if kernel is _backward_key_kernel else Tiles(64, 32, 4)
 
 
+def padded_widths(g):
+    """GP and LP: G and L = 2G-1 padded to powers of two (at least 4), the widths of the kernels'
+    per-axis blocks by coordinate and by relative index."""
+    return {"GP": max(4, triton.next_power_of_2(g)), "LP": max(4, triton.next_power_of_2(2 * g - 1))}
+
+
 class Launch:
     """The arguments and tile sizes every attention kernel of this file shares."""
 
@@ -347,8 +356,7 @@ class Launch:
         tile = tiles.block_n if kernel is _backward_key_kernel else tiles.block_m
         grid = (triton.cdiv(self.n, tile), self.heads)
         kernel[grid](*tensors, *self.shared, self.n, self.heads, self.g, self.scale,
-                     D=self.head_dim, REL=self.rel, GP=max(4, triton.next_power_of_2(self.g)),
-                     LP=max(4, triton.next_power_of_2(2 * self.g - 1)),
+                     D=self.head_dim, REL=self.rel, **padded_widths(self.g),
                      PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                      num_warps=tiles.num_warps)
 
@@ -440,12 +448,17 @@ def _split_dot(x, y, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _table_entry(r, axis, head, H, D: tl.constexpr):
+    """Offsets of rows T[r, axis] (r, axis: (rows, 1)) of a table (L, 3, H, D), for one head."""
+    return ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
 def _table_offsets(head, H, D: tl.constexpr, G, LP: tl.constexpr):
     """Offsets of the (4*LP, D) block of a table (L, 3, H, D) whose row a*LP + r is T[r, a]."""
     row = tl.arange(0, 4 * LP)[:, None]
     axis, r = row // LP, row % LP
-    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
-    return offs, (axis < 3) & (r < 2 * G - 1)
+    return _table_entry(r, axis, head, H, D), (axis < 3) & (r < 2 * G - 1)
 
 
 @triton.jit
@@ -482,8 +495,7 @@ def _one_hot(c, GP: tl.constexpr, dtype: tl.constexpr):
 def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
     """T[:, axis] of a table (L, 3, H, D) for one head: (LP, D), zero past L = 2G-1."""
     r = tl.arange(0, LP)[:, None]
-    offs = ((r * 3 + axis) * H + head) * D + tl.arange(0, D)[None, :]
-    return tl.load(table + offs, mask=r < 2 * G - 1, other=0.0)
+    return tl.load(table + _table_entry(r, axis, head, H, D), mask=r < 2 * G - 1, other=0.0)
 
 
 @triton.jit
