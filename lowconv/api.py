@@ -14,7 +14,7 @@ from lowconv.errors import LowconvError
 from lowconv.ops import OPS
 from lowconv.passes.rewrite import rewrite, site_params, tap_sites
 from lowconv.passes.sites import find_sites
-from lowconv.passes.trace import Trace, evaluating, normalize_inputs, trace_model
+from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
 from lowconv.site import Site, TensorMeta
@@ -198,7 +198,10 @@ def first_tensor(value):
 
 
 def run_eval(model: nn.Module, args: tuple, kwargs: dict) -> object:
-    """model(*args, **kwargs) in eval mode, the model's modes and the global RNG left as they were."""
+    """model(*args, **kwargs) in eval mode, the model's modes and the global RNG left as they were,
+    on fresh clones of the tensors in args and kwargs (fresh_inputs): a model that writes into its
+    inputs leaves the caller's tensors as they were."""
+    args, kwargs = fresh_inputs(args, kwargs)
     with evaluating(model):
         return model(*args, **kwargs)
 
@@ -285,9 +288,10 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     device = next((p.device for p in converted.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         args, kwargs = normalize_inputs(inputs)
+        # Each model times its own clones (the repeated forwards of one timing share them).
         with evaluating(original), evaluating(converted):
-            original_ms, original_mb = reports.measure_perf(original, args, kwargs, device)
-            converted_ms, converted_mb = reports.measure_perf(converted, args, kwargs, device)
+            original_ms, original_mb = reports.measure_perf(original, *fresh_inputs(args, kwargs), device)
+            converted_ms, converted_mb = reports.measure_perf(converted, *fresh_inputs(args, kwargs), device)
         perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device))
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(

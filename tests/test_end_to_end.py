@@ -142,3 +142,50 @@ def test_untraceable_model_converts_its_traceable_parts(tmp_path):
     assert torch.equal(run(lowconv.load(model, tmp_path), inputs), run(converted, inputs))
     report = lowconv.compare(model, converted, inputs)
     assert [r.fqn for r in report.sites] == ["body.0", "body.2", "head"] and report.outputs[0].metrics.sqnr_db > 20
+
+
+class WritesIntoInput(torch.nn.Module):
+    """Writes into its input tensor before using it, by item assignment or an in-place method."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def forward(self, x, scale=None):
+        if self.how == "setitem":
+            x[:, 0] = x[:, 0] * 2
+        else:
+            x[:, 0].mul_(2)
+        if scale is not None:
+            scale.add_(1)  # a tensor in a kwarg too
+            x = x * scale
+        return self.body(x)
+
+
+@pytest.mark.parametrize("recipe", ["keep-all", "fp8-dynamic", "fp8-static"])
+@pytest.mark.parametrize("how", ["setitem", "inplace"])
+def test_model_writing_into_its_inputs(how, recipe, tmp_path):
+    """lowconv runs the model several times (first calls, shape propagation, calibration, the
+    reference and traced runs of compare): each gets fresh clones, so the user's tensors stay as
+    they were and every run sees the same values."""
+    torch.manual_seed(0)
+    model = WritesIntoInput(how).eval()
+    x, scale = torch.randn(8, 32), torch.ones(())
+    inputs = {"x": x, "scale": scale}
+    x_before, scale_before = x.clone(), scale.clone()
+    expected = model(x.clone(), scale=scale.clone())
+
+    converted = lowconv.convert(model, recipe, inputs)
+    assert torch.equal(x, x_before) and torch.equal(scale, scale_before)
+    if recipe != "keep-all":
+        assert {d.fqn for d in converted.lowconv_plan.converted()} == {"body.0", "body.2"}
+    report = lowconv.compare(model, converted, inputs)
+    assert torch.equal(x, x_before) and torch.equal(scale, scale_before)
+    assert report.passed, lowconv.report.report_to_table(report)
+    lowconv.save(converted, tmp_path)
+    again = lowconv.load(model, tmp_path, example_inputs=inputs)
+    assert torch.equal(x, x_before) and torch.equal(scale, scale_before)
+    if recipe == "keep-all":
+        assert torch.equal(converted(x.clone(), scale=scale.clone()), expected)
+    assert torch.equal(again(x.clone(), scale=scale.clone()), converted(x.clone(), scale=scale.clone()))

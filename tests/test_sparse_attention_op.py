@@ -290,3 +290,25 @@ def test_check_needs_what_rebuilds_an_mha():
     assert sa.check(site, sa.SparseAttentionOptions()) is None
     site.info.batch_first = None
     assert "batch_first" in sa.check(site, sa.SparseAttentionOptions())
+
+
+def test_window_module_names_tables_shorter_than_rel_idx_needs():
+    """The kernel reads G off the tables' length and runs unchecked: tables of fewer than 2G-1 rows
+    are refused from their shapes (on CUDA they would run with no error and give wrong output)."""
+    from lowconv.compat import sptr
+
+    xyz = torch.rand(40, 3) * 0.6
+    batch = torch.zeros(40, dtype=torch.long)
+    _, index_0_offsets, _, index_1, _, sort_idx = sptr.get_indices_params(xyz, batch, 0.3, False)
+    q, k, v = torch.randn(3, 40, 2, 16).unbind(0)
+    op = sa.SparseWindowAttention()
+    for rows in (9, 10):
+        tables = tuple(torch.randn(rows, 3, 2, 16) for _ in range(3))
+        with pytest.raises(ValueError, match=rf"tables \(query, key, value\) have {rows}, {rows}, {rows} rows; "
+                                             rf"rel_idx needs 2G-1 = 11 \(G = quant_grid_length = 6\)"):
+            op(q, k, v, index_0_offsets, index_1, xyz[sort_idx], 0.3, 0.05, 6, False, *tables)
+    tables = tuple(torch.randn(13, 3, 2, 16, dtype=torch.float64) for _ in range(3))
+    out = op(q, k, v, index_0_offsets, index_1, xyz[sort_idx], 0.3, 0.05, 6, False, *tables)
+    assert out.dtype == torch.float32  # q's dtype: window_attention returns it
+    assert torch.equal(out, op(q, k, v, index_0_offsets, index_1, xyz[sort_idx], 0.3, 0.05, 6, False,
+                               *(t[:11] for t in tables)))

@@ -57,3 +57,35 @@ def test_shapes_propagate_into_regions():
 def test_replay_of_known_regions():
     trace = find_regions(Model(), only=["a.inner", "b"])
     assert [r.fqn for r in trace.regions] == ["a.inner", "b"]
+
+
+def test_fresh_inputs_clones_tensors_only():
+    from lowconv.passes.trace import fresh_inputs
+
+    x, w = torch.randn(3), torch.randn(2, requires_grad=True)
+    args, kwargs = fresh_inputs((x, [x, 7], "s"), {"w": w, "n": None, "d": {"i": torch.arange(3)}})
+    assert torch.equal(args[0], x) and args[0] is not x and args[0].data_ptr() != x.data_ptr()
+    assert args[1][0] is args[0]  # a tensor passed twice is one clone: the run sees the aliasing
+    assert args[1][1] == 7 and args[2] == "s" and kwargs["n"] is None
+    assert kwargs["w"].requires_grad and kwargs["w"].is_leaf and kwargs["w"] is not w
+    assert torch.equal(kwargs["d"]["i"], torch.arange(3))
+
+
+class WritesIntoInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x[:, 0] = x[:, 0] + 1
+        return self.lin(x)
+
+
+def test_trace_model_leaves_written_inputs_alone():
+    x = torch.zeros(2, 4)
+    trace = trace_model(WritesIntoInput(), (x,))
+    assert torch.equal(x, torch.zeros(2, 4))
+    root = next(r for r in trace.regions if r.fqn == "")
+    # the model's recorded arguments hold the example values, not what the runs wrote into them
+    assert torch.equal(root.example_args[0], torch.zeros(2, 4))
+    assert "setitem" in root.graph.code

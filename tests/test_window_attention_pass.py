@@ -7,11 +7,13 @@ import lowconv
 from lowconv.compat import sptr
 from lowconv.compat.sptr import attention_step1, attention_step2, get_indices_params, scatter_softmax_csr
 from lowconv.model_file import load_model_file
+from lowconv.ops import sparse_attention
 from lowconv.passes.trace import trace_model
 from lowconv.passes.window_attention import find_window_attention_sites
 from lowconv.recipe import parse_recipe
 
 SPTR_NODES = set(sptr.SPTR_OPS) | {sptr.relative_position_index}
+FLOAT32 = parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }')
 
 
 class Block(nn.Module):
@@ -108,3 +110,81 @@ def test_ops_imported_by_name_are_matched_too():
     trace = trace_model(ByName(), (q, q, q, xyz, batch))
     [site] = find_window_attention_sites(trace.regions[0])
     assert site.unsupported is None and site.info.rel_pos == "none"
+
+
+class ShortTables(nn.Module):
+    """SpTr's contextual chain with G = 4 (window 0.5, quant 0.125) but tables of `rows` rows, by
+    relative_position_index or SpTr's inline form; fine in the original while no rel_idx reaches
+    the tables' end (points near their window's corner)."""
+
+    def __init__(self, rows, form):
+        super().__init__()
+        self.form = form
+        self.tables = nn.ParameterList(nn.Parameter(torch.randn(rows, 3, 2, 16) * 0.5) for _ in range(3))
+
+    def forward(self, q, k, v, xyz, batch):
+        index_0, index_0_offsets, n_max, index_1, index_1_offsets, _ = sptr.get_indices_params(xyz, batch, 0.5, False)
+        if self.form == "function":
+            rel_idx = sptr.relative_position_index(xyz, index_0, index_1, 0.5, 0.125, 4)
+        else:
+            p = torch.div((xyz - xyz.min(0)[0]) % 0.5, 0.125, rounding_mode="floor")
+            rel_idx = (p[index_0.long()] - p[index_1.long()] + 3).int()
+        tq, tk, tv = self.tables
+        attn = sptr.dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offsets, tq, tk,
+                                          rel_idx, n_max)
+        attn = sptr.scatter_softmax_csr(attn, index_0_offsets, dim=0)
+        return sptr.attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max, index_1,
+                                                       index_1_offsets, tv, rel_idx)
+
+
+def corner_scene(n=200):
+    """Points in window order, each in the first two quant cells of its window on every axis."""
+    torch.manual_seed(0)
+    window = torch.randint(0, 4, (n, 3)).float()
+    xyz = window * 0.5 + torch.rand(n, 3) * 0.2
+    xyz[0] = 0  # the windows' origin, exactly
+    batch = torch.zeros(n, dtype=torch.long)
+    xyz = xyz[sptr.window_partition(xyz, batch, 0.5)[1]]
+    q, k, v = torch.randn(3, n, 2, 16).unbind(0)
+    return q * 0.25, k, v, xyz, batch
+
+
+@pytest.mark.parametrize("form", ["function", "inline"])
+def test_tables_shorter_than_rel_idx_needs_keep_the_site_with_why(form):
+    inputs = corner_scene()
+    trace = trace_model(ShortTables(5, form), inputs)
+    [site] = find_window_attention_sites(trace.regions[0])
+    assert site.unsupported == ("the relative position tables (query, key, value) have 5, 5, 5 rows; "
+                                "rel_idx needs 2G-1 = 7 (G = 4)")
+    plan = lowconv.convert(ShortTables(5, form), "sparse-attention-bf16", inputs).lowconv_plan
+    assert [d.op for d in plan.decisions if d.fqn == site.fqn] == ["keep"]
+    # 2G-1 rows or more (the op reads the first 2G-1) convert
+    for rows in (7, 9):
+        model = ShortTables(rows, form)
+        [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+        assert site.unsupported is None
+        converted = lowconv.convert(model, FLOAT32, inputs)
+        assert converted.lowconv_plan.converted()
+        with torch.no_grad():
+            torch.testing.assert_close(converted(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_window_site_the_kernel_cannot_run_on_cuda_is_kept_with_why():
+    """head_dim 24 (not a power of two) and float64: the Triton kernel cannot run them. On the CPU
+    the op runs the torch reference, which can: the sites convert there."""
+    model = sptr.VarLengthMultiheadSA(48, 2, "w", 0.3).eval()
+    feats, xyz, batch = scene()
+    inputs = (torch.randn(len(xyz), 48), xyz, batch)
+    [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    options = sparse_attention.SparseAttentionOptions()
+    assert site.info.head_dim == 24 and sparse_attention.check(site, options) is None  # a CPU model
+    site.output_node = None  # no graph to say where it runs: taken as CUDA
+    assert sparse_attention.check(site, options) == (
+        "the window-attention kernel on CUDA needs head_dim a power of two >= 16 (got 24)")
+    site.info.head_dim = 32
+    assert sparse_attention.check(site, options) is None
+    site.input.dtype = "float64"
+    assert "computes in float32, float16 or bfloat16, not float64" in sparse_attention.check(site, options)
+    assert sparse_attention.check(site, sparse_attention.SparseAttentionOptions(dtype="float32")) is None
+    converted = lowconv.convert(model, FLOAT32, inputs)
+    assert converted.lowconv_plan.converted()

@@ -174,9 +174,11 @@ def row_windows_from_pairs(index_0_offsets, index_1):
 def coordinates_in_window(coords, window_start, quant_grid_length):
     """Whole-number coordinates (N, 3) in window (sorted) order as the kernel takes them, int64 in
     [0, G-1]: each less the least of its window (window_start (N,): the first sorted point of each
-    point's window). rel_idx reads only differences within a window, which this keeps; a window
-    spread over more than G cells (SpTr's coordinates reach G only by rounding, and its rel_idx then
-    leaves the tables) is clamped."""
+    point's window). rel_idx reads only differences within a window, which this keeps while a
+    window's coordinates spread over at most G-1 (G cells). A wider spread (SpTr's coordinates reach
+    G only by float rounding, and its rel_idx then leaves the tables) is clamped here, per point:
+    SpTr's split path instead clamps rel_idx, per pair, to [0, 2G-1], so for the pairs of such a
+    point the two differ (the conversion reads other table rows than the original)."""
     coords, window_start = coords.long(), window_start.long()
     least = torch.zeros_like(coords).scatter_reduce_(0, window_start[:, None].expand_as(coords), coords, "amin",
                                                      include_self=False)

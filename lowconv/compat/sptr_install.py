@@ -24,7 +24,10 @@ and model/spherical_transformer.py at 43ec041; the lh9171338 fork's Python files
   xyz_quant = torch.div((xyz - xyz.min(0)[0] + shift) % window_size, quant_size, rounding_mode="floor"),
   then xyz_quant[index_0.long()] - xyz_quant[index_1.long()] + quant_grid_length - 1, optionally
   rewritten by split_func and clamped to [0, 2G-1], then `.int()`; passes/window_attention.py reads
-  that form without split_func.
+  that form without split_func, the clamp taken as harmless: it is while a window's coordinates
+  spread over at most G-1 (rel_idx in [0, 2G-2]); where float rounding puts a point G cells from
+  its window's least, the original clamps rel_idx and the conversion clamps the point's coordinate
+  (coordinates_in_window), and the two differ for that point's pairs.
 - SphereFormer imports the package vendored, as `third_party.SparseTransformer.sptr`.
 """
 from __future__ import annotations

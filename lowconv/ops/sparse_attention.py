@@ -1,13 +1,21 @@
-"""`sparse_attention`: attention through lowconv's block-attention kernels, in a chosen dtype.
+"""`sparse_attention`: attention through lowconv's attention kernels, in a chosen dtype.
 
 Functional sites (SDPA, hand-written softmax(q k^T) v) become a `SparseAttention` called with
 the site's (q, k, v[, mask]); an nn.MultiheadAttention becomes a `SparseMultiheadAttention`
 with the same parameters and state-dict names. Both compute the core attention with
 `kernels.block_attention.attention`: q, k, v rounded to the compute dtype, fp32 accumulation
 and softmax, probabilities and output rounded to the compute dtype, then cast back to q's dtype.
+
+An SpTr window-attention chain (passes/window_attention.py) becomes a `SparseWindowAttention`, no
+parameters, called with q, k, v, the windows and, with relative position, the model's tables and
+what rel_idx was made from; it computes with `kernels.window_attention.window_attention` (Triton
+on CUDA, the torch reference elsewhere), with the same numerics in the compute dtype. `check` keeps
+a window site the Triton kernel cannot run (head_dim not a power of two >= 16, a float64 compute
+dtype) when the site's model is on CUDA.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import reduce
 from typing import Literal
@@ -18,9 +26,9 @@ from torch import nn
 
 from lowconv.compat import sptr
 from lowconv.kernels.block_attention import attention
-from lowconv.kernels.window_attention import window_attention
+from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
 from lowconv.ops.registry import Op, register
-from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site
+from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site, dtype_name
 
 
 
@@ -165,16 +173,29 @@ class SparseWindowAttention(nn.Module):
         elif coords is not None:
             coords = sptr.coordinates_in_window(coords, row_windows[0], quant_grid_length)
         if coords is not None:
-            # The kernel reads G off the tables' length; rel_idx, in [0, 2G-2], reads their first 2G-1 rows only.
-            tables = tuple(t[:2 * quant_grid_length - 1] for t in (table_q, table_k, table_v))
+            tables = table_rows_read(quant_grid_length, table_q, table_k, table_v)
         # The windows and coordinates are valid by construction: no check that reads them back.
-        out = window_attention(q, k, v, row_windows=row_windows, scale=1.0, coords=coords,
-                               tables=tables, dtype=self.compute_dtype or q.dtype,
-                               validate=False)  # q is pre-scaled, as SpTr's
-        return out.to(q.dtype)
+        # (window_attention returns q's dtype.)
+        return window_attention(q, k, v, row_windows=row_windows, scale=1.0, coords=coords,
+                                tables=tables, dtype=self.compute_dtype or q.dtype,
+                                validate=False)  # q is pre-scaled, as SpTr's
 
     def extra_repr(self) -> str:
         return f"compute_dtype={self.compute_dtype}"
+
+
+def table_rows_read(quant_grid_length, *tables) -> tuple:
+    """The first 2G-1 rows of each table: all that rel_idx, in [0, 2G-2], reads, and what the kernel
+    takes (it reads G off the tables' length). Tables of fewer rows are refused, from their shapes
+    (no device sync): the kernel runs unchecked (validate=False), and would read out-of-range
+    coordinates and give wrong output, with no error on CUDA."""
+    rows = 2 * quant_grid_length - 1
+    lengths = [t.shape[0] for t in tables]
+    if any(length < rows for length in lengths):
+        raise ValueError(f"SparseWindowAttention: the relative position tables (query, key, value) have "
+                         f"{', '.join(map(str, lengths))} rows; rel_idx needs 2G-1 = {rows} "
+                         f"(G = quant_grid_length = {quant_grid_length})")
+    return tuple(t[:rows] for t in tables)
 
 
 def merge_masks(attn_mask, key_padding_mask, n, heads, seq_q, seq_k, dtype):
@@ -202,7 +223,32 @@ def check(site: Site, options: SparseAttentionOptions) -> str | None:
     info = site.info
     if info.form == "mha" and None in (info.embed_dim, info.heads, info.batch_first):
         return "nn.MultiheadAttention site without embed_dim/heads/batch_first to rebuild it from"
+    if info.form == "window" and site_may_run_on_cuda(site):
+        return window_kernel_problem(info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
     return None
+
+
+def window_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | None:
+    """Why the fused window kernel (Triton, what SparseWindowAttention runs on CUDA) cannot run a
+    site, as kernels/window_attention.py's check_triton_inputs would say at run time; None if it can
+    (an unknown head_dim is left to that check)."""
+    if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return f"the window-attention kernel on CUDA needs head_dim a power of two >= 16 (got {head_dim})"
+    if dtype not in TRITON_DTYPES:
+        return (f"the window-attention kernel on CUDA computes in float32, float16 or bfloat16, not "
+                f"{dtype_name(dtype)} (a recipe can set the op's dtype option)")
+    return None
+
+
+def site_may_run_on_cuda(site: Site) -> bool:
+    """Whether the site's model is on CUDA, read from the parameters or buffers of the traced graph
+    that holds the site (where its op module goes, as api.site_device places it); True when it has
+    none or the site has no graph: the op is meant for the CUDA kernel. On the CPU it runs the torch
+    reference, which takes any head_dim and float64."""
+    graph = site.output_node.graph if site.output_node is not None else None
+    module = graph.owning_module if graph is not None else None
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None) if module is not None else None
+    return tensor is None or tensor.is_cuda
 
 
 def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.Module:

@@ -14,6 +14,10 @@ None: fx would otherwise trace them as tensors and freeze `if mask is None` in i
 The traced region then asserts that they are still None when called.
 
 Tracing works on the module it is given; callers pass a copy, never the user's model.
+
+Every run of a model on example inputs that lowconv makes (here and in api.py) is given fresh
+clones of their tensors (`fresh_inputs`): a model that writes into its inputs (`x[:, 0] *= 2`)
+then neither changes the user's tensors nor sees another run's writes.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
@@ -212,6 +217,22 @@ def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
+def fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) with every tensor in them (through tuples, lists, dicts and other pytree
+    containers) a detached clone, requires_grad kept; anything else as it is. A tensor passed twice
+    gets one clone, so the run sees the aliasing it had (views of one another become separate).
+    What each internal run of a model is given, so that writes into its inputs change neither the
+    caller's tensors nor what the next run sees."""
+    clones: dict[int, torch.Tensor] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in clones:
+            clones[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+        return clones[id(t)]
+
+    return pytree.tree_map_only(torch.Tensor, clone, (tuple(args), dict(kwargs)))
+
+
 def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
     """The forward's arguments by name, defaults filled (None when they cannot be bound, or when
     extra *args/**kwargs were passed, which a traced forward cannot take positionally)."""
@@ -254,7 +275,11 @@ class Call:
 
 
 def first_calls(model: nn.Module, example_inputs) -> dict[str, Call]:
-    """Run the model once (eval mode); what each module with a forward of its own got and gave."""
+    """Run the model once (eval mode); what each module with a forward of its own got and gave.
+
+    The run gets fresh clones of the inputs; the model's own call is then given other fresh clones,
+    so that its recorded arguments hold the example values even if the model wrote into its inputs
+    (a submodule's recorded arguments are what it got, as they are after the run)."""
     calls: dict[str, Call] = {}
     handles = []
     for fqn, module in model.named_modules():
@@ -266,23 +291,28 @@ def first_calls(model: nn.Module, example_inputs) -> dict[str, Call]:
 
         handles.append(module.register_forward_hook(record, with_kwargs=True))
     args, kwargs = normalize_inputs(example_inputs)
+    run_args, run_kwargs = fresh_inputs(args, kwargs)
     try:
         with evaluating(model):
-            model(*args, **kwargs)
+            model(*run_args, **run_kwargs)
     except Exception as err:
         raise LowconvError(f"the model failed on its example inputs: {type(err).__name__}: {err}") from err
     finally:
         for h in handles:
             h.remove()
+    if "" in calls and calls[""].arguments is not None:
+        calls[""].arguments = bind_arguments(model, *fresh_inputs(args, kwargs))
     return calls
 
 
 def propagate_shapes(region: Region) -> None:
-    """Leave tensor_meta on the region's graph nodes (no-op when its inputs are unknown)."""
+    """Leave tensor_meta on the region's graph nodes (no-op when its inputs are unknown). The run
+    gets fresh clones of example_args, which keep their values."""
     if region.graph is None or region.example_args is None:
         return
+    args, _ = fresh_inputs(region.example_args, {})
     with evaluating(region.graph):
-        ShapeProp(region.graph).propagate(*region.example_args)
+        ShapeProp(region.graph).propagate(*args)
 
 
 def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,

@@ -14,16 +14,31 @@ Real SpTr computes rel_idx inline instead (compat/sptr_install.py):
     rel_idx = (P[index_0.long()] - P[index_1.long()] + G - 1).int()
 
 with P (N, 3) the points' whole-number quantized coordinates; that form is read too, its casts,
-an added constant folded in any order and a clamp that cannot change its values allowed.
+an added constant folded in any order and a clamp to [0, 2G-2] or wider allowed (SpTr's split path
+clamps to [0, 2G-1]). Such a clamp is taken as harmless: it cannot change rel_idx while each
+window's coordinates spread over at most G-1 on every axis (differences in [-(G-1), G-1]). SpTr's
+float rounding can put a point G cells from its window's least; the original then clamps rel_idx
+(per pair) and the conversion the point's coordinate (compat's coordinates_in_window), and the two
+differ for that point's pairs.
 
-Each chain becomes one site whose op takes q, k, v and what the fused kernel needs instead of the
-(M, h) pair tensors: the window offsets (derived from index_0_offsets and index_1) and, with
-relative position, the tables and what rel_idx was made from: the points' xyz and quantization, or
-P and G. The rel_idx nodes (and the index casts only the chain reads) go with the chain, so nothing
-of size M x 3 is computed either; after the rewrite, a get_indices_params whose pair layout only
-converted chains read is replaced too (window_rows.py). A rel_idx of another form (SphereFormer's
+Each chain becomes one site whose op (ops/sparse_attention.py's SparseWindowAttention) takes q, k,
+v and what the fused kernel needs instead of the (M, h) pair tensors: the windows, as index_0_offsets
+and index_1, from which the op builds each point's row window (start, end), and, with relative
+position, the tables and what rel_idx was made from: the points' xyz and quantization, or P and G.
+The rel_idx nodes (and the index casts only the chain reads) go with the chain, so nothing of size
+M x 3 is computed either; after the rewrite, a get_indices_params whose pair layout only converted
+chains read is replaced by get_window_rows, and the op then takes its row windows (`row_windows`)
+in place of index_0_offsets and index_1 (window_rows.py). A rel_idx of another form (SphereFormer's
 split function rewrites it) has no per-point coordinates: its chain is found but kept, and the site
-says why.
+says why. So are tables whose propagated shapes have fewer than the 2G-1 rows that rel_idx reads,
+where G is a known number (the op checks the same when it runs).
+
+Assumed, not checked: the chain's index tensors are SpTr's pair layout (compat/sptr.py), each
+query's pairs one CSR row of index_0_offsets holding its whole window in order, so that the key of
+its first pair is its window's first point and its pair count the window's size. The op reads the
+windows that way (compat's row_windows_from_pairs) and computes attention over those windows, not
+over the pairs themselves: index tensors of another layout (a subset of a window, pairs in another
+order or across windows) would be converted into attention over other pairs, with no error.
 A real op called with its own keyword names (index0, index_q, table) is read through its signature.
 """
 from __future__ import annotations
@@ -171,10 +186,12 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
             args += [made["xyz"], made["window_size"], made["quant_size"], made["quant_grid_length"],
                      made.get("shift_win", False), *tables]
             nodes.append(rel_idx)
+            problems += short_tables(tables, made["quant_grid_length"])
         elif isinstance(inline := inline_rel_idx(rel_idx, first["index_0"], first["index_1"]), InlineRelIdx):
             # The op's xyz form is left empty (xyz, window_size, quant_size; shift_win False): coords last.
             args += [None, None, None, inline.grid_length, False, *tables, inline.coords]
             nodes += inline.nodes
+            problems += short_tables(tables, inline.grid_length)
         else:
             problems.append(f"rel_idx is not relative_position_index(...) of the points, nor SpTr's inline "
                             f"P[index_0] - P[index_1] + G - 1 of per-point whole-number coordinates P "
@@ -208,6 +225,22 @@ def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: l
         output_node=step2,
         nodes=sorted(set(nodes), key=order.__getitem__),  # graph order: the rewrite erases them last first
     )
+
+
+def short_tables(tables, grid_length) -> list[str]:
+    """Why tables (query, key, value nodes) cannot serve rel_idx in [0, 2G-2] when their lengths
+    (shape propagation) and G (a whole number) are known: fewer than 2G-1 rows. The original indexes
+    past such tables wherever a pair's rel_idx reaches their length; the op, reading G off the tables,
+    would compute something else (it refuses them when it runs)."""
+    if not (isinstance(grid_length, int) and not isinstance(grid_length, bool)):
+        return []
+    rows = 2 * grid_length - 1
+    lengths = [meta.shape[0] if (meta := tensor_meta(t)) is not None and meta.shape else None for t in tables]
+    if not any(length is not None and length < rows for length in lengths):
+        return []
+    return [f"the relative position tables (query, key, value) have "
+            f"{', '.join('?' if length is None else str(length) for length in lengths)} rows; "
+            f"rel_idx needs 2G-1 = {rows} (G = {grid_length})"]
 
 
 @dataclass
