@@ -412,6 +412,16 @@ def _partners(start, rows, hi, OTHER: tl.constexpr):
 
 
 @triton.jit
+def _key_block(k, v, start, first, hi, head, H, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block of BLOCK_N key rows from `first` (below hi): rows, which exist, their windows,
+    and their k and v."""
+    cols = first + tl.arange(0, BLOCK_N)
+    col_ok, col_window = _partners(start, cols, hi, -2)
+    return (cols, col_ok, col_window, _load_rows(k, cols, col_ok, head, H, D),
+            _load_rows(v, cols, col_ok, head, H, D))
+
+
+@triton.jit
 def _load_scaled(q, rows, ok, head, H, D: tl.constexpr, scale):
     """qs = q * scale in fp32, rounded to q's dtype."""
     return (_load_rows(q, rows, ok, head, H, D).to(tl.float32) * scale).to(q.dtype.element_ty)
@@ -574,10 +584,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for first in range(lo, hi, BLOCK_N):
-        cols = first + tl.arange(0, BLOCK_N)
-        col_ok, col_window = _partners(start, cols, hi, -2)
-        kb = _load_rows(k, cols, col_ok, head, H, D)
-        vb = _load_rows(v, cols, col_ok, head, H, D)
+        cols, col_ok, col_window, kb, vb = _key_block(k, v, start, first, hi, head, H, D, BLOCK_N)
         s = _dot(qs, tl.trans(kb), PRECISION)
         if REL:
             kc = _load_coords(coords, cols, col_ok)
@@ -626,10 +633,7 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
     dqs = tl.zeros([BLOCK_M, D], tl.float32)
     for first in range(lo, hi, BLOCK_N):
-        cols = first + tl.arange(0, BLOCK_N)
-        col_ok, col_window = _partners(start, cols, hi, -2)
-        kb = _load_rows(k, cols, col_ok, head, H, D)
-        vb = _load_rows(v, cols, col_ok, head, H, D)
+        cols, col_ok, col_window, kb, vb = _key_block(k, v, start, first, hi, head, H, D, BLOCK_N)
         s = _dot(qs, tl.trans(kb), PRECISION)
         dp = _dot(dob, tl.trans(vb), PRECISION)
         if REL:
