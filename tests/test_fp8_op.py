@@ -195,6 +195,20 @@ def test_delayed_history_updates_only_in_training_mode():
     assert module.report_stats() == {"clipped": 64 + 2 * float((x.abs() > 2).sum()), "elements": 2 * 5 * 64 + 2 * 64}
 
 
+def test_delayed_most_recent_reduction_scales_by_the_last_steps_amax():
+    site = linear_site(64, 32, dtype="float32")
+    params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+    options = Fp8Options(scaling="delayed", amax_history_len=3, amax_reduction="most_recent")
+    module = from_site(site, options, params).train()
+    calibrate(module, torch.full((2, 64), 8.0))
+    module.train()
+    module(torch.full((1, 64), 1.0))  # scaled by the calibrated 8.0; the history becomes [1, 8, 0]
+    x = torch.full((1, 64), 3.0)
+    module(x)  # scaled by the most recent amax, 1.0: every 3.0 is clipped ("max" would use 8.0)
+    assert module.amax_history.tolist() == [3.0, 1.0, 8.0]
+    assert module.report_stats()["clipped"] == 64
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_training_grads_vs_float64(granularity):
     K, N, M = 128, 64, 32
@@ -239,7 +253,7 @@ def test_check_reasons():
     assert check(linear_site(60, 32), Fp8Options()) == (
         "fp8 GEMM needs in_features and out_features divisible by 16 (got K=60, N=32)")
     assert "N=40" in check(linear_site(64, 40), Fp8Options())
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match=r"must be in \[1, 1024\]"):
         Fp8Options(scaling="delayed", amax_history_len=0)
 
 

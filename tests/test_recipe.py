@@ -92,7 +92,11 @@ def test_unsupported_site_is_kept_with_its_reason():
      "r.toml: rule 1: options.splits: got 'many'; expected one of an int, 'auto'"),
     ('[[rules]]\nop = "fp16acc"\noptions = { splits = 0 }', "r.toml: rule 1: options.splits: must be at least 1 (got 0)"),
     ('[[rules]]\nop = "fp8"\noptions = { amax_history_len = -2 }',
-     "r.toml: rule 1: options.amax_history_len: must be at least 1 (got -2)"),
+     "r.toml: rule 1: options.amax_history_len: must be in [1, 1024] (got -2)"),
+    ('[[rules]]\nop = "fp8"\noptions = { amax_history_len = 5000 }',
+     "r.toml: rule 1: options.amax_history_len: must be in [1, 1024] (got 5000)"),
+    ('[[rules]]\nop = "fp8"\noptions = { amax_reduction = "mean" }',
+     "r.toml: rule 1: options.amax_reduction: got 'mean'; expected one of 'max', 'most_recent'"),
     ("[report]\nmin_sqnr_db = 'high'", "r.toml: [report].min_sqnr_db: expected int or float, got 'high'"),
     ("[report]\nmax_kl = 1", "r.toml: [report]: unknown key 'max_kl' (valid keys: min_sqnr_db)"),
 ])

@@ -25,17 +25,23 @@ from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
 
 
+MAX_AMAX_HISTORY = 1024  # TransformerEngine's longest recommended history; longer only costs memory and time
+
+
 @dataclass
 class Fp8Options:
     scaling: Literal["dynamic", "static", "delayed"] = "dynamic"  # how x's scale is chosen
     granularity: Literal["tensor", "row"] = "tensor"  # row: per output channel of W, per token of x
     fast_accum: bool = True  # cuBLASLt's fast accumulation (CUDA only; the reference accumulates in fp32)
     training: bool = False  # keep a high-precision master weight and train through FP8 GEMMs
-    amax_history_len: int = 16  # delayed scaling: x's scale is max(last N amaxes) / 448
+    amax_history_len: int = 16  # delayed scaling: how many past amaxes of x are kept
+    # delayed scaling: x's scale is max(history) / 448, or the last step's amax / 448 (TransformerEngine's
+    # amax_compute_algo)
+    amax_reduction: Literal["max", "most_recent"] = "max"
 
     def __post_init__(self):
-        if self.amax_history_len < 1:
-            raise ValueError(f"must be at least 1 (got {self.amax_history_len})", "amax_history_len")
+        if not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
+            raise ValueError(f"must be in [1, {MAX_AMAX_HISTORY}] (got {self.amax_history_len})", "amax_history_len")
 
 
 class Fp8Linear(nn.Module):
@@ -93,9 +99,10 @@ class Fp8Linear(nn.Module):
             scale = self.input_scale
         else:
             amax = x.detach().abs().amax().float().reshape(1)
-            history_max = self.amax_history.max().reshape(1)
+            past = self.amax_history[:1] if self.options.amax_reduction == "most_recent" else \
+                self.amax_history.max().reshape(1)
             # An empty history (never calibrated, first step) falls back to the current amax.
-            scale = amax_to_scale(torch.where(history_max > 0, history_max, amax), E4M3)
+            scale = amax_to_scale(torch.where(past > 0, past, amax), E4M3)
             if self.training:  # only training updates the history, so eval outputs are reproducible
                 self.amax_history.copy_(torch.cat([amax, self.amax_history[:-1]]))
         self.clipped += count_clipped(x, scale)
@@ -137,7 +144,9 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scaling={o.scaling}, granularity={o.granularity}, training={o.training}")
+                f"scaling={o.scaling}, granularity={o.granularity}, training={o.training}"
+                + (f", amax_history_len={o.amax_history_len}, amax_reduction={o.amax_reduction}"
+                   if o.scaling == "delayed" else ""))
 
 
 def check(site, options: Fp8Options) -> str | None:
