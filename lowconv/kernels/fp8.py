@@ -1,8 +1,10 @@
-"""FP8 quantization and FP8 linear: torch references that emulate the GPU numerics.
+"""FP8 quantization and FP8 linear.
 
 Scales follow torch._scaled_mm: a float32 *dequant* scale, x ~= x_fp8.float() * scale.
 Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1).
 Quantizers saturate: values beyond the format's max are clamped to it, never cast to NaN/inf.
+Quantizers are torch ops; the linear runs torch._scaled_mm (cuBLASLt on CUDA, also on the CPU)
+where it takes the operands, and otherwise a torch reference with the same numerics.
 """
 import torch
 
@@ -84,11 +86,12 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     return y.to(out_dtype)
 
 
-def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
-    """The FP8 linear entry point: checks its inputs, then runs the reference (on every device
-    for now; the CUDA path through torch._scaled_mm plugs in here).
+def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False):
+    """The FP8 linear entry point: checks its inputs, then runs torch._scaled_mm where it takes
+    them (scaled_mm_takes), else the reference.
 
     x_fp8 (..., K) e4m3 with x_scale (1,) or (..., 1); w_fp8 (N, K) e4m3 with w_scale (1,) or (N, 1).
+    `fast_accum`: cuBLASLt's faster, less precise accumulation (CUDA; the reference accumulates in fp32).
     """
     if x_fp8.dtype != E4M3 or w_fp8.dtype != E4M3:
         raise TypeError(f"fp8_linear takes float8_e4m3fn operands, got x {x_fp8.dtype} and w {w_fp8.dtype}")
@@ -99,7 +102,45 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     if x_scale.numel() != 1 and x_scale.shape != (*x_fp8.shape[:-1], 1):
         raise ValueError(f"fp8_linear: x_scale has shape {tuple(x_scale.shape)}, "
                          f"expected (1,) or {(*x_fp8.shape[:-1], 1)}")
+    rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
+    if scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, rowwise, out_dtype):
+        return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum)
     return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+
+def scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, rowwise: bool,
+                    out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm computes an (N, K) FP8 linear: K and N multiples of 16, some rows;
+    on CUDA an FP8 GPU (sm_89+) and, with row scales, a bf16 output (what cuBLASLt's rowwise
+    scaling writes)."""
+    if k % 16 or n % 16 or not has_rows:
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9) and (not rowwise or out_dtype == torch.bfloat16)
+    return False
+
+
+def scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum):
+    """fp8_linear through torch._scaled_mm. Row scales are (M, 1) and (1, N), a tensor scale
+    expanded when the other operand's are per row. The bias goes into the GEMM's epilogue when it
+    is in the fp16/bf16 output dtype (added in fp32 before the one rounding, as the reference);
+    otherwise the GEMM returns fp32 and the bias is added before rounding."""
+    n, k = w_fp8.shape
+    x2 = x_fp8.reshape(-1, k)
+    if rowwise:
+        scale_a = x_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+        scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
+    else:
+        scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
+    fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.float16, torch.bfloat16)
+    y = torch._scaled_mm(x2, w_fp8.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None,
+                         out_dtype=out_dtype if bias is None or fused_bias else torch.float32,
+                         use_fast_accum=fast_accum)
+    if bias is not None and not fused_bias:
+        y = (y + bias.float()).to(out_dtype)
+    return y.reshape(*x_fp8.shape[:-1], n)
 
 
 class Fp8FrozenLinearFunction(torch.autograd.Function):
@@ -111,11 +152,11 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias):
+    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False):
         x_fp8, x_scale = quantize_activation(x, granularity, x_scale)
         ctx.save_for_backward(w_fp8, w_scale)
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
-        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,7 +164,7 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
         x_dtype, bias_dtype = ctx.dtypes
         grad_x = (grad.float() @ dequantize(w_fp8, w_scale)).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if ctx.needs_input_grad[5] else None
-        return grad_x, None, None, None, None, grad_bias
+        return grad_x, None, None, None, None, grad_bias, None
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -136,12 +177,12 @@ class Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_scale, granularity):
+    def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False):
         x_fp8, x_scale = quantize_activation(x, granularity, x_scale)
         w_fp8, w_scale = quantize(weight, granularity)
         ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype)
+        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
 
     @staticmethod
     def backward(ctx, grad):
@@ -156,4 +197,4 @@ class Fp8LinearFunction(torch.autograd.Function):
         else:
             grad_w = None
         grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if needs_bias else None
-        return grad_x, grad_w, grad_bias, None, None
+        return grad_x, grad_w, grad_bias, None, None, None

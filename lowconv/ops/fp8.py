@@ -32,7 +32,7 @@ MAX_AMAX_HISTORY = 1024  # TransformerEngine's longest recommended history; long
 class Fp8Options:
     scaling: Literal["dynamic", "static", "delayed"] = "dynamic"  # how x's scale is chosen
     granularity: Literal["tensor", "row"] = "tensor"  # row: per output channel of W, per token of x
-    fast_accum: bool = True  # cuBLASLt's fast accumulation (CUDA only; the reference accumulates in fp32)
+    fast_accum: bool = True  # cuBLASLt's fast accumulation in the forward GEMM (CUDA; elsewhere fp32 accumulation)
     training: bool = False  # keep a high-precision master weight and train through FP8 GEMMs
     amax_history_len: int = 16  # delayed scaling: how many past amaxes of x are kept
     # delayed scaling: x's scale is max(history) / 448, or the last step's amax / 448 (TransformerEngine's
@@ -81,10 +81,11 @@ class Fp8Linear(nn.Module):
         if self.calibrating:
             return self.calibration_forward(x)
         x_scale = self.fixed_input_scale(x)
-        if self.options.training:
-            return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, self.options.granularity)
-        return Fp8FrozenLinearFunction.apply(x, x_scale, self.options.granularity, self.weight,
-                                             self.weight_scale, self.bias)
+        o = self.options
+        if o.training:
+            return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, o.granularity, o.fast_accum)
+        return Fp8FrozenLinearFunction.apply(x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias,
+                                             o.fast_accum)
 
     def fixed_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """x's scale for static/delayed scaling (None: dynamic), counting what it clips."""

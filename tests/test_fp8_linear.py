@@ -1,0 +1,91 @@
+"""fp8_linear's GEMM through torch._scaled_mm (which runs on the CPU too) against the reference
+that emulates it: the same numbers up to fp32 summation order, for every scale granularity,
+bias placement and output dtype; and the reference where _scaled_mm cannot take the operands."""
+import pytest
+import torch
+
+import lowconv.kernels.fp8 as fp8
+from lowconv.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize
+
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def scaled_mm_calls(monkeypatch):
+    """How many times fp8_linear called torch._scaled_mm."""
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("out_dtype"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    return calls
+
+
+def operands(x_granularity, w_granularity, shape=(3, 5, 64), n=48, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) * 3
+    w = torch.randn(n, shape[-1], generator=gen)
+    return (*quantize(x, x_granularity), *quantize(w, w_granularity))
+
+
+def assert_one_rounding_apart(y, ref):
+    """fp32 accumulation in another order: the two differ by about one rounding of the output
+    dtype at the output's scale (fp32: a few units of fp32 rounding)."""
+    eps = torch.finfo(ref.dtype).eps * (8 if ref.dtype == torch.float32 else 1)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("bias_dtype", [None, "out", torch.float32], ids=["no bias", "bias in out dtype", "fp32 bias"])
+@pytest.mark.parametrize("granularity", [("tensor", "tensor"), ("row", "row"), ("tensor", "row")],
+                         ids=["tensorwise", "rowwise", "tensor x, row w"])
+def test_scaled_mm_path_matches_the_reference(granularity, bias_dtype, out_dtype, scaled_mm_calls):
+    x_fp8, x_scale, w_fp8, w_scale = operands(*granularity)
+    bias = None if bias_dtype is None else torch.randn(48).to(out_dtype if bias_dtype == "out" else bias_dtype)
+    y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    ref = fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    assert scaled_mm_calls, "fp8_linear did not run torch._scaled_mm"
+    assert y.shape == ref.shape == (3, 5, 48) and y.dtype == out_dtype
+    assert_one_rounding_apart(y, ref)
+
+
+def test_shapes_scaled_mm_cannot_take_run_the_reference(scaled_mm_calls):
+    x_fp8, x_scale, w_fp8, w_scale = operands("tensor", "tensor", shape=(4, 40), n=48)  # K = 40
+    y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, None, torch.bfloat16)
+    assert not scaled_mm_calls
+    assert torch.equal(y, fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, None, torch.bfloat16))
+
+
+def test_no_rows_run_the_reference(scaled_mm_calls):
+    x_fp8, x_scale, w_fp8, w_scale = operands("tensor", "tensor", shape=(4, 64))
+    assert fp8_linear(x_fp8[:0], x_scale, w_fp8, w_scale, None, torch.float32).shape == (0, 48)
+    assert not scaled_mm_calls
+
+
+def test_cuda_takes_fp8_gpus_and_rowwise_with_bf16_output_only(monkeypatch):
+    """cuBLASLt's row-wise scaling writes bf16 only; GPUs before sm_89 have no FP8 GEMM."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=True, out_dtype=torch.bfloat16)
+    assert fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=False, out_dtype=torch.float16)
+    assert not fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=True, out_dtype=torch.float16)
+    assert not fp8.scaled_mm_takes(cuda, 48, 40, True, rowwise=False, out_dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert not fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=False, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("granularity,out_dtype", [("tensor", torch.bfloat16), ("tensor", torch.float16),
+                                                   ("tensor", torch.float32), ("row", torch.bfloat16)])
+def test_cublaslt_matches_the_reference(granularity, out_dtype, scaled_mm_calls):
+    x_fp8, x_scale, w_fp8, w_scale = (t.cuda() for t in operands(granularity, granularity, shape=(256, 512), n=384))
+    bias = torch.randn(384, device="cuda").to(out_dtype)
+    ref = fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    assert_one_rounding_apart(fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype), ref)
+    assert scaled_mm_calls
+    # Fast accumulation (Hopper's reduced-precision accumulator) stays near it.
+    fast = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=True)
+    assert ((fast.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
