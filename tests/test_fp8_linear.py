@@ -89,3 +89,20 @@ def test_cublaslt_matches_the_reference(granularity, out_dtype, scaled_mm_calls)
     # Fast accumulation (Hopper's reduced-precision accumulator) stays near it.
     fast = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=True)
     assert ((fast.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradient(granularity, scaled_mm_calls):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=gen).requires_grad_()
+    w = torch.randn(48, 64, generator=gen).requires_grad_()
+    grad = torch.randn(32, 48, generator=gen)
+    fp8.Fp8LinearFunction.apply(x, w, None, None, granularity).backward(grad)
+    assert len(scaled_mm_calls) == 3  # forward, dX, dW
+
+    x_fp8, x_scale = quantize(x.detach(), granularity)
+    w_fp8, w_scale = quantize(w.detach(), granularity)
+    g_x = fp8.dequantize(*fp8.quantize_tensorwise(grad * w_scale.reshape(1, -1), fp8.E5M2))
+    g_w = fp8.dequantize(*fp8.quantize_tensorwise(grad * x_scale.reshape(-1, 1), fp8.E5M2))
+    assert_one_rounding_apart(x.grad, g_x @ w_fp8.float())
+    assert_one_rounding_apart(w.grad, g_w.t() @ x_fp8.float())

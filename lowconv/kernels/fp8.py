@@ -90,11 +90,13 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False
     """The FP8 linear entry point: checks its inputs, then runs torch._scaled_mm where it takes
     them (scaled_mm_takes), else the reference.
 
-    x_fp8 (..., K) e4m3 with x_scale (1,) or (..., 1); w_fp8 (N, K) e4m3 with w_scale (1,) or (N, 1).
+    x_fp8 (..., K) e4m3 (e5m2 for gradients) with x_scale (1,) or (..., 1); w_fp8 (N, K) e4m3 with
+    w_scale (1,) or (N, 1). Any strides: the GEMM gets the row-major x and column-major w^T it needs.
     `fast_accum`: cuBLASLt's faster, less precise accumulation (CUDA; the reference accumulates in fp32).
     """
-    if x_fp8.dtype != E4M3 or w_fp8.dtype != E4M3:
-        raise TypeError(f"fp8_linear takes float8_e4m3fn operands, got x {x_fp8.dtype} and w {w_fp8.dtype}")
+    if x_fp8.dtype not in (E4M3, E5M2) or w_fp8.dtype != E4M3:
+        raise TypeError(f"fp8_linear takes an e4m3 (or, for gradients, e5m2) x and an e4m3 w, "
+                        f"got x {x_fp8.dtype} and w {w_fp8.dtype}")
     if w_fp8.dim() != 2 or x_fp8.shape[-1] != w_fp8.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x_fp8.shape)} and w {tuple(w_fp8.shape)} do not match (w is (N, K))")
     if w_scale.numel() not in (1, w_fp8.shape[0]):
@@ -128,14 +130,14 @@ def scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, f
     is in the fp16/bf16 output dtype (added in fp32 before the one rounding, as the reference);
     otherwise the GEMM returns fp32 and the bias is added before rounding."""
     n, k = w_fp8.shape
-    x2 = x_fp8.reshape(-1, k)
+    x2 = x_fp8.reshape(-1, k).contiguous()  # row-major mat1
     if rowwise:
         scale_a = x_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
         scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
     else:
         scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.float16, torch.bfloat16)
-    y = torch._scaled_mm(x2, w_fp8.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None,
+    y = torch._scaled_mm(x2, w_fp8.contiguous().t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None,
                          out_dtype=out_dtype if bias is None or fused_bias else torch.float32,
                          use_fast_accum=fast_accum)
     if bias is not None and not fused_bias:
@@ -172,8 +174,11 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     x_scale: a fixed dequant scale for x (static or delayed scaling), or None to quantize x
     dynamically at `granularity`; W is always quantized dynamically (it changes every step).
-    Backward dequantizes the saved fp8 operands and runs both GEMMs in fp32; dbias comes from
-    the unquantized grad, as in TransformerEngine.
+    Backward: both GEMMs are FP8 GEMMs (fp8_linear) of the e5m2 gradient with the saved e4m3
+    operands, the transposes they need made by fp8_linear. A scale along the GEMM's reduced dim
+    (W's per-row scales in dX = dY W, x's per-row scales in dW = dY^T x) cannot be applied to
+    its output, so it is folded into dY before dY is quantized (one e5m2 tensor scale per GEMM).
+    dbias comes from the unquantized grad, as in TransformerEngine.
     """
 
     @staticmethod
@@ -189,12 +194,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_scale, w_fp8, w_scale = ctx.saved_tensors
         x_dtype, w_dtype, bias_dtype = ctx.dtypes
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
-        g = dequantize(*quantize_tensorwise(grad, E5M2))
-        grad_x = (g @ dequantize(w_fp8, w_scale)).to(x_dtype) if needs_x else None
-        if needs_w:
-            x = dequantize(x_fp8, x_scale)
-            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
-        else:
-            grad_w = None
-        grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if needs_bias else None
+        g = grad.float().reshape(-1, grad.shape[-1])  # (M, N)
+        unit = torch.ones(1, device=g.device)
+        grad_x = grad_w = None
+        if needs_x:  # dX (M, K) = (dY * w_scale^T) (M, N) @ W_fp8 (N, K)
+            g_fp8, g_scale = quantize_tensorwise(g * w_scale.float().reshape(1, -1), E5M2)
+            grad_x = fp8_linear(g_fp8, g_scale, w_fp8.t(), unit, None, x_dtype).reshape(*grad.shape[:-1], -1)
+        if needs_w:  # dW (N, K) = (dY * x_scale)^T (N, M) @ x_fp8 (M, K)
+            x2 = x_fp8.reshape(-1, x_fp8.shape[-1])
+            g_fp8, g_scale = quantize_tensorwise((g * x_scale.float().reshape(-1, 1)).t(), E5M2)
+            grad_w = fp8_linear(g_fp8, g_scale, x2.t(), unit, None, w_dtype)
+        grad_bias = g.sum(0).to(bias_dtype) if needs_bias else None
         return grad_x, grad_w, grad_bias, None, None, None
