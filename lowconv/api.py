@@ -161,6 +161,10 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     converted = rewrite(work, trace, list(sites.values()), modules)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)
+    for fqn, module in modules.items():
+        problem = module.loaded_state_problem() if hasattr(module, "loaded_state_problem") else None
+        if problem:
+            raise LowconvError(f"{path}: {fqn}: {problem}")
     setattr(converted, PLAN_ATTR, plan)
     return converted
 

@@ -96,6 +96,25 @@ def test_load_names_missing_tensors(tmp_path):
         lowconv.load(loaded.model, tmp_path)
 
 
+@pytest.mark.parametrize("name,value", [("input_scale", 0.0), ("input_scale", float("nan")),
+                                        ("weight_scale", -1.0)])
+def test_load_refuses_scales_that_would_poison_the_outputs(tmp_path, name, value):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    loaded = load_model_file("examples/vit.py")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-static", loaded.inputs), tmp_path)
+    path = tmp_path / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    key = f"blocks.0.attn.qkv.{name}"
+    tensors[key] = torch.full_like(tensors[key], value)
+    save_file(tensors, path, metadata=metadata)
+    with pytest.raises(LowconvError, match=rf"model.safetensors: blocks.0.attn.qkv: {name} must be finite and > 0"):
+        lowconv.load(loaded.model, tmp_path)
+
+
 def test_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
     loaded = load_model_file("examples/vit.py")
     lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)

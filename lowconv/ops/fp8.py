@@ -137,6 +137,19 @@ class Fp8Linear(nn.Module):
         self.calibrating = False
         self.calibration_amax = None
 
+    def loaded_state_problem(self) -> str | None:
+        """What is wrong with the scales a checkpoint gave this module (lowconv.load asks), or None:
+        a scale that is zero, negative or not finite would turn every output into inf or NaN."""
+        scales = {"input_scale": getattr(self, "input_scale", None),
+                  "weight_scale": None if self.options.training else self.weight_scale}
+        for name, scale in scales.items():
+            if scale is not None and not (torch.isfinite(scale) & (scale > 0)).all():
+                return f"{name} must be finite and > 0, got {scale.flatten()[:4].tolist()}"
+        history = getattr(self, "amax_history", None)
+        if history is not None and not (torch.isfinite(history) & (history >= 0)).all():
+            return f"amax_history must be finite and >= 0, got {history.flatten()[:4].tolist()}"
+        return None
+
     def report_stats(self) -> dict[str, float]:
         if self.options.scaling == "dynamic":
             return {}
