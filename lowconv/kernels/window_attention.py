@@ -322,8 +322,9 @@ class Tiles(NamedTuple):
 
 def tile_config(kernel, rel):
     """The Tiles of a kernel: the fastest of those tried on an H100 at N = 268,720, h = 1 and 4,
-    d = 16, G = 24, fp16 and fp32 (scripts/tune_window_attention.py; BENCHMARKS.md). Relative
-    position holds (rows, LP) fp32 blocks per axis in registers, so it runs best on small tiles."""
+    d = 16, G = 24, fp16 (scripts/tune_window_attention.py; BENCHMARKS.md); bf16 and fp32 use the
+    same (fp32 without relative position measured the same order). Relative position holds
+    per-axis fp32 blocks per row in registers, so it runs best on small tiles."""
     if rel:
         return Tiles(16, 32, 4) if kernel is _backward_key_kernel else Tiles(32, 16, 4)
     return Tiles(64, 64, 4) if kernel is _backward_key_kernel else Tiles(64, 32, 4)
