@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (python3 there has torch, triton, safetensors, tabulate, pytest; no network):
-# run the GPU tests, the benchmarks, then the example conversions on CUDA; everything lands under $OUT.
+# the GPU tests, the benchmarks and the example conversions on CUDA; everything lands under $OUT.
+#
+#   bash scripts/gpu_check.sh                     # every part (more than one 10-minute device call)
+#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train examples
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
+PARTS=${*:-tests attention fp8 train examples}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 # The GPU tests skip without CUDA: make a machine without one fail here instead of passing.
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" || exit 1
-PYTHONPATH=. python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt"
-status=${PIPESTATUS[0]}
-PYTHONPATH=. python3 scripts/bench_sparse_attention.py --out "$OUT" --budget-s "${BENCH_BUDGET_S:-300}" \
-  > "$OUT/bench_sparse_attention.txt" 2>&1 || status=1
-PYTHONPATH=. python3 scripts/host_time_window_attention.py --out "$OUT" > "$OUT/host_time.txt" 2>&1 || status=1
-for recipe in fp8-dynamic mixed; do
-  PYTHONPATH=. python3 -m lowconv.cli convert examples/vit.py "$recipe" -o "$OUT/vit-$recipe" --device cuda \
-    > "$OUT/vit-$recipe.txt" 2>&1
+export PYTHONPATH=.
+status=0
+for part in $PARTS; do
+  case "$part" in
+    tests)
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    attention)
+      python3 scripts/bench_sparse_attention.py --out "$OUT" --budget-s "${BENCH_BUDGET_S:-300}" \
+        > "$OUT/bench_sparse_attention.txt" 2>&1 || status=1
+      python3 scripts/host_time_window_attention.py --out "$OUT" > "$OUT/host_time.txt" 2>&1 || status=1 ;;
+    fp8)
+      python3 scripts/bench_fp8.py --out "$OUT" --budget-s "${FP8_BENCH_BUDGET_S:-240}" \
+        > "$OUT/bench_fp8.txt" 2>&1 || status=1 ;;
+    train)
+      python3 scripts/train_fp8.py --out "$OUT" > "$OUT/train_fp8.txt" 2>&1 || status=1 ;;
+    examples)
+      for recipe in fp8-dynamic mixed; do
+        python3 -m lowconv.cli convert examples/vit.py "$recipe" -o "$OUT/vit-$recipe" --device cuda \
+          > "$OUT/vit-$recipe.txt" 2>&1 || status=1
+      done
+      python3 -m lowconv.cli convert examples/point_transformer.py sparse-attention-bf16 -o "$OUT/point-transformer" \
+        --device cuda > "$OUT/point-transformer.txt" 2>&1 || status=1 ;;
+    *)
+      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train examples)" >&2
+      exit 2 ;;
+  esac
 done
 exit "$status"
