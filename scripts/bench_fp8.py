@@ -39,7 +39,6 @@ import datetime
 import gc
 import json
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
+from scripts.bench_common import first_line, measure  # noqa: E402
 from lowconv.kernels.fp8 import E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise  # noqa: E402
 from lowconv.ops.fp8 import Fp8Linear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
@@ -90,7 +90,6 @@ MLP_WIDTH, MLP_HIDDEN, MLP_BLOCKS = 1024, 4096, 4
 MLP_BATCH, MLP_TOKENS = 16, 813  # 13008 tokens, as the ViT-L GEMM shapes
 TINY_DIVISOR = 64  # --tiny divides every size by this (multiples of 16, at least 16)
 REFERENCE_ROWS = 1024
-CPU_REPS = 3
 E4M3_MAX = FP8_MAX[E4M3]
 BF16 = torch.bfloat16
 LOWCONV_RECIPES = {"lowconv tensor": "fp8-dynamic", "lowconv row": "fp8-row", "lowconv static": "fp8-static"}
@@ -286,52 +285,6 @@ def training_reference(x, w, grad_out, rows, w_rows):
 
 def sqnr_db(ref, got):
     return tensor_metrics(ref, got).sqnr_db
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(fn, device, warmup_ms, rep_ms):
-    """Median ms and workspace memory (MB, 1e6 bytes: the peak allocated during fn() beyond
-    the memory before it and the tensors it returns) of fn(); its first call (lowconv's
-    conversion is not in it: that happens when the peer is built) is timed apart. On CPU:
-    a median of a few wall-clock calls, no memory."""
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    first_call_s = time.perf_counter() - start
-    if device.type != "cuda":
-        times = []
-        for _ in range(CPU_REPS):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return {"ms": statistics.median(times) * 1e3, "workspace_mb": None, "first_call_s": first_call_s}
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result_bytes = sum(t.numel() * t.element_size() for t in returned_tensors(fn()))
-    torch.cuda.synchronize()
-    workspace_mb = (torch.cuda.max_memory_allocated() - base - result_bytes) / 1e6
-    ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return {"ms": ms, "workspace_mb": workspace_mb, "first_call_s": first_call_s}
-
-
-def returned_tensors(result):
-    """The distinct tensors in fn()'s result (None, an output, or a tuple of them)."""
-    if result is None:
-        return []
-    if isinstance(result, torch.Tensor):
-        return [result]
-    tensors = [t for part in result for t in returned_tensors(part)]
-    return list({id(t): t for t in tensors}.values())
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
 
 
 def tensor_megabytes(model):

@@ -26,7 +26,6 @@ import inspect
 import json
 import math
 import shlex
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from scripts.bench_common import first_line, measure  # noqa: E402
 from examples.point_transformer import (DENSE_AZIMUTH_STEPS, KITTI_AZIMUTH_STEPS,  # noqa: E402
                                         QUANT_SIZE, WINDOW_SIZE, synthetic_lidar_scene)
 from lowconv.compat import sptr  # noqa: E402
@@ -61,7 +61,6 @@ MODES = ("fwd", "fwd+bwd")
 CHECK_HEADS = 4
 GATE_FP32_REL_L2 = 1e-4
 REFERENCE_CHUNK_PAIRS = 1 << 21  # float64 pair tensors of at most ~1 GB at h = 4
-CPU_REPS = 3
 GRAD_NAMES = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
 
 # Copied from /work/shared/notes/h100-anchors.md, section "Windowed (varlen) attention at the
@@ -299,49 +298,6 @@ def error_stats(got, want):
     return {"rel_l2": (diff.norm() / want.norm()).item(), "max_abs": diff.abs().max().item()}
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(fn, device, warmup_ms, rep_ms):
-    """Median ms and workspace memory (MB, 1e6 bytes: the peak allocated during fn() beyond
-    the memory before it and the tensors it returns) of fn(); its first call (compiles,
-    autotuning) is timed apart. On CPU: a median of a few wall-clock calls, no memory."""
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    first_call_s = time.perf_counter() - start
-    if device.type != "cuda":
-        times = []
-        for _ in range(CPU_REPS):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return {"ms": statistics.median(times) * 1e3, "peak_mb": None, "first_call_s": first_call_s}
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result_bytes = sum(t.numel() * t.element_size() for t in returned_tensors(fn()))
-    torch.cuda.synchronize()
-    peak_mb = (torch.cuda.max_memory_allocated() - base - result_bytes) / 1e6
-    ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return {"ms": ms, "peak_mb": peak_mb, "first_call_s": first_call_s}
-
-
-def returned_tensors(result):
-    """The distinct tensors in fn()'s result (an output, or (output, gradients))."""
-    if isinstance(result, torch.Tensor):
-        return [result]
-    tensors = [t for part in result for t in returned_tensors(part)]
-    return list({id(t): t for t in tensors}.values())
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
-
-
 class Run:
     """The results so far, the budget, and what failed (so it is not retried)."""
 
@@ -462,7 +418,7 @@ def timing_cell(record, notes):
     if record is None:
         return ""
     if record["status"] == "ok":
-        memory = "" if record["peak_mb"] is None else f", {record['peak_mb']:.0f} MB"
+        memory = "" if record["workspace_mb"] is None else f", {record['workspace_mb']:.0f} MB"
         ms = record["ms"]
         return f"{ms:.0f} ms{memory}" if ms >= 100 else f"{ms:.3g} ms{memory}"
     if record["status"] == "fails":
