@@ -80,18 +80,23 @@ def test_load_refuses_a_different_model(tmp_path):
         lowconv.load(other, tmp_path)
 
 
-def test_load_names_missing_tensors(tmp_path):
+def edit_checkpoint(directory, edit):
+    """Rewrite directory's model.safetensors with edit(tensors) applied, its metadata kept."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    loaded = load_model_file("examples/vit.py")
-    lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)
-    path = tmp_path / "model.safetensors"
-    from safetensors import safe_open
+    path = directory / "model.safetensors"
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
     tensors = load_file(path)
-    del tensors["blocks.0.attn.qkv.weight_scale"]
+    edit(tensors)
     save_file(tensors, path, metadata=metadata)
+
+
+def test_load_names_missing_tensors(tmp_path):
+    loaded = load_model_file("examples/vit.py")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)
+    edit_checkpoint(tmp_path, lambda tensors: tensors.pop("blocks.0.attn.qkv.weight_scale"))
     with pytest.raises(LowconvError, match="blocks.0.attn.qkv.weight_scale"):
         lowconv.load(loaded.model, tmp_path)
 
@@ -99,18 +104,10 @@ def test_load_names_missing_tensors(tmp_path):
 @pytest.mark.parametrize("name,value", [("input_scale", 0.0), ("input_scale", float("nan")),
                                         ("weight_scale", -1.0)])
 def test_load_refuses_scales_that_would_poison_the_outputs(tmp_path, name, value):
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
     loaded = load_model_file("examples/vit.py")
     lowconv.save(lowconv.convert(loaded.model, "fp8-static", loaded.inputs), tmp_path)
-    path = tmp_path / "model.safetensors"
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(path)
     key = f"blocks.0.attn.qkv.{name}"
-    tensors[key] = torch.full_like(tensors[key], value)
-    save_file(tensors, path, metadata=metadata)
+    edit_checkpoint(tmp_path, lambda tensors: tensors.update({key: torch.full_like(tensors[key], value)}))
     with pytest.raises(LowconvError, match=rf"model.safetensors: blocks.0.attn.qkv: {name} must be finite and > 0"):
         lowconv.load(loaded.model, tmp_path)
 
