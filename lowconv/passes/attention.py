@@ -385,20 +385,27 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
         causal=bool(match.causal),
         dropout=float(match.dropout),
     )
-    owner_fqn, owner = owner_of(region, match.output)
     args = (match.q, match.k, match.v) + ((mask.node,) if mask else ())
+    return attention_site(region, match.output, names, info=info, input=q_meta, problems=match.problems,
+                          args=args, nodes=list(dict.fromkeys(match.nodes)))
+
+
+def attention_site(region: Region, output: fx.Node, names: dict[str, set[str]], *, info: AttentionInfo,
+                   input, problems: list[str], args: tuple, nodes: list[fx.Node]) -> Site:
+    """The attention Site whose result is `output`, named after the module whose forward made it."""
+    owner_fqn, owner = owner_of(region, output)
     return Site(
         kind="attention",
         fqn=site_fqn(owner_fqn, owner, names),
         region=region.fqn,
         classes=class_names(type(owner)),
         info=info,
-        input=q_meta,
-        output=tensor_meta(match.output),
-        unsupported="; ".join(match.problems) or None,
+        input=input,
+        output=tensor_meta(output),
+        unsupported="; ".join(problems) or None,
         args=args,
-        output_node=match.output,
-        nodes=list(dict.fromkeys(match.nodes)),
+        output_node=output,
+        nodes=nodes,
     )
 
 

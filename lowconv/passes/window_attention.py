@@ -51,10 +51,10 @@ import torch.fx as fx
 
 from lowconv.compat import sptr
 from lowconv.compat.sptr_install import as_compat
-from lowconv.passes.attention import owner_of, site_fqn
+from lowconv.passes.attention import attention_site
 from lowconv.passes.fx_nodes import call_args, is_number, mutates, op_is
 from lowconv.passes.trace import Region
-from lowconv.site import AttentionInfo, Site, class_names, tensor_meta
+from lowconv.site import AttentionInfo, Site, tensor_meta
 
 STEP1_ARGS = ("q", "k", "index_0", "index_0_offsets", "index_1", "index_1_offsets", "n_max")
 SOFTMAX_ARGS = ("src", "indptr", "dim")
@@ -210,21 +210,9 @@ def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: l
         scale=1.0,  # SpTr's q comes pre-scaled
         rel_pos="contextual" if contextual else "none",
     )
-    owner_fqn, owner = owner_of(region, step2)
     order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
-    return Site(
-        kind="attention",
-        fqn=site_fqn(owner_fqn, owner, names),
-        region=region.fqn,
-        classes=class_names(type(owner)),
-        info=info,
-        input=q_meta,
-        output=tensor_meta(step2),
-        unsupported="; ".join(problems) or None,
-        args=tuple(args),
-        output_node=step2,
-        nodes=sorted(set(nodes), key=order.__getitem__),  # graph order: the rewrite erases them last first
-    )
+    return attention_site(region, step2, names, info=info, input=q_meta, problems=problems, args=tuple(args),
+                          nodes=sorted(set(nodes), key=order.__getitem__))  # graph order: erased last first
 
 
 def short_tables(tables, grid_length) -> list[str]:
