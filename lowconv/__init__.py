@@ -4,10 +4,11 @@
     lowconv.save(converted, "out/")
     again = lowconv.load(model, "out/")
     report = lowconv.compare(model, converted, (x,))
+    dense = lowconv.revert(converted)   # converted linears back to nn.Linear, same weights
 """
-from lowconv.api import compare, convert, load, save
+from lowconv.api import compare, convert, load, revert, save
 from lowconv.errors import LowconvError
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.version import __version__
 
-__all__ = ["convert", "save", "load", "compare", "Recipe", "load_recipe", "LowconvError", "__version__"]
+__all__ = ["convert", "save", "load", "compare", "revert", "Recipe", "load_recipe", "LowconvError", "__version__"]

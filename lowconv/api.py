@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -12,7 +12,7 @@ from torch import nn
 from lowconv import checkpoint, report as reports
 from lowconv.errors import LowconvError
 from lowconv.ops import OPS
-from lowconv.passes.rewrite import rewrite, site_params, tap_sites
+from lowconv.passes.rewrite import rewrite, set_module, site_params, tap_sites
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
 from lowconv.plan import Plan
@@ -108,6 +108,44 @@ def plan_of(converted: nn.Module) -> Plan:
     if plan is None:
         raise LowconvError("this model was not made by lowconv.convert or lowconv.load (it has no plan)")
     return plan
+
+
+def revert(converted: nn.Module, ops: Iterable[str] | None = None) -> nn.Module:
+    """A copy of a converted model whose converted linears (those of the ops named in `ops`;
+    default every linear op) are plain nn.Linear layers with the weights they compute with: a
+    2:4 layer's pruned weight (its dense weight under a runtime mask), an fp8 layer's dequantized
+    weight (its master weight in training). The plan says `dense` for them, so save and load keep
+    them that way. For "train sparse, finish dense": convert, fine-tune, revert, fine-tune.
+    """
+    plan = plan_of(converted)
+    linear_ops = sorted(name for name, op in OPS.items() if op.kind == "linear" and name != "dense")
+    wanted = set(linear_ops if ops is None else ops)
+    if wanted - set(linear_ops):
+        raise LowconvError(f"revert: {sorted(wanted - set(linear_ops))} are not linear ops that revert undoes "
+                           f"(valid choices: {', '.join(linear_ops)})")
+    reverted = copy.deepcopy(converted)
+    decisions = []
+    for decision in plan.decisions:
+        if decision.op in wanted:
+            set_module(reverted, decision.fqn, dense_linear(reverted.get_submodule(decision.fqn)))
+            decision = replace(decision, op="dense", options={}, rule=None,
+                               reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
+                                      f"{decision.reason})")
+        decisions.append(decision)
+    setattr(reverted, PLAN_ATTR, replace(plan, decisions=decisions))
+    return reverted
+
+
+def dense_linear(module: nn.Module) -> nn.Linear:
+    """The nn.Linear computing what a converted linear module computes, in its dtype and device."""
+    weight = module.linear_weight().detach()
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=weight.dtype,
+                       device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if module.bias is not None:
+            linear.bias.copy_(module.bias)
+    return linear
 
 
 def save(converted: nn.Module, directory: str | Path) -> Path:

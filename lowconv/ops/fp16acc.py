@@ -41,6 +41,9 @@ class Fp16AccLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp16acc_matmul(x, self.weight, self.bias, self.splits, self.options.combine)
 
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"splits={self.splits}, combine={self.options.combine}")

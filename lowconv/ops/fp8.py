@@ -87,6 +87,12 @@ class Fp8Linear(nn.Module):
         return Fp8FrozenLinearFunction.apply(x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias,
                                              o.fast_accum)
 
+    def linear_weight(self) -> torch.Tensor:
+        """The master weight (training), or the e4m3 weight dequantized to the model's dtype."""
+        if self.options.training:
+            return self.weight
+        return dequantize(self.weight, self.weight_scale).to(self.weight_scale.dtype)
+
     def fixed_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """x's scale for static/delayed scaling (None: dynamic), counting what it clips."""
         if self.options.scaling == "dynamic":

@@ -59,6 +59,10 @@ class CompressedSemiSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return semi_sparse_linear(x, self.dense_weight, self.bias)
 
+    def linear_weight(self) -> torch.Tensor:
+        """The (out, in) weight a plain nn.Linear needs to compute what this module does."""
+        return self.dense_weight
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -88,6 +92,9 @@ class MaskedSemiSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return semi_sparse_linear(x, self.weight * self.mask, self.bias)
 
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight * self.mask
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -113,6 +120,11 @@ class RuntimeSemiSparseLinear(nn.Module):
         if self.options.target == "activation":
             return semi_sparse_linear(prune_24_straight_through(x), self.weight, self.bias)
         return semi_sparse_linear(x, prune_24_straight_through(self.weight), self.bias)
+
+    def linear_weight(self) -> torch.Tensor:
+        """The dense weight, not its pruned view: reverting a runtime mask goes back to dense
+        training (torchao's swap back from SemiSparseLinear)."""
+        return self.weight
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -1,0 +1,43 @@
+"""`dense`: a linear site as a plain nn.Linear holding the site's weight and bias.
+
+What lowconv.revert turns converted linears into (the "train sparse, finish dense" schedule), and
+a recipe can ask for it too: a Conv1D, F.linear or x @ W site then becomes an nn.Linear module.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowconv.ops.linear_site import linear_info, linear_params, site_dtype
+from lowconv.ops.registry import Op, register
+
+
+@dataclass
+class DenseOptions:
+    pass
+
+
+def empty(site, options: DenseOptions) -> nn.Linear:
+    info = linear_info(site)
+    return nn.Linear(info.in_features, info.out_features, bias=info.bias, dtype=site_dtype(site))
+
+
+def from_site(site, options: DenseOptions, params: dict[str, torch.Tensor]) -> nn.Linear:
+    module = empty(site, options)
+    weight, bias = linear_params(site, params)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    return module
+
+
+DENSE = register(Op(
+    name="dense",
+    kind="linear",
+    description="a plain nn.Linear with the site's weights (what lowconv.revert makes of converted linears)",
+    options=DenseOptions,
+    check=lambda site, options: None,
+    from_site=from_site,
+    empty=empty,
+))
