@@ -176,3 +176,41 @@ def test_check_reasons():
     assert check(linear_site(64, 30), SemiSparseOptions()) is None
     assert check(linear_site(30, 64), SemiSparseOptions()) == (
         "2:4 sparsity needs in_features divisible by 4 (weight is (64, 30))")
+
+
+def groups_of_4_keep_2(mask: torch.Tensor) -> bool:
+    return bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) == 2).all())
+
+
+def test_transposable_mask_is_2_4_both_ways_and_the_best_such_block():
+    from lowconv.kernels.sparse24 import mask_24_transposable, transposable_patterns
+
+    patterns = transposable_patterns()
+    assert patterns.shape == (90, 16) and len({tuple(p.tolist()) for p in patterns}) == 90
+    w = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
+    mask = mask_24_transposable(w)
+    assert groups_of_4_keep_2(mask) and groups_of_4_keep_2(mask.t())
+    # No transposable pattern keeps more magnitude in any block (brute force over the 90).
+    blocks = w.abs().reshape(4, 4, 6, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    kept = (blocks * mask.reshape(4, 4, 6, 4).permute(0, 2, 1, 3).reshape(-1, 16)).sum(1)
+    assert torch.allclose(kept, (blocks @ patterns.float().t()).max(1).values)
+    assert (w.abs() * mask).sum() <= (w.abs() * mask_24(w)).sum()  # a constrained mask keeps no more
+    with pytest.raises(ValueError, match="both dims divisible by 4"):
+        mask_24_transposable(torch.randn(6, 8))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_transposable_option_prunes_both_ways(training):
+    site = linear_site(32, 16, dtype="float32")
+    w = torch.randn(16, 32)
+    module = from_site(site, SemiSparseOptions(transposable=True, training=training), {"weight": w, "bias": torch.randn(16)})
+    weight = module.weight * module.mask if training else module.dense_weight
+    mask = weight != 0
+    assert groups_of_4_keep_2(mask) and groups_of_4_keep_2(mask.t())
+
+
+def test_transposable_needs_a_fixed_weight_mask_and_out_features_by_4():
+    with pytest.raises(ValueError, match="fixed weight mask only"):
+        SemiSparseOptions(transposable=True, mask="runtime")
+    assert check(linear_site(32, 30), SemiSparseOptions(transposable=True)) == (
+        "transposable 2:4 sparsity needs out_features divisible by 4 too (weight is (30, 32))")

@@ -12,6 +12,8 @@ Bitmask format (compressed-tensors' "sparse-24-bitmask", which vLLM reads):
 The mask is the 2:4 mask, not `!= 0`: a group with fewer than 2 nonzeros still keeps 2 values
 (zeros among them), so every row holds exactly cols/2 values.
 """
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,28 @@ def mask_24(x: torch.Tensor) -> torch.Tensor:
     order = groups.argsort(dim=-1, descending=True, stable=True)
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, order[..., :2], True)
     return mask.reshape(x.shape)
+
+
+def transposable_patterns() -> torch.Tensor:
+    """The 90 4x4 bool patterns with exactly 2 kept in every row and every column, (90, 16)."""
+    rows = [r for r in itertools.product((0, 1), repeat=4) if sum(r) == 2]  # 6 ways to keep 2 of 4
+    blocks = [block for block in itertools.product(rows, repeat=4) if all(sum(col) == 2 for col in zip(*block))]
+    return torch.tensor(blocks, dtype=torch.bool).reshape(len(blocks), 16)
+
+
+def mask_24_transposable(w: torch.Tensor) -> torch.Tensor:
+    """Bool mask of a 2D (rows, cols) tensor that is 2:4 along cols AND along rows (so that w^T,
+    which the backward GEMM dX = dY w multiplies, is 2:4 too): in every 4x4 block, the pattern
+    with 2 kept per row and per column that keeps the most magnitude (exhaustive over the 90).
+    Keeps at most what mask_24 keeps; ties go to the first pattern, so it is deterministic."""
+    if w.dim() != 2 or w.shape[0] % 4 or w.shape[1] % 4:
+        raise ValueError(f"transposable 2:4 sparsity needs a 2D tensor with both dims divisible by 4, "
+                         f"got shape {tuple(w.shape)}")
+    rows, cols = w.shape
+    blocks = w.detach().abs().float().reshape(rows // 4, 4, cols // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    patterns = transposable_patterns().to(w.device)
+    best = (blocks @ patterns.float().t()).argmax(dim=1)
+    return patterns[best].reshape(rows // 4, cols // 4, 4, 4).permute(0, 2, 1, 3).reshape(rows, cols)
 
 
 def prune_24(x: torch.Tensor) -> torch.Tensor:

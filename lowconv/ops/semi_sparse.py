@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from lowconv.kernels.sparse24 import (
-    compress_bitmask, decompress_bitmask, mask_24, prune_24, prune_24_straight_through, semi_sparse_linear,
+    compress_bitmask, decompress_bitmask, mask_24, mask_24_transposable, prune_24_straight_through,
+    semi_sparse_linear,
 )
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -29,6 +30,13 @@ class SemiSparseOptions:
     mask: Literal["fixed", "runtime"] = "fixed"  # weight only: prune once, or by magnitude every forward
     training: bool = False  # fixed mask: keep a trainable dense weight + mask instead of compressing
     backend: Literal["auto", "cusparselt", "masked-dense"] = "auto"  # CUDA only; the CPU runs masked-dense
+    # fixed weight mask: also 2:4 along out_features, so that W^T (the backward GEMM's operand) is 2:4 too
+    transposable: bool = False
+
+    def __post_init__(self):
+        if self.transposable and (self.target != "weight" or self.mask != "fixed"):
+            raise ValueError("applies to a fixed weight mask only (target = \"weight\", mask = \"fixed\")",
+                             "transposable")
 
 
 class CompressedSemiSparseLinear(nn.Module):
@@ -47,7 +55,7 @@ class CompressedSemiSparseLinear(nn.Module):
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.compressed, self.bitmask, self.shape = compress_bitmask(prune_24(weight))
+        self.compressed, self.bitmask, self.shape = compress_bitmask(weight * fixed_mask(weight, self.options))
         if bias is not None:
             self.bias.copy_(bias)
         self.rebuild_dense_weight()
@@ -84,8 +92,8 @@ class MaskedSemiSparseLinear(nn.Module):
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.mask.copy_(mask_24(weight))
-        self.weight.copy_(prune_24(weight))
+        self.mask.copy_(fixed_mask(weight, self.options))
+        self.weight.copy_(weight * self.mask)
         if bias is not None:
             self.bias.copy_(bias)
 
@@ -131,6 +139,11 @@ class RuntimeSemiSparseLinear(nn.Module):
                 f"target={self.options.target}")
 
 
+def fixed_mask(weight: torch.Tensor, options: SemiSparseOptions) -> torch.Tensor:
+    """The 2:4 mask a fixed-mask module keeps: by magnitude along in_features, transposable if asked."""
+    return mask_24_transposable(weight) if options.transposable else mask_24(weight)
+
+
 def module_class(options: SemiSparseOptions) -> type[nn.Module]:
     if options.target == "activation" or options.mask == "runtime":
         return RuntimeSemiSparseLinear
@@ -141,6 +154,9 @@ def check(site, options: SemiSparseOptions) -> str | None:
     info = linear_info(site)
     if info.in_features % 4:
         return (f"2:4 sparsity needs in_features divisible by 4 "
+                f"(weight is ({info.out_features}, {info.in_features}))")
+    if options.transposable and info.out_features % 4:
+        return (f"transposable 2:4 sparsity needs out_features divisible by 4 too "
                 f"(weight is ({info.out_features}, {info.in_features}))")
     return None
 
