@@ -79,20 +79,19 @@ def calls(node, function) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and as_compat(node.target) is function
 
 
-def uncast(node):
-    """node less its integer casts: real SpTr passes `index_0_offsets.long()` to the softmax."""
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in INT_CASTS:
-        node = node.args[0]
-    return node
-
-
 def casts(node) -> list[fx.Node]:
-    """The integer casts between node and uncast(node)."""
+    """The chain of integer casts (`.int()`, `.long()`) that node is, outermost first."""
     found = []
     while op_is(node, (), INT_CASTS):
         found.append(node)
         node = node.args[0]
     return found
+
+
+def uncast(node):
+    """node less its integer casts: real SpTr passes `index_0_offsets.long()` to the softmax."""
+    chain = casts(node)
+    return chain[-1].args[0] if chain else node
 
 
 def op_args(node: fx.Node, names: tuple[str, ...]) -> dict:
