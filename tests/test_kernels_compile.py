@@ -1,0 +1,82 @@
+"""lowconv's Triton kernels compile for the H100 (sm_90), here on the CPU: Triton's interpreter
+(the other tests) runs the Python of a kernel and takes code that the compiler rejects (e.g.
+returns of different shapes from a constexpr branch). ptxas ships with triton. The compiler
+needs triton without the interpreter, so the compiles run in a child process."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+H100_SHARED_BYTES = 232448  # per block
+POINTER = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+WINDOW_CASES = [(kernel, dtype, rel) for kernel in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
+                for dtype in ("fp16", "bf16", "fp32") for rel in (False, True)]
+FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
+                 for block_m in (16, 64)]
+
+
+def signature(kernel, constexprs, types):
+    """Each argument's type: constexpr, an explicit type from `types`, else a pointer of types['*']."""
+    return {name: "constexpr" if name in constexprs else types.get(name, types["*"]) for name in kernel.arg_names}
+
+
+def compile_for_sm90(kernel, types, constexprs, num_warps):
+    """Shared memory bytes of the compiled kernel, or the compiler's error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(kernel, signature(kernel, constexprs, types),
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"[-2000:]
+    return compiled.metadata.shared
+
+
+def window_case(kernel_name, dtype, rel):
+    """A window-attention kernel with its tile_config, at SphereFormer's grid (G = 24: L = 47)."""
+    import lowconv.kernels.window_attention as wa
+
+    kernel = getattr(wa, kernel_name)
+    tiles = wa.tile_config(kernel, rel)
+    constexprs = dict(D=16, REL=rel, **wa.padded_widths(24), PRECISION="tf32x3" if dtype == "fp32" else "tf32",
+                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    types = {"*": POINTER[dtype], "N": "i32", "H": "i32", "G": "i32", "scale": "fp32",
+             **{name: "*i32" for name in ("start", "end", "coords")},
+             **{name: "*fp32" for name in ("lse", "delta", "dtq", "dtk", "dtv")}}
+    return compile_for_sm90(kernel, types, constexprs, tiles.num_warps)
+
+
+def fp16acc_case(has_bias, combine_fp32, block_m):
+    """The fp16-accumulating split-K GEMM as launch_fp16acc launches it."""
+    import lowconv.kernels.fp16acc as fa
+
+    constexprs = dict(HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32, BLOCK_M=block_m, BLOCK_N=64, TILE_K=64)
+    types = {"*": "*fp16", **{name: "i32" for name in fa._fp16acc_kernel.arg_names if name[0].isupper() or
+                              name.startswith("stride")}}
+    return compile_for_sm90(fa._fp16acc_kernel, types, constexprs, 4)
+
+
+def test_kernels_compile_for_sm90():
+    # The child imports this checkout's lowconv (not an installed one) and compiles, not interprets.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True,
+                           timeout=900)
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.splitlines()[-1])
+    assert len(results) == len(WINDOW_CASES) + len(FP16ACC_CASES)
+    failed = {case: result for case, result in results.items() if isinstance(result, str)}
+    assert not failed, "\n\n".join(f"{case}: {error}" for case, error in failed.items())
+    too_big = {case: shared for case, shared in results.items() if shared > H100_SHARED_BYTES}
+    assert not too_big, f"shared memory beyond the H100's {H100_SHARED_BYTES} bytes: {too_big}"
+
+
+if __name__ == "__main__":
+    results = {f"window {k} {d} rel={r}": window_case(k, d, r) for k, d, r in WINDOW_CASES}
+    results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})
+    print(json.dumps(results))
