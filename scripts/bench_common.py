@@ -1,9 +1,15 @@
 """Measuring one call, as the benchmarks in scripts/ do: the median time (triton's do_bench on
 CUDA, wall clock on the CPU) and the workspace memory, and the helpers around it."""
+import datetime
+import json
+import shlex
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+import triton
 import triton.testing
 
 CPU_REPS = 3
@@ -52,3 +58,58 @@ def returned_tensors(result):
 def first_line(error):
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def add_run_arguments(parser, *, name, quick_help, tiny_help, cpu_help, budget_s, warmup_ms, rep_ms):
+    """The options every benchmark takes: --out, --quick, --tiny, --device, --budget-s, the do_bench
+    warmup and rep, --seed."""
+    parser.add_argument("--out", required=True, help=f"directory for {name}.md/.json")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--tiny", action="store_true", help=f"{tiny_help} (plumbing test, e.g. with --device cpu)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help=f"cpu runs {cpu_help} and wall-clock timing, no memory")
+    parser.add_argument("--budget-s", type=float, default=budget_s,
+                        help="stop starting measurements after this many seconds since the start, "
+                             f"marking the rest 'skipped (time budget)' (default {budget_s:g})")
+    parser.add_argument("--warmup-ms", type=float, default=warmup_ms, help=f"do_bench warmup (default {warmup_ms:g})")
+    parser.add_argument("--rep-ms", type=float, default=rep_ms, help=f"do_bench rep (default {rep_ms:g})")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_device(args, name) -> torch.device:
+    """The device to run on; exits with a hint when CUDA is asked for and absent."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{name}: no CUDA device here (torch {torch.__version__}). It times GPU kernels; "
+                 "to exercise its plumbing on a CPU run it with --device cpu --quick --tiny.")
+    return torch.device(args.device)
+
+
+def run_header(args, device, **extra) -> dict:
+    """What a report says about its run: date, device, versions, command, budget."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, **extra,
+        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+        "budget": f"{args.budget_s:g} s, do_bench warmup {args.warmup_ms:g} ms, rep {args.rep_ms:g} ms",
+    }
+
+
+def cuda_context_error(device) -> str | None:
+    """After a failure: None if CUDA still works, else the first line of what it says."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as error:  # noqa: BLE001 - any error here means the context is gone
+        return first_line(error)
+    return None
+
+
+def write_outputs(out, name, text, data) -> None:
+    """OUT/name.md (the report) and OUT/name.json (its data)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))

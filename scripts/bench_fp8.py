@@ -35,10 +35,7 @@ leaves its results; measurements past --budget-s are marked "skipped (time budge
     python3 scripts/bench_fp8.py --out DIR --device cpu --quick --tiny   # plumbing only
 """
 import argparse
-import datetime
 import gc
-import json
-import shlex
 import sys
 import tempfile
 import time
@@ -49,14 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
-from scripts.bench_common import first_line, measure  # noqa: E402
+from scripts.bench_common import (add_run_arguments, cuda_context_error, first_line, measure,  # noqa: E402
+                                  run_device, run_header, write_outputs)
 from lowconv.kernels.fp8 import E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise  # noqa: E402
 from lowconv.ops.fp8 import Fp8Linear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
@@ -325,12 +321,7 @@ class Run:
 
     def failed(self, error):
         """The failure's message; find out whether CUDA still works after it."""
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            except Exception as sync_error:  # noqa: BLE001 - any error here means the context is gone
-                self.context_lost = first_line(sync_error)
+        self.context_lost = self.context_lost or cuda_context_error(self.device)
         return first_line(error)
 
     def unit(self, result, work):
@@ -695,17 +686,14 @@ def markdown_report(run, header):
 
 
 def write_report(run, final=False):
-    out = Path(run.args.out)
-    out.mkdir(parents=True, exist_ok=True)
     header = {**run.header, "elapsed": f"{run.elapsed():.0f} s" + ("" if final else " (still running)")}
     text = markdown_report(run, header)
-    (out / "bench_fp8.md").write_text(text)
     settings = {name: [asdict(s) for s in value] if name.endswith("_shapes") else value
                 for name, value in run.settings.items()}
     data = {"header": header, "settings": settings, "gate_failures": gate_failures(run),
             "results": [asdict(r) for r in run.results], "weight_memory": asdict(run.memory),
             "anchors_markdown": ANCHORS_MARKDOWN}
-    (out / "bench_fp8.json").write_text(json.dumps(data, indent=1))
+    write_outputs(run.args.out, "bench_fp8", text, data)
     return text
 
 
@@ -714,19 +702,9 @@ def parse_args():
         description="Time FP8 linear layers (issue 4): bf16 F.linear, hand-written FP8 and lowconv's fp8 op "
                     "(inference and training), activation quantization against a copy, and the weight memory "
                     "of an fp8-dynamic conversion; after a float64 check of every output.")
-    parser.add_argument("--out", required=True, help="directory for bench_fp8.md/.json")
-    parser.add_argument("--quick", action="store_true",
-                        help="the issue's four GEMM shapes only (no Llama-8B shapes)")
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"every size divided by {TINY_DIVISOR} (plumbing test, e.g. with --device cpu)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu runs torch._scaled_mm's CPU path and wall-clock timing, no memory")
-    parser.add_argument("--budget-s", type=float, default=300.0,
-                        help="stop starting measurements after this many seconds since the start, "
-                             "marking the rest 'skipped (time budget)' (default 300)")
-    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup (default 25)")
-    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench rep (default 100)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_arguments(parser, name="bench_fp8", quick_help="the issue's four GEMM shapes only (no Llama-8B shapes)",
+                      tiny_help=f"every size divided by {TINY_DIVISOR}", cpu_help="torch._scaled_mm's CPU path",
+                      budget_s=300.0, warmup_ms=25.0, rep_ms=100.0)
     return parser.parse_args()
 
 
@@ -748,19 +726,9 @@ def resolve_settings(args):
 
 def main():
     args = parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"bench_fp8: no CUDA device here (torch {torch.__version__}). It times GPU kernels; "
-                 "to exercise its plumbing on a CPU run it with --device cpu --quick --tiny.")
-    device = torch.device(args.device)
+    device = run_device(args, "bench_fp8")
     settings = resolve_settings(args)
-    header = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "triton": triton.__version__, "lowconv": lowconv.__version__,
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "budget": f"{args.budget_s:g} s, do_bench warmup {args.warmup_ms:g} ms, rep {args.rep_ms:g} ms",
-    }
-    run = Run(args, device, header, settings)
+    run = Run(args, device, run_header(args, device, lowconv=lowconv.__version__), settings)
     # Cheapest first, and the parts the targets need before the long tail of shapes.
     run.quantization(*settings["quant"])
     run.weight_memory(*settings["mlp"])

@@ -20,12 +20,9 @@ cut short still leaves its results.
     python3 scripts/bench_sparse_attention.py --out DIR --device cpu --quick --tiny   # plumbing only
 """
 import argparse
-import datetime
 import functools
 import inspect
-import json
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,11 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/ is 
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from scripts.bench_common import first_line, measure  # noqa: E402
+from scripts.bench_common import (add_run_arguments, cuda_context_error, first_line, measure,  # noqa: E402
+                                  run_device, run_header, write_outputs)
 from examples.point_transformer import (DENSE_AZIMUTH_STEPS, KITTI_AZIMUTH_STEPS,  # noqa: E402
                                         QUANT_SIZE, WINDOW_SIZE, synthetic_lidar_scene)
 from lowconv.compat import sptr  # noqa: E402
@@ -325,12 +321,7 @@ class Run:
         message = first_line(error)
         if not isinstance(error, torch.OutOfMemoryError):
             self.known_failures[key] = message
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            except Exception as sync_error:  # noqa: BLE001 - any error here means the context is gone
-                self.context_lost = first_line(sync_error)
+        self.context_lost = self.context_lost or cuda_context_error(self.device)
         return message
 
     def not_runnable(self, key, budget=True):
@@ -494,14 +485,11 @@ def markdown_report(run, header, settings):
 
 
 def write_report(run, header, settings, final=False):
-    out = Path(run.args.out)
-    out.mkdir(parents=True, exist_ok=True)
     header = {**header, "elapsed": f"{run.elapsed():.0f} s" + ("" if final else " (still running)")}
     text = markdown_report(run, header, settings)
-    (out / "bench_sparse_attention.md").write_text(text)
     data = {"header": header, "settings": settings, "gate": run.gate, "scenes": run.scenes,
             "precision": run.precision, "timings": run.timings, "anchors_markdown": ANCHORS_MARKDOWN}
-    (out / "bench_sparse_attention.json").write_text(json.dumps(data, indent=1))
+    write_outputs(run.args.out, "bench_sparse_attention", text, data)
     return text
 
 
@@ -510,22 +498,13 @@ def parse_args():
         description="Time windowed attention at the SpTr scale (268,720 voxels, head_dim 16): "
                     "SpTr's index pairs in torch, flash-varlen SDPA over nested tensors, "
                     "FlexAttention, and lowconv's window_attention; after a float64 precision check.")
-    parser.add_argument("--out", required=True, help="directory for bench_sparse_attention.md/.json")
-    parser.add_argument("--quick", action="store_true", help="dense scene, fp16, h in {1, 4} only")
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"scenes of {TINY_POINTS} points (plumbing test, e.g. with --device cpu)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu runs lowconv's torch reference and wall-clock timing, no memory")
+    add_run_arguments(parser, name="bench_sparse_attention", quick_help="dense scene, fp16, h in {1, 4} only",
+                      tiny_help=f"scenes of {TINY_POINTS} points", cpu_help="lowconv's torch reference",
+                      budget_s=420.0, warmup_ms=10.0, rep_ms=40.0)
     parser.add_argument("--scenes", help="comma list of dense,kitti (default both; --quick: dense)")
     parser.add_argument("--dtypes", help="comma list of fp16,bf16,fp32 (default all; --quick: fp16)")
     parser.add_argument("--heads", help="comma list of head counts (default 1,2,4,8; --quick: 1,4)")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {','.join(PEERS)}")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="stop starting measurements after this many seconds since the start, "
-                             "marking the rest 'skipped (time budget)' (default 420)")
-    parser.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup (default 10)")
-    parser.add_argument("--rep-ms", type=float, default=40.0, help="do_bench rep (default 40)")
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
 
@@ -550,18 +529,9 @@ def resolve_settings(args):
 
 def main():
     args = parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"bench_sparse_attention: no CUDA device here (torch {torch.__version__}). It times "
-                 "GPU kernels; to exercise its plumbing on a CPU run it with --device cpu --quick --tiny.")
-    device = torch.device(args.device)
+    device = run_device(args, "bench_sparse_attention")
     settings = resolve_settings(args)
-    header = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "budget": f"{args.budget_s:g} s, do_bench warmup {args.warmup_ms:g} ms, rep {args.rep_ms:g} ms",
-    }
+    header = run_header(args, device)
     run = Run(args, device)
 
     scenes = []
