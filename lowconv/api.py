@@ -12,6 +12,7 @@ from torch import nn
 from lowconv import checkpoint, report as reports
 from lowconv.errors import LowconvError
 from lowconv.ops import OPS
+from lowconv.ops.dense import linear_holding
 from lowconv.passes.rewrite import rewrite, set_module, site_params, tap_sites
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
@@ -127,25 +128,14 @@ def revert(converted: nn.Module, ops: Iterable[str] | None = None) -> nn.Module:
     decisions = []
     for decision in plan.decisions:
         if decision.op in wanted:
-            set_module(reverted, decision.fqn, dense_linear(reverted.get_submodule(decision.fqn)))
+            module = reverted.get_submodule(decision.fqn)
+            set_module(reverted, decision.fqn, linear_holding(module.linear_weight().detach(), module.bias))
             decision = replace(decision, op="dense", options={}, rule=None,
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
                                       f"{decision.reason})")
         decisions.append(decision)
     setattr(reverted, PLAN_ATTR, replace(plan, decisions=decisions))
     return reverted
-
-
-def dense_linear(module: nn.Module) -> nn.Linear:
-    """The nn.Linear computing what a converted linear module computes, in its dtype and device."""
-    weight = module.linear_weight().detach()
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=weight.dtype,
-                       device=weight.device)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-        if module.bias is not None:
-            linear.bias.copy_(module.bias)
-    return linear
 
 
 def save(converted: nn.Module, directory: str | Path) -> Path:

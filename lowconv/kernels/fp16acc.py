@@ -32,6 +32,14 @@ def auto_splits(K: int) -> int:
     return max(1, math.ceil(K / (BLOCK_K * MAX_BLOCKS_PER_SPLIT)))
 
 
+def chunks(k: int, splits: int) -> tuple[int, int]:
+    """(16-wide k-blocks per chunk, number of chunks) of K split S ways: whole blocks, as even as
+    possible, no empty chunk (so fewer than S when K has fewer blocks than that)."""
+    blocks = max(1, math.ceil(k / BLOCK_K))
+    blocks_per_split = math.ceil(blocks / splits)
+    return blocks_per_split, math.ceil(blocks / blocks_per_split)
+
+
 def fp16acc_matmul_reference(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     """y = x w^T + b as the split-K fp16-accumulating kernel computes it (see the module doc).
 
@@ -39,8 +47,7 @@ def fp16acc_matmul_reference(x, w, bias, splits: int, combine: str) -> torch.Ten
     """
     K, N = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, K)
-    blocks_per_split = math.ceil(math.ceil(K / BLOCK_K) / splits)
-    splits = math.ceil(math.ceil(K / BLOCK_K) / blocks_per_split)  # drop empty chunks
+    blocks_per_split, splits = chunks(K, splits)
     pad = splits * blocks_per_split * BLOCK_K - K  # zero tail: adds exact zeros, changes no rounding
     xb = F.pad(x2, (0, pad)).float().reshape(-1, splits, blocks_per_split, BLOCK_K)
     wb = F.pad(w, (0, pad)).float().reshape(N, splits, blocks_per_split, BLOCK_K)
@@ -117,9 +124,7 @@ def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     out = torch.empty(m, n, dtype=torch.float16, device=x.device)
     if m == 0 or n == 0:
         return out
-    blocks = max(1, math.ceil(k / BLOCK_K))
-    blocks_per_split = math.ceil(blocks / splits)
-    splits = math.ceil(blocks / blocks_per_split)  # as the reference: no empty chunks
+    blocks_per_split, splits = chunks(k, splits)
     # The widest k-tile (up to 64) that a chunk holds a whole number of.
     tile_k = next(t for t in (64, 32, 16) if blocks_per_split * BLOCK_K % t == 0)
     block_m = 16 if m <= 16 else 64

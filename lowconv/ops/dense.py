@@ -23,13 +23,20 @@ def empty(site, options: DenseOptions) -> nn.Linear:
 
 
 def from_site(site, options: DenseOptions, params: dict[str, torch.Tensor]) -> nn.Linear:
-    module = empty(site, options)
     weight, bias = linear_params(site, params)
+    dtype = site_dtype(site)
+    return linear_holding(weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def linear_holding(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding copies of weight (out, in) and bias, in weight's dtype and device."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
+                       device=weight.device)
     with torch.no_grad():
-        module.weight.copy_(weight)
+        linear.weight.copy_(weight)
         if bias is not None:
-            module.bias.copy_(bias)
-    return module
+            linear.bias.copy_(bias)
+    return linear
 
 
 DENSE = register(Op(
