@@ -32,8 +32,12 @@ def operands(x_granularity, w_granularity, shape=(3, 5, 64), n=48, seed=0):
 
 def assert_one_rounding_apart(y, ref):
     """fp32 accumulation in another order: the two differ by about one rounding of the output
-    dtype at the output's scale (fp32: a few units of fp32 rounding)."""
+    dtype at the output's scale (fp32: a few units of fp32 rounding). The H100's FP8 tensor cores
+    accumulate with fewer bits than fp32 (measured: 2.3e-4 of max|y| at K = 512, fp32 output), so
+    on CUDA no output is held closer than 2^-10 (fp16's rounding)."""
     eps = torch.finfo(ref.dtype).eps * (8 if ref.dtype == torch.float32 else 1)
+    if y.is_cuda:
+        eps = max(eps, 2 ** -10)
     torch.testing.assert_close(y.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item())
 
 
@@ -46,7 +50,8 @@ def test_scaled_mm_path_matches_the_reference(granularity, bias_dtype, out_dtype
     bias = None if bias_dtype is None else torch.randn(48).to(out_dtype if bias_dtype == "out" else bias_dtype)
     y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
     ref = fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
-    assert scaled_mm_calls, "fp8_linear did not run torch._scaled_mm"
+    rowwise = granularity != ("tensor", "tensor")
+    assert bool(scaled_mm_calls) == (not rowwise or fp8.cpu_scaled_mm_takes_rows()), "_scaled_mm (not) run"
     assert y.shape == ref.shape == (3, 5, 48) and y.dtype == out_dtype
     assert_one_rounding_apart(y, ref)
 
@@ -98,7 +103,8 @@ def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradie
     w = torch.randn(48, 64, generator=gen).requires_grad_()
     grad = torch.randn(32, 48, generator=gen)
     fp8.Fp8LinearFunction.apply(x, w, None, None, granularity).backward(grad)
-    assert len(scaled_mm_calls) == 3  # forward, dX, dW
+    if granularity == "tensor" or fp8.cpu_scaled_mm_takes_rows():
+        assert len(scaled_mm_calls) == 3  # forward, dX, dW
 
     x_fp8, x_scale = quantize(x.detach(), granularity)
     w_fp8, w_scale = quantize(w.detach(), granularity)

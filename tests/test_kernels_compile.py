@@ -11,8 +11,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 H100_SHARED_BYTES = 232448  # per block
 POINTER = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
-WINDOW_CASES = [(kernel, dtype, rel) for kernel in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
-                for dtype in ("fp16", "bf16", "fp32") for rel in (False, True)]
+WINDOW_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
+# SphereFormer's grid (G = 24: L = 47) in every dtype, and a small grid (G = 4, the CPU tests' grid) whose
+# narrow per-axis blocks once failed to compile.
+WINDOW_CASES = ([(kernel, dtype, rel, 24) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
+                 for rel in (False, True)] + [(kernel, "fp16", True, 4) for kernel in WINDOW_KERNELS])
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 
@@ -37,13 +40,13 @@ def compile_for_sm90(kernel, types, constexprs, num_warps):
     return compiled.metadata.shared
 
 
-def window_case(kernel_name, dtype, rel):
-    """A window-attention kernel with its tile_config, at SphereFormer's grid (G = 24: L = 47)."""
+def window_case(kernel_name, dtype, rel, g):
+    """A window-attention kernel with its tile_config, on a grid of G coordinates per axis."""
     import lowconv.kernels.window_attention as wa
 
     kernel = getattr(wa, kernel_name)
     tiles = wa.tile_config(kernel, rel)
-    constexprs = dict(D=16, REL=rel, **wa.padded_widths(24), PRECISION="tf32x3" if dtype == "fp32" else "tf32",
+    constexprs = dict(D=16, REL=rel, **wa.padded_widths(g), PRECISION="tf32x3" if dtype == "fp32" else "tf32",
                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
     types = {"*": POINTER[dtype], "N": "i32", "H": "i32", "G": "i32", "scale": "fp32",
              **{name: "*i32" for name in ("start", "end", "coords")},
@@ -77,6 +80,6 @@ def test_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__":
-    results = {f"window {k} {d} rel={r}": window_case(k, d, r) for k, d, r in WINDOW_CASES}
+    results = {f"window {k} {d} rel={r} G={g}": window_case(k, d, r, g) for k, d, r, g in WINDOW_CASES}
     results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})
     print(json.dumps(results))

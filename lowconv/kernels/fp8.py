@@ -6,6 +6,8 @@ Quantizers saturate: values beyond the format's max are clamped to it, never cas
 Quantizers are torch ops; the linear runs torch._scaled_mm (cuBLASLt on CUDA, also on the CPU)
 where it takes the operands, and otherwise a torch reference with the same numerics.
 """
+import functools
+
 import torch
 
 E4M3 = torch.float8_e4m3fn  # forward: weights and activations
@@ -114,14 +116,25 @@ def scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, rowwis
                     out_dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm computes an (N, K) FP8 linear: K and N multiples of 16, some rows;
     on CUDA an FP8 GPU (sm_89+) and, with row scales, a bf16 output (what cuBLASLt's rowwise
-    scaling writes)."""
+    scaling writes); on the CPU, row scales only where this torch's CPU kernel takes them."""
     if k % 16 or n % 16 or not has_rows:
         return False
     if device.type == "cpu":
-        return True
+        return not rowwise or cpu_scaled_mm_takes_rows()
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9) and (not rowwise or out_dtype == torch.bfloat16)
     return False
+
+
+@functools.cache
+def cpu_scaled_mm_takes_rows() -> bool:
+    """Whether this torch's CPU _scaled_mm takes row scales (2.13 does; 2.11 asserts per-tensor)."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch.ops.aten._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum):

@@ -331,9 +331,10 @@ def tile_config(kernel, rel):
 
 
 def padded_widths(g):
-    """GP and LP: G and L = 2G-1 padded to powers of two (at least 4), the widths of the kernels'
+    """GP and LP: G and L = 2G-1 padded to powers of two (at least 8: the compiler cannot lay out
+    register gathers along narrower rows of our tiles), the widths of the kernels'
     per-axis blocks by coordinate and by relative index."""
-    return {"GP": max(4, triton.next_power_of_2(g)), "LP": max(4, triton.next_power_of_2(2 * g - 1))}
+    return {"GP": max(8, triton.next_power_of_2(g)), "LP": max(8, triton.next_power_of_2(2 * g - 1))}
 
 
 class Launch:
