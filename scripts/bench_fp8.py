@@ -53,7 +53,9 @@ from torch import nn  # noqa: E402
 import lowconv  # noqa: E402
 from scripts.bench_common import (add_run_arguments, cuda_context_error, first_line, measure,  # noqa: E402
                                   run_device, run_header, write_outputs)
-from lowconv.kernels.fp8 import E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise  # noqa: E402
+from lowconv.kernels.fp8 import (  # noqa: E402
+    E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise, quantize_with_scale,
+)
 from lowconv.ops.fp8 import Fp8Linear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
 from lowconv.report import tensor_metrics  # noqa: E402
@@ -101,7 +103,8 @@ options = { scaling = "dynamic", granularity = "tensor", training = true }
 """, "bench_fp8.py: fp8-training")
 TRAINING_PEERS = ("bf16", "lowconv fp8 training")
 GRADIENTS = ("out", "dx", "dw")
-QUANT_PEERS = ("copy", "cast alone", "quantize_tensorwise", "quantize_rowwise")
+QUANT_PEERS = ("copy", "cast alone", "eager quantize", "quantize_tensorwise", "quantize_rowwise",
+               "quantize_with_scale")
 # A broken FP8 path lands near 0 dB; e4m3 rounding alone gives about 28 dB on random data,
 # e5m2 about 22 dB. Below these the timings of lowconv's op mean nothing.
 GATE_FORWARD_SQNR_DB = 20.0
@@ -377,6 +380,9 @@ class Run:
         x64 = None if self.blocked() else x.double()
         n, x_bytes = x.numel(), x.numel() * x.element_size()
 
+        static_scale = quantize_tensorwise(x, E4M3)[1]  # a calibrated static scale (it clips nothing)
+        clipped = torch.zeros((), dtype=torch.int64, device=self.device)
+
         def copy():
             y.copy_(x)
 
@@ -387,6 +393,9 @@ class Run:
                                     lambda q: dequantize(*q)),
             "quantize_rowwise": (lambda: quantize_rowwise(x, E4M3), x_bytes + n + 4 * rows,
                                  lambda q: dequantize(*q)),
+            "quantize_with_scale": (lambda: quantize_with_scale(x, static_scale, E4M3, clipped), x_bytes + n,
+                                    lambda q: dequantize(*q)),
+            "eager quantize": (lambda: eager_quantize(x), x_bytes + n + 4, lambda q: dequantize(*q)),
         }
         for peer, (call, moved, estimate) in calls.items():
             def work():
@@ -564,7 +573,7 @@ def markdown_report(run, header):
     lines += [f"- lowconv SQNR gate: {gate_line(run)}", ""]
 
     verdicts = [speed_verdict(run, *t) for t in SPEED_TARGETS]
-    verdicts += [quant_verdict(run, p) for p in ("quantize_tensorwise", "quantize_rowwise")]
+    verdicts += [quant_verdict(run, p) for p in ("quantize_tensorwise", "quantize_rowwise", "quantize_with_scale")]
     verdicts += [memory_verdict(run)]
     lines += ["## Targets (issue 4)", "",
               tabulate([[f"[{'x' if v == 'met' else ' '}] {t}", m, v] for t, m, v in verdicts],
@@ -641,7 +650,9 @@ def markdown_report(run, header):
     lines += [f"## 2. Activation quantization alone: {case}", "",
               "copy: y.copy_(x) into a preallocated bf16 y. cast alone: x.to(float8_e4m3fn) without a "
               "scale (one elementwise torch kernel; a reference point, not a quantizer). "
-              "quantize_tensorwise / quantize_rowwise: lowconv.kernels.fp8's, as the fp8 op calls them. "
+              "eager quantize: amax, divide, saturating cast in torch ops. quantize_tensorwise / quantize_rowwise / "
+              "quantize_with_scale (static scale, counting clipped values): lowconv.kernels.fp8's, as the fp8 op "
+              "calls them (Triton kernels on an FP8 GPU; per tensor reads x twice, the others once). "
               "Bytes: x read once plus the e4m3 output and its scales written once (copy: read and write "
               "x's bytes); the bandwidth is those bytes over the median time, whatever the kernels "
               "really move. SQNR: the dequantized x vs x in float64.", "",

@@ -16,6 +16,9 @@ WINDOW_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_ke
 # narrow per-axis blocks once failed to compile.
 WINDOW_CASES = ([(kernel, dtype, rel, 24) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
                  for rel in (False, True)] + [(kernel, "fp16", True, 4) for kernel in WINDOW_KERNELS])
+FP8_CASES = ([("partial_amax", "e4m3", mul, None) for mul in (0, 1, 2)]
+             + [("cast", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1) for mode in ("dynamic", "count")]
+             + [("rowwise", fp8, mul, block_k) for fp8 in ("e4m3", "e5m2") for mul in (0, 2) for block_k in (1024, 2048)])
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 
@@ -64,6 +67,27 @@ def fp16acc_case(has_bias, combine_fp32, block_m):
     return compile_for_sm90(fa._fp16acc_kernel, types, constexprs, 4)
 
 
+def fp8_case(kernel_name, fp8, mul, variant):
+    """An FP8 quantization kernel as fp8_quant launches it (bf16 x)."""
+    import torch
+    import lowconv.kernels.fp8_quant as fq
+
+    fp8_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fp8]
+    fp8_type = {"FP8_MAX": torch.finfo(fp8_dtype).max, "FP8": fq.FP8_TL[fp8_dtype]}
+    types = {"*": "*fp32", "x": "*bf16", "out": "*fp8e4nv" if fp8 == "e4m3" else "*fp8e5", "clipped": "*i64",
+             **{name: "i32" for name in ("N", "K", "M", "STEPS", "NUM_PARTIALS")}}
+    if kernel_name == "partial_amax":
+        kernel, constexprs = fq._partial_amax_kernel, dict(MUL=mul, BLOCK=fq.BLOCK)
+    elif kernel_name == "cast":
+        kernel = fq._cast_kernel
+        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
+                          PARTIALS_P2=fq.MAX_PROGRAMS, BLOCK=fq.BLOCK, **fp8_type)
+    else:
+        kernel = fq._rowwise_kernel
+        constexprs = dict(MUL=mul, BLOCK_M=fq.BLOCK * 2 // variant, BLOCK_K=variant, **fp8_type)
+    return compile_for_sm90(kernel, types, constexprs, 8)
+
+
 def test_kernels_compile_for_sm90():
     # The child imports this checkout's lowconv (not an installed one) and compiles, not interprets.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -72,7 +96,7 @@ def test_kernels_compile_for_sm90():
                            timeout=900)
     assert child.returncode == 0, child.stderr[-3000:]
     results = json.loads(child.stdout.splitlines()[-1])
-    assert len(results) == len(WINDOW_CASES) + len(FP16ACC_CASES)
+    assert len(results) == len(WINDOW_CASES) + len(FP16ACC_CASES) + len(FP8_CASES)
     failed = {case: result for case, result in results.items() if isinstance(result, str)}
     assert not failed, "\n\n".join(f"{case}: {error}" for case, error in failed.items())
     too_big = {case: shared for case, shared in results.items() if shared > H100_SHARED_BYTES}
@@ -82,4 +106,5 @@ def test_kernels_compile_for_sm90():
 if __name__ == "__main__":
     results = {f"window {k} {d} rel={r} G={g}": window_case(k, d, r, g) for k, d, r, g in WINDOW_CASES}
     results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})
+    results.update({f"fp8 {k} {f} mul={m} {v}": fp8_case(k, f, m, v) for k, f, m, v in FP8_CASES})
     print(json.dumps(results))

@@ -3,12 +3,17 @@
 Scales follow torch._scaled_mm: a float32 *dequant* scale, x ~= x_fp8.float() * scale.
 Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1).
 Quantizers saturate: values beyond the format's max are clamped to it, never cast to NaN/inf.
-Quantizers are torch ops; the linear runs torch._scaled_mm (cuBLASLt on CUDA, also on the CPU)
-where it takes the operands, and otherwise a torch reference with the same numerics.
+Quantizers run Triton kernels (fp8_quant.py) on FP8 GPUs and torch ops (the reference, the
+same numbers) elsewhere; a quantizer may scale x by a vector along its columns or rows first
+(mul, mul_axis), as the training backward needs. The linear runs torch._scaled_mm (cuBLASLt on
+CUDA, also on the CPU) where it takes the operands, and otherwise a torch reference with the
+same numerics.
 """
 import functools
 
 import torch
+
+from lowconv.kernels import fp8_quant
 
 E4M3 = torch.float8_e4m3fn  # forward: weights and activations
 E5M2 = torch.float8_e5m2  # backward: gradients (wider range, fewer mantissa bits)
@@ -21,23 +26,58 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX[fp8_dtype], torch.ones_like(amax))
 
 
-def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
-    """(x_fp8, scale) with x_fp8 = saturate(x / scale); scale broadcasts against x."""
+def quantizes_in_triton(x: torch.Tensor) -> bool:
+    """Whether x's quantizers run the Triton kernels: on GPUs with FP8 (sm_89+)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    """The reference cast: (x_fp8, scale) with x_fp8 = saturate(x / scale); scale broadcasts."""
     scale = scale.float()
     fp8_max = FP8_MAX[fp8_dtype]
     return (x.float() / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype), scale
 
 
-def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype):
-    """(x_fp8, scale (1,)): one scale for the whole tensor."""
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                        clipped: torch.Tensor | None = None):
+    """(x_fp8, scale) with x_fp8 = saturate(x / scale) for a tensor scale (1,); `clipped` (an int64
+    scalar tensor), if given, gets the number of saturated values added."""
+    if quantizes_in_triton(x):
+        return fp8_quant.quantize_with_scale(x, scale, fp8_dtype, clipped)
+    if clipped is not None:
+        clipped += count_clipped(x, scale, fp8_dtype)
+    return cast_with_scale(x, scale, fp8_dtype)
+
+
+def times(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None) -> torch.Tensor:
+    """x, or x.float() times the vector mul along its columns (last dim) or its rows (the rest)."""
+    if mul is None:
+        return x
+    if mul_axis == "columns":
+        return x.float() * mul.float().reshape(-1)
+    if mul_axis == "rows":
+        return (x.float().reshape(-1, x.shape[-1]) * mul.float().reshape(-1, 1)).reshape(x.shape)
+    raise ValueError(f"mul_axis must be 'columns' or 'rows', got {mul_axis!r}")
+
+
+def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
+                        mul_axis: str | None = None):
+    """(x_fp8, scale (1,)): one scale for the whole tensor (x times mul along mul_axis)."""
+    if quantizes_in_triton(x):
+        return fp8_quant.quantize_tensorwise(x, fp8_dtype, mul, mul_axis)
+    x = times(x, mul, mul_axis)
     amax = x.detach().abs().amax().reshape(1)
-    return quantize_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
+    return cast_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
 
 
-def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
+                     mul_axis: str | None = None):
     """(x_fp8, scale (..., 1)): one scale per row (per token of x, per output channel of W)."""
+    if quantizes_in_triton(x):
+        return fp8_quant.quantize_rowwise(x, fp8_dtype, mul, mul_axis)
+    x = times(x, mul, mul_axis)
     amax = x.detach().abs().amax(dim=-1, keepdim=True)
-    return quantize_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
+    return cast_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
 
 
 def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
@@ -49,9 +89,11 @@ def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
     raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
 
 
-def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor | None = None):
-    """e4m3 x with a fixed dequant `scale` (static or delayed scaling), or dynamically at granularity."""
-    return quantize(x, granularity) if scale is None else quantize_with_scale(x, scale, E4M3)
+def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,
+                        clipped: torch.Tensor | None = None):
+    """e4m3 x with a fixed dequant `scale` (static or delayed scaling; saturated values added to
+    `clipped`), or dynamically at granularity."""
+    return quantize(x, granularity) if scale is None else quantize_with_scale(x, scale, E4M3, clipped)
 
 
 def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.dtype):
@@ -63,7 +105,7 @@ def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.d
     _, scale = quantize(weight, granularity)
     stored = scale.to(scale_dtype)
     stored = torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
-    return quantize_with_scale(weight, stored, E4M3)[0], stored
+    return cast_with_scale(weight, stored, E4M3)[0], stored
 
 
 def count_clipped(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
@@ -167,8 +209,8 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False):
-        x_fp8, x_scale = quantize_activation(x, granularity, x_scale)
+    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None):
+        x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped)
         ctx.save_for_backward(w_fp8, w_scale)
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
         return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
@@ -179,7 +221,7 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
         x_dtype, bias_dtype = ctx.dtypes
         grad_x = (grad.float() @ dequantize(w_fp8, w_scale)).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if ctx.needs_input_grad[5] else None
-        return grad_x, None, None, None, None, grad_bias, None
+        return grad_x, None, None, None, None, grad_bias, None, None
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -195,8 +237,8 @@ class Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False):
-        x_fp8, x_scale = quantize_activation(x, granularity, x_scale)
+    def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False, clipped=None):
+        x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped)
         w_fp8, w_scale = quantize(weight, granularity)
         ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -207,15 +249,17 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_scale, w_fp8, w_scale = ctx.saved_tensors
         x_dtype, w_dtype, bias_dtype = ctx.dtypes
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
-        g = grad.float().reshape(-1, grad.shape[-1])  # (M, N)
+        g = grad.reshape(-1, grad.shape[-1])  # (M, N)
         unit = torch.ones(1, device=g.device)
         grad_x = grad_w = None
         if needs_x:  # dX (M, K) = (dY * w_scale^T) (M, N) @ W_fp8 (N, K)
-            g_fp8, g_scale = quantize_tensorwise(g * w_scale.float().reshape(1, -1), E5M2)
+            per_column = w_scale.float().reshape(-1).expand(g.shape[1])  # W's row scales (or its one scale)
+            g_fp8, g_scale = quantize_tensorwise(g, E5M2, per_column, "columns")
             grad_x = fp8_linear(g_fp8, g_scale, w_fp8.t(), unit, None, x_dtype).reshape(*grad.shape[:-1], -1)
-        if needs_w:  # dW (N, K) = (dY * x_scale)^T (N, M) @ x_fp8 (M, K)
+        if needs_w:  # dW (N, K) = (dY * x_scale)^T (N, M) @ x_fp8 (M, K); a tensor scale transposes after
             x2 = x_fp8.reshape(-1, x_fp8.shape[-1])
-            g_fp8, g_scale = quantize_tensorwise((g * x_scale.float().reshape(-1, 1)).t(), E5M2)
-            grad_w = fp8_linear(g_fp8, g_scale, x2.t(), unit, None, w_dtype)
-        grad_bias = g.sum(0).to(bias_dtype) if needs_bias else None
-        return grad_x, grad_w, grad_bias, None, None, None
+            per_row = x_scale.float().reshape(-1).expand(g.shape[0])  # x's row scales (or its one scale)
+            g_fp8, g_scale = quantize_tensorwise(g, E5M2, per_row, "rows")
+            grad_w = fp8_linear(g_fp8.t(), g_scale, x2.t(), unit, None, w_dtype)
+        grad_bias = g.float().sum(0).to(bias_dtype) if needs_bias else None
+        return grad_x, grad_w, grad_bias, None, None, None, None

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, amax_to_scale, count_clipped, dequantize, quantize_weight,
+    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, amax_to_scale, dequantize, quantize_weight,
 )
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -83,9 +83,10 @@ class Fp8Linear(nn.Module):
         x_scale = self.fixed_input_scale(x)
         o = self.options
         if o.training:
-            return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, o.granularity, o.fast_accum)
+            return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, o.granularity, o.fast_accum,
+                                           self.clipped if x_scale is not None else None)
         return Fp8FrozenLinearFunction.apply(x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias,
-                                             o.fast_accum)
+                                             o.fast_accum, self.clipped if x_scale is not None else None)
 
     def linear_weight(self) -> torch.Tensor:
         """The master weight (training), or the e4m3 weight dequantized to the model's dtype."""
@@ -94,7 +95,7 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale).to(self.weight_scale.dtype)
 
     def fixed_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x's scale for static/delayed scaling (None: dynamic), counting what it clips."""
+        """x's scale for static/delayed scaling (None: dynamic); the quantizer counts what it clips."""
         if self.options.scaling == "dynamic":
             return None
         if self.options.scaling == "static":
@@ -112,7 +113,6 @@ class Fp8Linear(nn.Module):
             scale = amax_to_scale(torch.where(past > 0, past, amax), E4M3)
             if self.training:  # only training updates the history, so eval outputs are reproducible
                 self.amax_history.copy_(torch.cat([amax, self.amax_history[:-1]]))
-        self.clipped += count_clipped(x, scale)
         self.elements += x.numel()
         return scale
 

@@ -1,0 +1,170 @@
+"""Triton FP8 quantization on the GPU: the numerics of fp8.py's torch quantizers in fewer passes.
+
+- per tensor: pass 1 writes one partial amax per program, pass 2 reduces the partials in every
+  program (the scale never goes through the host) and casts; x is read twice, written once.
+- per row: one kernel, each program a few whole rows (amax loop, then cast loop; the second read
+  of a row comes from L2).
+- with a given scale (static or delayed scaling): one pass that also counts the clipped values.
+Every quantizer may multiply x by a vector along columns or rows first (the backward's folding
+of the forward's row scales into the gradient) without materializing the product.
+
+Division is IEEE (div_rn) and the fp32 -> fp8 cast rounds to nearest even and saturates, as
+torch's `(x.float() / scale).clamp(-max, max).to(fp8)`: the outputs equal the torch reference's
+bit for bit. NaN inputs stay NaN in their element (the torch reference's amax would make the
+whole tensor NaN). Triton's interpreter does not emulate fp8 casts faithfully: the casts are
+checked on the GPU, the rest also in the interpreter.
+"""
+import torch
+import triton
+import triton.language as tl
+
+FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
+MAX_PROGRAMS = 1024  # per-tensor passes: programs (and partial amaxes), each loops over its share
+MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier, mul[column], mul[row]
+
+
+@triton.jit
+def _load_scaled(x, mul, offs, ok, K, MUL: tl.constexpr):
+    """x[offs] in fp32, times mul[column] or mul[row] of a row-major (M, K) x when MUL says so."""
+    v = tl.load(x + offs, mask=ok, other=0.0).to(tl.float32)
+    if MUL == 1:
+        v = v * tl.load(mul + offs % K, mask=ok, other=0.0)
+    elif MUL == 2:
+        v = v * tl.load(mul + offs // K, mask=ok, other=0.0)
+    return v
+
+
+@triton.jit
+def _cast(v, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
+    return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+
+
+@triton.jit
+def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, BLOCK: tl.constexpr):
+    """partials[program] = max |x| over the program's STEPS blocks."""
+    pid = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for step in range(STEPS):
+        offs = (pid * STEPS + step).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, offs, offs < N, K, MUL)))
+    tl.store(partials + pid, tl.max(amax, 0))
+
+
+@triton.jit
+def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIALS,
+                 MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
+                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """out = saturate(x / scale) over the program's STEPS blocks.
+
+    SCALE_FROM_PARTIALS: the scale is amax / FP8_MAX (1 for an all-zero x) with amax the max of
+    the partials, written to `scale` by program 0. Otherwise `scale` is given and COUNT adds the
+    number of clipped values to `clipped`."""
+    pid = tl.program_id(0)
+    if SCALE_FROM_PARTIALS:
+        p = tl.arange(0, PARTIALS_P2)
+        amax = tl.max(tl.load(partials + p, mask=p < NUM_PARTIALS, other=0.0), 0)
+        s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        if pid == 0:
+            tl.store(scale, s)
+    else:
+        s = tl.load(scale)
+    over = tl.zeros((BLOCK,), tl.int32)
+    for step in range(STEPS):
+        offs = (pid * STEPS + step).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        v = _load_scaled(x, mul, offs, ok, K, MUL)
+        tl.store(out + offs, _cast(v, s, FP8_MAX, FP8), mask=ok)
+        if COUNT:
+            over += (tl.math.div_rn(tl.abs(v), s) > FP8_MAX).to(tl.int32)
+    if COUNT:
+        tl.atomic_add(clipped, tl.sum(over, 0).to(tl.int64))
+
+
+@triton.jit
+def _rowwise_kernel(x, mul, out, scales, M, K, MUL: tl.constexpr, FP8_MAX: tl.constexpr, FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per row of a row-major (M, K) x: scale = amax / FP8_MAX (1 for a zero row), out = saturate(x / scale)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows[:, None] < M
+    base = rows[:, None].to(tl.int64) * K
+    amax = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+        amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, base + cols, row_ok & (cols < K), K, MUL)))
+    amax_row = tl.max(amax, 1)
+    s = tl.where(amax_row > 0, tl.math.div_rn(amax_row, FP8_MAX), 1.0)
+    tl.store(scales + rows, s, mask=rows < M)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+        ok = row_ok & (cols < K)
+        v = _load_scaled(x, mul, base + cols, ok, K, MUL)
+        tl.store(out + base + cols, _cast(v, s[:, None], FP8_MAX, FP8), mask=ok)
+
+
+def _prepare(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None):
+    """Contiguous x, its row length K, the multiplier as an fp32 vector (or a dummy) and the kernels' MUL."""
+    x = x.contiguous()
+    k = x.shape[-1] if x.dim() else 1
+    if mul is None:
+        return x, k, x, MUL_AXES[None]
+    return x, k, mul.float().contiguous().reshape(-1), MUL_AXES[mul_axis]
+
+
+def _programs(n: int):
+    """(programs, steps per program) of the per-tensor passes."""
+    blocks = max(1, triton.cdiv(n, BLOCK))
+    programs = min(blocks, MAX_PROGRAMS)
+    return programs, triton.cdiv(blocks, programs)
+
+
+def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, programs, steps):
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    _cast_kernel[(programs,)](x, mul, out, scale, scale if partials is None else partials,
+                              scale if clipped is None else clipped, x.numel(), k,
+                              steps, programs, MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None,
+                              COUNT=clipped is not None,
+                              FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                              PARTIALS_P2=triton.next_power_of_2(programs), BLOCK=BLOCK, num_warps=8)
+    return out
+
+
+def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
+                        mul_axis: str | None = None):
+    """(x_fp8, scale (1,)) of x (times mul along mul_axis, "columns" | "rows"), in two passes and no
+    host sync."""
+    x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
+    programs, steps = _programs(x.numel())
+    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, BLOCK=BLOCK, num_warps=8)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, None, programs, steps), scale
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                        clipped: torch.Tensor | None = None):
+    """(x_fp8, scale) with a given (1,) dequant scale, in one pass; `clipped` (an int64 scalar
+    tensor) gets the number of saturated values added."""
+    x, k, mul, no_mul = _prepare(x, None, None)
+    if clipped is not None and clipped.dtype != torch.int64:
+        raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
+    scale = scale.float().reshape(1).contiguous()
+    programs, steps = _programs(x.numel())
+    return _launch_cast(x, k, mul, no_mul, fp8_dtype, scale, None, clipped, programs, steps), scale
+
+
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
+                     mul_axis: str | None = None):
+    """(x_fp8, scale (..., 1)): one scale per row of x (times mul along mul_axis), in one kernel."""
+    x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
+    m = x.numel() // max(k, 1)
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return out, scales.fill_(1.0)
+    block_k = min(triton.next_power_of_2(k), BLOCK)
+    block_m = max(1, BLOCK * 2 // block_k)  # ~4096 elements per program step
+    _rowwise_kernel[(triton.cdiv(m, block_m),)](x, mul, out, scales, m, k, MUL=mul_axis,
+                                                 FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                                                 BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
+    return out, scales

@@ -1,0 +1,130 @@
+"""The Triton FP8 quantizers (lowconv/kernels/fp8_quant.py) against fp8.py's torch reference.
+
+On a GPU the outputs must be equal bit for bit. On the CPU the kernels run in Triton's
+interpreter, whose fp8 casts are not faithful (ties round away from even; a value that rounds up
+to a power of two comes back halved): there the scales and clipped counts must still be exact,
+most fp8 values (> 75%) equal to the reference's and the rest within a factor of two (or
+subnormals flushed to zero)."""
+import pytest
+import torch
+
+import lowconv.kernels.fp8 as fp8
+from lowconv.kernels import fp8_quant
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8_DTYPES = [fp8.E4M3, fp8.E5M2]
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+
+def sample(shape, dtype, seed=0):
+    """Normal values at a few magnitudes, some exact zeros and one large outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.logspace(-3, 2, shape[-1])
+    x[..., ::7] = 0
+    x.view(-1)[x.numel() // 2] = 1e4
+    return x.to(dtype).to(DEVICE)
+
+
+def assert_same_fp8(got, ref):
+    """got (from the kernel, on DEVICE) equals ref (the torch reference, on the CPU)."""
+    got = got.cpu()
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if DEVICE == "cuda":
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), "fp8 bits differ from the reference"
+        return
+    g, r = got.float(), ref.float()
+    assert (g == r).float().mean() > 0.75
+    within_two = (g.abs() >= r.abs() / 2) & (g.abs() <= r.abs() * 2) & (g * r >= 0)
+    assert (within_two | ((g - r).abs() <= torch.finfo(ref.dtype).smallest_normal)).all()
+
+
+@pytest.fixture
+def few_programs(monkeypatch):
+    """At most 3 programs, so that each loops over several blocks (as large tensors do on a GPU)."""
+    monkeypatch.setattr(fp8_quant, "MAX_PROGRAMS", 3)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(37, 70), (5, 3, 2048), (1, 1)], ids=str)
+def test_tensorwise_matches_the_reference(shape, dtype, fp8_dtype, few_programs):
+    x = sample(shape, dtype)
+    got, scale = fp8_quant.quantize_tensorwise(x, fp8_dtype)
+    ref, ref_scale = fp8.quantize_tensorwise(x.cpu(), fp8_dtype)
+    assert torch.equal(scale.cpu(), ref_scale)
+    assert_same_fp8(got, ref)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37, 70), (2, 3, 5000), (4, 1)], ids=str)  # 5000: rows longer than a block
+def test_rowwise_matches_the_reference(shape, fp8_dtype):
+    x = sample(shape, torch.bfloat16)
+    x[0] = 0  # an all-zero row has scale 1
+    got, scale = fp8_quant.quantize_rowwise(x, fp8_dtype)
+    ref, ref_scale = fp8.quantize_rowwise(x.cpu(), fp8_dtype)
+    assert scale.shape == (*shape[:-1], 1) and torch.equal(scale.cpu(), ref_scale)
+    assert_same_fp8(got, ref)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("mul_axis", ["columns", "rows"])
+def test_a_multiplier_is_folded_in_as_the_reference_multiplies(granularity, mul_axis, few_programs):
+    x = sample((6, 5, 96), torch.float16)
+    length = 96 if mul_axis == "columns" else 30
+    mul = torch.rand(length, generator=torch.Generator().manual_seed(3)).add(0.5).to(DEVICE)
+    quantize = fp8_quant.quantize_tensorwise if granularity == "tensor" else fp8_quant.quantize_rowwise
+    got, scale = quantize(x, fp8.E5M2, mul, mul_axis)
+    product = x.cpu().float() * (mul.cpu() if mul_axis == "columns" else mul.cpu().reshape(6, 5, 1))
+    ref, ref_scale = fp8.quantize(product, granularity, fp8.E5M2)
+    assert torch.equal(scale.cpu(), ref_scale)
+    assert_same_fp8(got, ref)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+def test_a_given_scale_saturates_and_counts_what_it_clips(fp8_dtype, few_programs):
+    x = sample((33, 300), torch.bfloat16)
+    scale = torch.tensor([0.05], device=DEVICE)
+    clipped = torch.full((), 5, dtype=torch.int64, device=DEVICE)  # counts add to what is there
+    got, _ = fp8_quant.quantize_with_scale(x, scale, fp8_dtype, clipped)
+    ref, _ = fp8.cast_with_scale(x.cpu(), scale.cpu(), fp8_dtype)
+    expected = fp8.count_clipped(x.cpu(), scale.cpu(), fp8_dtype).item()
+    assert 0 < expected < x.numel()
+    assert clipped.item() == 5 + expected
+    assert got.float().abs().max().item() == torch.finfo(fp8_dtype).max
+    assert_same_fp8(got, ref)
+
+
+def test_empty_and_zero_tensors_get_scale_one():
+    zeros = torch.zeros(4, 16, device=DEVICE)
+    for quantize in (fp8_quant.quantize_tensorwise, fp8_quant.quantize_rowwise):
+        got, scale = quantize(zeros, fp8.E4M3)
+        assert (scale == 1).all() and (got.float() == 0).all()
+    got, scale = fp8_quant.quantize_tensorwise(torch.zeros(0, 16, device=DEVICE), fp8.E4M3)
+    assert got.shape == (0, 16) and scale.item() == 1
+    got, scale = fp8_quant.quantize_rowwise(torch.zeros(0, 16, device=DEVICE), fp8.E4M3)
+    assert got.shape == (0, 16) and scale.shape == (0, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter does not cast NaN to fp8 faithfully")
+@pytest.mark.gpu
+def test_a_nan_stays_in_its_element():
+    x = sample((8, 64), torch.float32)
+    x[3, 5] = float("nan")
+    got, scale = fp8_quant.quantize_tensorwise(x, fp8.E4M3)
+    assert torch.isfinite(scale).all()
+    nan = got.float().isnan()
+    assert nan[3, 5] and nan.sum() == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the torch quantizers dispatch to Triton on CUDA")
+@pytest.mark.gpu
+def test_the_public_quantizers_run_triton_on_an_fp8_gpu(monkeypatch):
+    calls = []
+    real = fp8_quant.quantize_tensorwise
+    monkeypatch.setattr(fp8_quant, "quantize_tensorwise", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = sample((64, 64), torch.bfloat16)
+    got, scale = fp8.quantize_tensorwise(x, fp8.E4M3)
+    assert calls == [1]
+    ref, ref_scale = fp8.quantize_tensorwise(x.cpu(), fp8.E4M3)
+    assert torch.equal(scale.cpu(), ref_scale)
+    assert_same_fp8(got, ref)
