@@ -49,7 +49,12 @@ class Config:
     lr: float
 
 
-FULL = Config(vocab=256, context=128, dim=256, depth=4, heads=8, batch=32, lr=1e-3)
+# 16 tokens, 256 order-2 contexts (with 256 tokens, 65,536 contexts to memorize, neither run left the
+# uniform loss in 500 steps: nothing to compare). The loss plateaus until the model learns to attend to
+# the two previous tokens, then drops to the floor; when that happens varies between runs by hundreds
+# of steps (H100: step ~400 for one run, ~650 for the other), so the runs are compared after both
+# have dropped (1,500 steps) and the curves are shown every 100 steps.
+FULL = Config(vocab=16, context=128, dim=256, depth=4, heads=8, batch=32, lr=2e-3)
 TINY = Config(vocab=64, context=32, dim=64, depth=1, heads=4, batch=8, lr=3e-3)
 
 
@@ -127,7 +132,7 @@ def train(model, batches, eval_batches, cfg, device, autocast, log):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--scaling", choices=("dynamic", "delayed"), default="dynamic")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 20 steps (plumbing)")
@@ -156,8 +161,10 @@ def main():
         log(f"training {name}")
         runs[name] = train(model, batches, eval_batches, cfg, device, autocast, log)
 
-    (base_losses, base_eval, base_ms), (fp8_losses, fp8_eval, fp8_ms) = runs.values()
+    (_, base_eval, _), (_, fp8_eval, _) = runs.values()
     relative = (fp8_eval - base_eval) / base_eval
+    floor, uniform = language.entropy(), math.log(cfg.vocab)
+    learned = base_eval < (floor + uniform) / 2  # a comparison means something only if the baseline learned
     tail = max(1, steps // 10)
     rows = [[name, f"{statistics.mean(losses[-tail:]):.4f}", f"{held_out:.4f}", f"{ms:.1f}"]
             for name, (losses, held_out, ms) in runs.items()]
@@ -173,19 +180,24 @@ def main():
         "linears converted (the tied head is kept)",
         f"- baseline: {baseline_name}; fp8: lowconv fp8 op, training = true, scaling = {args.scaling}, "
         "granularity = tensor",
-        f"- data: order-2 Markov chain, 4 next tokens per context; entropy floor ~{language.entropy():.3f} nats, "
-        f"uniform {math.log(cfg.vocab):.3f}", "",
+        f"- data: order-2 Markov chain, 4 next tokens per context; entropy floor ~{floor:.3f} nats, "
+        f"uniform {uniform:.3f}", "",
         tabulate(rows, headers=["run", f"train loss (last {tail} steps)", f"held-out loss ({EVAL_BATCHES} batches)",
                                 "median step ms"], tablefmt="github"), "",
+        "Training loss, mean over each 100 steps:", "",
+        tabulate([[f"{start}-{start + 99}", *(f"{statistics.mean(run[0][start:start + 100]):.4f}"
+                                             for run in runs.values())] for start in range(0, steps, 100)],
+                 headers=["steps", *runs], tablefmt="github"), "",
         f"fp8 held-out loss vs baseline: {relative:+.2%} (target: within {TARGET_RELATIVE_LOSS:.0%}) - "
-        + ("met" if abs(relative) <= TARGET_RELATIVE_LOSS else "NOT met"), "",
+        + ("inconclusive: the baseline did not get halfway from the uniform loss to the floor" if not learned
+           else "met" if abs(relative) <= TARGET_RELATIVE_LOSS else "NOT met"), "",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_fp8.md").write_text("\n".join(lines))
     (args.out / "train_fp8.json").write_text(json.dumps(
         {"config": vars(cfg), "steps": steps, "scaling": args.scaling, "device": str(device),
          "losses": {name: run[0] for name, run in runs.items()},
-         "held_out": {name: run[1] for name, run in runs.items()}, "relative": relative}, indent=1))
+         "held_out": {name: run[1] for name, run in runs.items()}, "relative": relative, "baseline_learned": learned}, indent=1))
     print("\n".join(lines))
 
 

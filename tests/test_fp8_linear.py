@@ -72,13 +72,16 @@ def test_no_rows_run_the_reference(scaled_mm_calls):
 def test_cuda_takes_fp8_gpus_and_rowwise_with_bf16_output_only(monkeypatch):
     """cuBLASLt's row-wise scaling writes bf16 only; GPUs before sm_89 have no FP8 GEMM."""
     cuda = torch.device("cuda")
+    fp8.cuda_has_fp8.cache_clear()  # the capability is cached per device; here it is faked
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=True, out_dtype=torch.bfloat16)
     assert fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=False, out_dtype=torch.float16)
     assert not fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=True, out_dtype=torch.float16)
     assert not fp8.scaled_mm_takes(cuda, 48, 40, True, rowwise=False, out_dtype=torch.bfloat16)
+    fp8.cuda_has_fp8.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     assert not fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=False, out_dtype=torch.bfloat16)
+    fp8.cuda_has_fp8.cache_clear()
 
 
 @pytest.mark.gpu

@@ -77,11 +77,11 @@ def fp8_case(kernel_name, fp8, mul, variant):
     types = {"*": "*fp32", "x": "*bf16", "out": "*fp8e4nv" if fp8 == "e4m3" else "*fp8e5", "clipped": "*i64",
              **{name: "i32" for name in ("N", "K", "M", "STEPS", "NUM_PARTIALS")}}
     if kernel_name == "partial_amax":
-        kernel, constexprs = fq._partial_amax_kernel, dict(MUL=mul, BLOCK=fq.BLOCK)
+        kernel, constexprs = fq._partial_amax_kernel, dict(MUL=mul, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK)
     elif kernel_name == "cast":
         kernel = fq._cast_kernel
         constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
-                          PARTIALS_P2=fq.MAX_PROGRAMS, BLOCK=fq.BLOCK, **fp8_type)
+                          PARTIALS_P2=fq.MAX_PROGRAMS, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK, **fp8_type)
     else:
         kernel = fq._rowwise_kernel
         constexprs = dict(MUL=mul, BLOCK_M=fq.BLOCK * 2 // variant, BLOCK_K=variant, **fp8_type)

@@ -28,7 +28,14 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 def quantizes_in_triton(x: torch.Tensor) -> bool:
     """Whether x's quantizers run the Triton kernels: on GPUs with FP8 (sm_89+)."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return x.is_cuda and cuda_has_fp8(x.device.index)
+
+
+@functools.cache
+def cuda_has_fp8(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) has FP8 tensor cores (sm_89+); cached,
+    as the FP8 layers ask on every call."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
@@ -164,7 +171,7 @@ def scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, rowwis
     if device.type == "cpu":
         return not rowwise or cpu_scaled_mm_takes_rows()
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9) and (not rowwise or out_dtype == torch.bfloat16)
+        return cuda_has_fp8(device.index) and (not rowwise or out_dtype == torch.bfloat16)
     return False
 
 
@@ -189,8 +196,8 @@ def scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, f
     if rowwise:
         scale_a = x_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
         scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
-    else:
-        scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
+    else:  # one-element scales of any shape
+        scale_a, scale_b = x_scale.float(), w_scale.float()
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.float16, torch.bfloat16)
     y = torch._scaled_mm(x2, w_fp8.contiguous().t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None,
                          out_dtype=out_dtype if bias is None or fused_bias else torch.float32,
@@ -198,6 +205,13 @@ def scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, f
     if bias is not None and not fused_bias:
         y = (y + bias.float()).to(out_dtype)
     return y.reshape(*x_fp8.shape[:-1], n)
+
+
+def fp8_frozen_linear(x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None):
+    """Inference: y = x W^T + b with x quantized to e4m3 (with a fixed x_scale, else dynamically at
+    granularity; clipped values counted into `clipped`) and W a frozen e4m3 weight."""
+    x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped)
+    return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
 
 
 class Fp8FrozenLinearFunction(torch.autograd.Function):
@@ -210,10 +224,9 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None):
-        x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped)
         ctx.save_for_backward(w_fp8, w_scale)
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
-        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
+        return fp8_frozen_linear(x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum, clipped)
 
     @staticmethod
     def backward(ctx, grad):

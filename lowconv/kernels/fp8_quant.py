@@ -20,7 +20,8 @@ import triton.language as tl
 
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
-MAX_PROGRAMS = 1024  # per-tensor passes: programs (and partial amaxes), each loops over its share
+MAX_PROGRAMS = 1024  # dynamic per-tensor passes: programs (and partial amaxes), each loops over its share
+NUM_STAGES = 3  # loads in flight per program in those loops
 MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier, mul[column], mul[row]
 
 
@@ -41,11 +42,12 @@ def _cast(v, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, BLOCK: tl.constexpr):
+def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         BLOCK: tl.constexpr):
     """partials[program] = max |x| over the program's STEPS blocks."""
     pid = tl.program_id(0)
     amax = tl.zeros((BLOCK,), tl.float32)
-    for step in range(STEPS):
+    for step in tl.range(STEPS, num_stages=NUM_STAGES):
         offs = (pid * STEPS + step).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, offs, offs < N, K, MUL)))
     tl.store(partials + pid, tl.max(amax, 0))
@@ -54,7 +56,8 @@ def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, BLOCK
 @triton.jit
 def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIALS,
                  MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
-                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """out = saturate(x / scale) over the program's STEPS blocks.
 
     SCALE_FROM_PARTIALS: the scale is amax / FP8_MAX (1 for an all-zero x) with amax the max of
@@ -70,7 +73,7 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
     else:
         s = tl.load(scale)
     over = tl.zeros((BLOCK,), tl.int32)
-    for step in range(STEPS):
+    for step in tl.range(STEPS, num_stages=NUM_STAGES):
         offs = (pid * STEPS + step).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         v = _load_scaled(x, mul, offs, ok, K, MUL)
@@ -78,7 +81,8 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
         if COUNT:
             over += (tl.math.div_rn(tl.abs(v), s) > FP8_MAX).to(tl.int32)
     if COUNT:
-        tl.atomic_add(clipped, tl.sum(over, 0).to(tl.int64))
+        count = tl.sum(over, 0).to(tl.int64)
+        tl.atomic_add(clipped, count, mask=count > 0)  # most programs clip nothing: no atomic
 
 
 @triton.jit
@@ -111,10 +115,10 @@ def _prepare(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None):
     return x, k, mul.float().contiguous().reshape(-1), MUL_AXES[mul_axis]
 
 
-def _programs(n: int):
-    """(programs, steps per program) of the per-tensor passes."""
+def _programs(n: int, max_programs: int):
+    """(programs, steps per program) of a pass over n elements in blocks."""
     blocks = max(1, triton.cdiv(n, BLOCK))
-    programs = min(blocks, MAX_PROGRAMS)
+    programs = min(blocks, max_programs)
     return programs, triton.cdiv(blocks, programs)
 
 
@@ -125,7 +129,8 @@ def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, progr
                               steps, programs, MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None,
                               COUNT=clipped is not None,
                               FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                              PARTIALS_P2=triton.next_power_of_2(programs), BLOCK=BLOCK, num_warps=8)
+                              PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS), NUM_STAGES=NUM_STAGES, BLOCK=BLOCK,
+                              num_warps=8)
     return out
 
 
@@ -134,9 +139,10 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     """(x_fp8, scale (1,)) of x (times mul along mul_axis, "columns" | "rows"), in two passes and no
     host sync."""
     x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
-    programs, steps = _programs(x.numel())
+    programs, steps = _programs(x.numel(), MAX_PROGRAMS)
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, BLOCK=BLOCK, num_warps=8)
+    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, NUM_STAGES=NUM_STAGES,
+                                      BLOCK=BLOCK, num_warps=8)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, None, programs, steps), scale
 
@@ -149,7 +155,7 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     if clipped is not None and clipped.dtype != torch.int64:
         raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
     scale = scale.float().reshape(1).contiguous()
-    programs, steps = _programs(x.numel())
+    programs, steps = _programs(x.numel(), 2 ** 31 - 1)  # no partials to combine: a program per block
     return _launch_cast(x, k, mul, no_mul, fp8_dtype, scale, None, clipped, programs, steps), scale
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, amax_to_scale, dequantize, quantize_weight,
+    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, amax_to_scale, dequantize, fp8_frozen_linear, quantize_weight,
 )
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -61,9 +61,10 @@ class Fp8Linear(nn.Module):
         if options.scaling == "delayed":
             self.register_buffer("amax_history", torch.zeros(options.amax_history_len))
         if options.scaling != "dynamic":
-            # Saturation counters for report_stats; run-time state, not part of the checkpoint.
+            # Saturation counters for report_stats; run-time state, not part of the checkpoint. The
+            # quantizer adds to `clipped` on the device; `elements` is known on the host.
             self.register_buffer("clipped", torch.zeros((), dtype=torch.int64), persistent=False)
-            self.register_buffer("elements", torch.zeros((), dtype=torch.int64), persistent=False)
+            self.elements = 0
         self.calibrating = False
         self.calibration_amax = None
 
@@ -85,8 +86,11 @@ class Fp8Linear(nn.Module):
         if o.training:
             return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, o.granularity, o.fast_accum,
                                            self.clipped if x_scale is not None else None)
-        return Fp8FrozenLinearFunction.apply(x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias,
-                                             o.fast_accum, self.clipped if x_scale is not None else None)
+        args = (x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias, o.fast_accum,
+                self.clipped if x_scale is not None else None)
+        if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+            return Fp8FrozenLinearFunction.apply(*args)
+        return fp8_frozen_linear(*args)  # no autograd node: less host time per call
 
     def linear_weight(self) -> torch.Tensor:
         """The master weight (training), or the e4m3 weight dequantized to the model's dtype."""
