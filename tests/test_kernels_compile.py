@@ -16,7 +16,7 @@ WINDOW_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_ke
 # narrow per-axis blocks once failed to compile.
 WINDOW_CASES = ([(kernel, dtype, rel, 24) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
                  for rel in (False, True)] + [(kernel, "fp16", True, 4) for kernel in WINDOW_KERNELS])
-FP8_CASES = ([("partial_amax", "e4m3", mul, None) for mul in (0, 1, 2)]
+FP8_CASES = ([("partial_amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide in (False, True)]
              + [("cast", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1) for mode in ("dynamic", "count")]
              + [("rowwise", fp8, mul, block_k) for fp8 in ("e4m3", "e5m2") for mul in (0, 2) for block_k in (1024, 2048)])
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
@@ -77,10 +77,11 @@ def fp8_case(kernel_name, fp8, mul, variant):
     types = {"*": "*fp32", "x": "*bf16", "out": "*fp8e4nv" if fp8 == "e4m3" else "*fp8e5", "clipped": "*i64",
              **{name: "i32" for name in ("N", "K", "M", "STEPS", "NUM_PARTIALS")}}
     if kernel_name == "partial_amax":
-        kernel, constexprs = fq._partial_amax_kernel, dict(MUL=mul, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK)
+        kernel = fq._partial_amax_kernel
+        constexprs = dict(MUL=mul, WIDE=variant, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK)
     elif kernel_name == "cast":
         kernel = fq._cast_kernel
-        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
+        constexprs = dict(MUL=mul, WIDE=False, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
                           PARTIALS_P2=fq.MAX_PROGRAMS, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK, **fp8_type)
     else:
         kernel = fq._rowwise_kernel

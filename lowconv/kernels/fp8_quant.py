@@ -26,14 +26,29 @@ MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier
 
 
 @triton.jit
-def _load_scaled(x, mul, offs, ok, K, MUL: tl.constexpr):
-    """x[offs] in fp32, times mul[column] or mul[row] of a row-major (M, K) x when MUL says so."""
+def _load_scaled(x, mul, offs, ok, column, row, MUL: tl.constexpr):
+    """x[offs] in fp32, times mul[column] or mul[row] when MUL says so."""
     v = tl.load(x + offs, mask=ok, other=0.0).to(tl.float32)
     if MUL == 1:
-        v = v * tl.load(mul + offs % K, mask=ok, other=0.0)
+        v = v * tl.load(mul + column, mask=ok, other=0.0)
     elif MUL == 2:
-        v = v * tl.load(mul + offs // K, mask=ok, other=0.0)
+        v = v * tl.load(mul + row, mask=ok, other=0.0)
     return v
+
+
+@triton.jit
+def _load_block(x, mul, block, N, K, MUL: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """(offsets, mask, fp32 values) of block `block` of a flat row-major (N / K, K) x. Offsets are
+    int64 only when WIDE (2^31 or more, see _wide): 64-bit division (the multiplier's index) is slow."""
+    offs = (block.to(tl.int64) if WIDE else block) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    if MUL == 1:
+        v = _load_scaled(x, mul, offs, ok, offs % K, 0, MUL)
+    elif MUL == 2:
+        v = _load_scaled(x, mul, offs, ok, 0, offs // K, MUL)
+    else:
+        v = _load_scaled(x, mul, offs, ok, 0, 0, MUL)
+    return offs, ok, v
 
 
 @triton.jit
@@ -42,20 +57,20 @@ def _cast(v, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, WIDE: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr):
     """partials[program] = max |x| over the program's STEPS blocks."""
     pid = tl.program_id(0)
     amax = tl.zeros((BLOCK,), tl.float32)
     for step in tl.range(STEPS, num_stages=NUM_STAGES):
-        offs = (pid * STEPS + step).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, offs, offs < N, K, MUL)))
+        _, _, v = _load_block(x, mul, pid * STEPS + step, N, K, MUL, WIDE, BLOCK)
+        amax = tl.maximum(amax, tl.abs(v))
     tl.store(partials + pid, tl.max(amax, 0))
 
 
 @triton.jit
 def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIALS,
-                 MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
+                 MUL: tl.constexpr, WIDE: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
                  FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, NUM_STAGES: tl.constexpr,
                  BLOCK: tl.constexpr):
     """out = saturate(x / scale) over the program's STEPS blocks.
@@ -74,9 +89,7 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
         s = tl.load(scale)
     over = tl.zeros((BLOCK,), tl.int32)
     for step in tl.range(STEPS, num_stages=NUM_STAGES):
-        offs = (pid * STEPS + step).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < N
-        v = _load_scaled(x, mul, offs, ok, K, MUL)
+        offs, ok, v = _load_block(x, mul, pid * STEPS + step, N, K, MUL, WIDE, BLOCK)
         tl.store(out + offs, _cast(v, s, FP8_MAX, FP8), mask=ok)
         if COUNT:
             over += (tl.math.div_rn(tl.abs(v), s) > FP8_MAX).to(tl.int32)
@@ -95,14 +108,15 @@ def _rowwise_kernel(x, mul, out, scales, M, K, MUL: tl.constexpr, FP8_MAX: tl.co
     amax = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
-        amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, base + cols, row_ok & (cols < K), K, MUL)))
+        amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, base + cols, row_ok & (cols < K), cols, rows[:, None],
+                                                     MUL)))
     amax_row = tl.max(amax, 1)
     s = tl.where(amax_row > 0, tl.math.div_rn(amax_row, FP8_MAX), 1.0)
     tl.store(scales + rows, s, mask=rows < M)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
         ok = row_ok & (cols < K)
-        v = _load_scaled(x, mul, base + cols, ok, K, MUL)
+        v = _load_scaled(x, mul, base + cols, ok, cols, rows[:, None], MUL)
         tl.store(out + base + cols, _cast(v, s[:, None], FP8_MAX, FP8), mask=ok)
 
 
@@ -122,11 +136,17 @@ def _programs(n: int, max_programs: int):
     return programs, triton.cdiv(blocks, programs)
 
 
+def _wide(programs: int, steps: int) -> bool:
+    """Whether the blocks' offsets (up to the last, partly empty block) need int64."""
+    return programs * steps * BLOCK >= 2 ** 31
+
+
 def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, programs, steps):
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     _cast_kernel[(programs,)](x, mul, out, scale, scale if partials is None else partials,
                               scale if clipped is None else clipped, x.numel(), k,
-                              steps, programs, MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None,
+                              steps, programs, MUL=mul_axis, WIDE=_wide(programs, steps),
+                              SCALE_FROM_PARTIALS=partials is not None,
                               COUNT=clipped is not None,
                               FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
                               PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS), NUM_STAGES=NUM_STAGES, BLOCK=BLOCK,
@@ -141,8 +161,8 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
     programs, steps = _programs(x.numel(), MAX_PROGRAMS)
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, NUM_STAGES=NUM_STAGES,
-                                      BLOCK=BLOCK, num_warps=8)
+    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, WIDE=_wide(programs, steps),
+                                      NUM_STAGES=NUM_STAGES, BLOCK=BLOCK, num_warps=8)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, None, programs, steps), scale
 
