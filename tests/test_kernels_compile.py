@@ -78,11 +78,11 @@ def fp8_case(kernel_name, fp8, mul, variant):
              **{name: "i32" for name in ("N", "K", "M", "STEPS", "NUM_PARTIALS")}}
     if kernel_name == "partial_amax":
         kernel = fq._partial_amax_kernel
-        constexprs = dict(MUL=mul, WIDE=variant, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK)
+        constexprs = dict(MUL=mul, WIDE=variant, BLOCK=fq.BLOCK)
     elif kernel_name == "cast":
         kernel = fq._cast_kernel
         constexprs = dict(MUL=mul, WIDE=False, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
-                          PARTIALS_P2=fq.MAX_PROGRAMS, NUM_STAGES=fq.NUM_STAGES, BLOCK=fq.BLOCK, **fp8_type)
+                          PARTIALS_P2=fq.MAX_PROGRAMS, BLOCK=fq.BLOCK, **fp8_type)
     else:
         kernel = fq._rowwise_kernel
         constexprs = dict(MUL=mul, BLOCK_M=fq.BLOCK * 2 // variant, BLOCK_K=variant, **fp8_type)

@@ -20,8 +20,9 @@ import triton.language as tl
 
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
-MAX_PROGRAMS = 1024  # dynamic per-tensor passes: programs (and partial amaxes), each loops over its share
-NUM_STAGES = 3  # loads in flight per program in those loops
+# Dynamic per-tensor passes: programs (and partial amaxes), each looping over its share of blocks.
+# BLOCK and MAX_PROGRAMS: scripts/tune_fp8_quant.py on an H100 (BENCHMARKS.md).
+MAX_PROGRAMS = 2048
 MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier, mul[column], mul[row]
 
 
@@ -58,11 +59,11 @@ def _cast(v, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
 
 @triton.jit
 def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, WIDE: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr):
     """partials[program] = max |x| over the program's STEPS blocks."""
     pid = tl.program_id(0)
     amax = tl.zeros((BLOCK,), tl.float32)
-    for step in tl.range(STEPS, num_stages=NUM_STAGES):
+    for step in range(STEPS):
         _, _, v = _load_block(x, mul, pid * STEPS + step, N, K, MUL, WIDE, BLOCK)
         amax = tl.maximum(amax, tl.abs(v))
     tl.store(partials + pid, tl.max(amax, 0))
@@ -71,8 +72,7 @@ def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, WIDE:
 @triton.jit
 def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIALS,
                  MUL: tl.constexpr, WIDE: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
-                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, BLOCK: tl.constexpr):
     """out = saturate(x / scale) over the program's STEPS blocks.
 
     SCALE_FROM_PARTIALS: the scale is amax / FP8_MAX (1 for an all-zero x) with amax the max of
@@ -88,7 +88,7 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
     else:
         s = tl.load(scale)
     over = tl.zeros((BLOCK,), tl.int32)
-    for step in tl.range(STEPS, num_stages=NUM_STAGES):
+    for step in range(STEPS):
         offs, ok, v = _load_block(x, mul, pid * STEPS + step, N, K, MUL, WIDE, BLOCK)
         tl.store(out + offs, _cast(v, s, FP8_MAX, FP8), mask=ok)
         if COUNT:
@@ -149,8 +149,7 @@ def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, progr
                               SCALE_FROM_PARTIALS=partials is not None,
                               COUNT=clipped is not None,
                               FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                              PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS), NUM_STAGES=NUM_STAGES, BLOCK=BLOCK,
-                              num_warps=8)
+                              PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS), BLOCK=BLOCK, num_warps=8)
     return out
 
 
@@ -162,7 +161,7 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     programs, steps = _programs(x.numel(), MAX_PROGRAMS)
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
     _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, WIDE=_wide(programs, steps),
-                                      NUM_STAGES=NUM_STAGES, BLOCK=BLOCK, num_warps=8)
+                                      BLOCK=BLOCK, num_warps=8)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, None, programs, steps), scale
 
