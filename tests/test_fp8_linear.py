@@ -115,3 +115,28 @@ def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradie
     g_w = fp8.dequantize(*fp8.quantize_tensorwise(grad * x_scale.reshape(-1, 1), fp8.E5M2))
     assert_one_rounding_apart(x.grad, g_x @ w_fp8.float())
     assert_one_rounding_apart(w.grad, g_w.t() @ x_fp8.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_training_on_cuda_matches_the_cpu_reference(granularity, static):
+    """The CUDA path (Triton quantizers writing the transposed layouts, cuBLASLt GEMMs) against the
+    CPU's (torch quantizers, transposed views): the same fp8 values, fp32 sums in another order."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(4, 40, 64, generator=gen), torch.randn(48, 64, generator=gen) * 0.1
+    bias, grad = torch.randn(48, generator=gen), torch.randn(4, 40, 48, generator=gen)
+    results = {}
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (x, w, bias)]
+        clipped = torch.zeros((), dtype=torch.int64, device=device) if static else None
+        scale = torch.tensor([0.004], device=device) if static else None  # clips the largest x
+        y = fp8.Fp8LinearFunction.apply(*leaves, scale, granularity, False, clipped)
+        y.backward(grad.to(device, torch.bfloat16))
+        results[device] = [y, *(t.grad for t in leaves)], clipped
+    (cpu, cpu_clipped), (cuda, cuda_clipped) = results["cpu"], results["cuda"]
+    for got, ref in zip(cuda, cpu):
+        assert_one_rounding_apart(got.cpu(), ref)
+    if static:
+        assert cuda_clipped.item() == cpu_clipped.item() > 0

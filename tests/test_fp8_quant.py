@@ -128,3 +128,30 @@ def test_the_public_quantizers_run_triton_on_an_fp8_gpu(monkeypatch):
     ref, ref_scale = fp8.quantize_tensorwise(x.cpu(), fp8.E4M3)
     assert torch.equal(scale.cpu(), ref_scale)
     assert_same_fp8(got, ref)
+
+
+@pytest.mark.parametrize("shape", [(70, 200), (130, 33), (1, 16)], ids=str)
+@pytest.mark.parametrize("mul_axis", [None, "columns", "rows"])
+def test_the_transposing_cast_writes_both_layouts_of_the_same_values(shape, mul_axis):
+    x = sample(shape, torch.bfloat16)
+    mul = None if mul_axis is None else \
+        torch.rand(shape[1] if mul_axis == "columns" else shape[0]).add(0.5).to(DEVICE)
+    rows, rows_t, scale = fp8_quant.quantize_tensorwise_2d(x, fp8.E5M2, mul, mul_axis)
+    flat, flat_scale = fp8_quant.quantize_tensorwise(x, fp8.E5M2, mul, mul_axis)
+    assert rows_t.shape == shape[::-1] and rows_t.is_contiguous()
+    assert torch.equal(scale, flat_scale)
+    assert torch.equal(rows.view(torch.uint8), flat.view(torch.uint8))
+    assert torch.equal(rows_t.view(torch.uint8), flat.t().view(torch.uint8))
+    only_t = fp8_quant.quantize_tensorwise_2d(x, fp8.E5M2, mul, mul_axis, rows=False)
+    assert only_t[0] is None and torch.equal(only_t[1].view(torch.uint8), rows_t.view(torch.uint8))
+
+
+def test_the_transposing_cast_with_a_scale_counts_what_it_clips():
+    x = sample((65, 130), torch.bfloat16)
+    scale = torch.tensor([0.05], device=DEVICE)
+    clipped = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    rows, rows_t, _ = fp8_quant.quantize_with_scale_2d(x, scale, fp8.E4M3, clipped)
+    flat, _ = fp8_quant.quantize_with_scale(x, scale, fp8.E4M3)
+    assert clipped.item() == fp8.count_clipped(x.cpu(), scale.cpu()).item() > 0
+    assert torch.equal(rows.view(torch.uint8), flat.view(torch.uint8))
+    assert torch.equal(rows_t.view(torch.uint8), flat.t().view(torch.uint8))

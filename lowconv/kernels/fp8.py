@@ -237,42 +237,66 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
         return grad_x, None, None, None, None, grad_bias, None, None
 
 
+def quantize_for_training(x2: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,
+                          clipped: torch.Tensor | None = None):
+    """(x_fp8, x_fp8_t, scale) of a 2D x in e4m3 for training's GEMMs: as quantize_activation, and
+    x_fp8_t (K, M), the transposed layout the backward GEMM needs, written by the same kernel on
+    an FP8 GPU with a tensor scale; elsewhere x_fp8_t is a transposed view (fp8_linear copies it)."""
+    if quantizes_in_triton(x2) and (scale is not None or granularity == "tensor"):
+        if scale is None:
+            return fp8_quant.quantize_tensorwise_2d(x2, E4M3)
+        return fp8_quant.quantize_with_scale_2d(x2, scale, E4M3, clipped)
+    x_fp8, scale = quantize_activation(x2, granularity, scale, clipped)
+    return x_fp8, x_fp8.t(), scale
+
+
+def quantize_transposed(g: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor, mul_axis: str):
+    """(g_fp8_t (N, M), scale): the tensorwise quantization of a 2D g (times mul), transposed; the
+    Triton kernel writes that layout directly, elsewhere it is a transposed view."""
+    if quantizes_in_triton(g):
+        _, g_t, scale = fp8_quant.quantize_tensorwise_2d(g, fp8_dtype, mul, mul_axis, rows=False)
+        return g_t, scale
+    g_fp8, scale = quantize_tensorwise(g, fp8_dtype, mul, mul_axis)
+    return g_fp8.t(), scale
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """Training: y = x W^T + b with x and W in e4m3 forward, grad_output in e5m2 backward.
 
     x_scale: a fixed dequant scale for x (static or delayed scaling), or None to quantize x
     dynamically at `granularity`; W is always quantized dynamically (it changes every step).
-    Backward: both GEMMs are FP8 GEMMs (fp8_linear) of the e5m2 gradient with the saved e4m3
-    operands, the transposes they need made by fp8_linear. A scale along the GEMM's reduced dim
-    (W's per-row scales in dX = dY W, x's per-row scales in dW = dY^T x) cannot be applied to
-    its output, so it is folded into dY before dY is quantized (one e5m2 tensor scale per GEMM).
-    dbias comes from the unquantized grad, as in TransformerEngine.
+    The forward quantizations also write x^T and W^T (quantize_for_training), which the backward's
+    FP8 GEMMs take: dX = dY W needs W^T as its column-major operand, dW = dY^T x needs x^T, and
+    dY^T comes transposed out of its quantizer. A scale along a GEMM's reduced dim (W's per-row
+    scales in dX, x's per-row scales in dW) cannot be applied to its output, so it is folded into
+    dY as dY is quantized (one e5m2 tensor scale per GEMM). dbias comes from the unquantized
+    grad, as in TransformerEngine.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False, clipped=None):
-        x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped)
-        w_fp8, w_scale = quantize(weight, granularity)
-        ctx.save_for_backward(x_fp8, x_scale, w_fp8, w_scale)
+        x_fp8, x_t, x_scale = quantize_for_training(x.reshape(-1, x.shape[-1]), granularity, x_scale, clipped)
+        w_fp8, w_t, w_scale = quantize_for_training(weight, granularity)
+        ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
+        y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
+        return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
-        x_fp8, x_scale, w_fp8, w_scale = ctx.saved_tensors
+        x_t, x_scale, w_t, w_scale = ctx.saved_tensors
         x_dtype, w_dtype, bias_dtype = ctx.dtypes
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
         g = grad.reshape(-1, grad.shape[-1])  # (M, N)
         unit = torch.ones(1, device=g.device)
         grad_x = grad_w = None
-        if needs_x:  # dX (M, K) = (dY * w_scale^T) (M, N) @ W_fp8 (N, K)
+        if needs_x:  # dX (M, K) = (dY * w_scale^T) (M, N) @ W_fp8 (N, K); W^T (K, N) is fp8_linear's w
             per_column = w_scale.float().reshape(-1).expand(g.shape[1])  # W's row scales (or its one scale)
             g_fp8, g_scale = quantize_tensorwise(g, E5M2, per_column, "columns")
-            grad_x = fp8_linear(g_fp8, g_scale, w_fp8.t(), unit, None, x_dtype).reshape(*grad.shape[:-1], -1)
-        if needs_w:  # dW (N, K) = (dY * x_scale)^T (N, M) @ x_fp8 (M, K); a tensor scale transposes after
-            x2 = x_fp8.reshape(-1, x_fp8.shape[-1])
+            grad_x = fp8_linear(g_fp8, g_scale, w_t, unit, None, x_dtype).reshape(*grad.shape[:-1], -1)
+        if needs_w:  # dW (N, K) = (dY * x_scale)^T (N, M) @ x_fp8 (M, K); x^T (K, M) is fp8_linear's w
             per_row = x_scale.float().reshape(-1).expand(g.shape[0])  # x's row scales (or its one scale)
-            g_fp8, g_scale = quantize_tensorwise(g, E5M2, per_row, "rows")
-            grad_w = fp8_linear(g_fp8.t(), g_scale, x2.t(), unit, None, w_dtype)
+            g_t, g_scale = quantize_transposed(g, E5M2, per_row, "rows")
+            grad_w = fp8_linear(g_t, g_scale, x_t, unit, None, w_dtype)
         grad_bias = g.float().sum(0).to(bias_dtype) if needs_bias else None
         return grad_x, grad_w, grad_bias, None, None, None, None

@@ -23,6 +23,7 @@ BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte load
 # Dynamic per-tensor passes: programs (and partial amaxes), each looping over its share of blocks.
 # BLOCK and MAX_PROGRAMS: scripts/tune_fp8_quant.py on an H100 (BENCHMARKS.md).
 MAX_PROGRAMS = 2048
+TILE_2D = (64, 128)  # the transposing cast: rows x columns of x per program (each reads all partials)
 MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier, mul[column], mul[row]
 
 
@@ -99,6 +100,35 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
 
 
 @triton.jit
+def _cast_2d_kernel(x, mul, out, out_t, scale, partials, clipped, M, K, NUM_PARTIALS,
+                    MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
+                    WRITE_ROWS: tl.constexpr, FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_cast_kernel on (BLOCK_M, BLOCK_K) tiles of a row-major (M, K) x, writing out_t (K, M), the
+    transposed layout an FP8 GEMM of the backward needs, and out (M, K) too when WRITE_ROWS."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    if SCALE_FROM_PARTIALS:
+        p = tl.arange(0, PARTIALS_P2)
+        amax = tl.max(tl.load(partials + p, mask=p < NUM_PARTIALS, other=0.0), 0)
+        s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        if pid_m == 0 and pid_k == 0:
+            tl.store(scale, s)
+    else:
+        s = tl.load(scale)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
+    cols = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
+    ok = (rows < M) & (cols < K)
+    v = _load_scaled(x, mul, rows.to(tl.int64) * K + cols, ok, cols, rows, MUL)
+    q = _cast(v, s, FP8_MAX, FP8)
+    tl.store(out_t + cols.to(tl.int64) * M + rows, q, mask=ok)
+    if WRITE_ROWS:
+        tl.store(out + rows.to(tl.int64) * K + cols, q, mask=ok)
+    if COUNT:
+        count = tl.sum(tl.sum((tl.math.div_rn(tl.abs(v), s) > FP8_MAX).to(tl.int32), 1), 0).to(tl.int64)
+        tl.atomic_add(clipped, count, mask=count > 0)
+
+
+@triton.jit
 def _rowwise_kernel(x, mul, out, scales, M, K, MUL: tl.constexpr, FP8_MAX: tl.constexpr, FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per row of a row-major (M, K) x: scale = amax / FP8_MAX (1 for a zero row), out = saturate(x / scale)."""
@@ -141,6 +171,20 @@ def _wide(programs: int, steps: int) -> bool:
     return programs * steps * BLOCK >= 2 ** 31
 
 
+def _partial_amaxes(x, k, mul, mul_axis):
+    """Pass 1 of per-tensor quantization: (partial amaxes, programs, steps per program)."""
+    programs, steps = _programs(x.numel(), MAX_PROGRAMS)
+    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, WIDE=_wide(programs, steps),
+                                      BLOCK=BLOCK, num_warps=8)
+    return partials, programs, steps
+
+
+def _check_counter(clipped: torch.Tensor | None):
+    if clipped is not None and clipped.dtype != torch.int64:
+        raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
+
+
 def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, programs, steps):
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     _cast_kernel[(programs,)](x, mul, out, scale, scale if partials is None else partials,
@@ -158,10 +202,7 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     """(x_fp8, scale (1,)) of x (times mul along mul_axis, "columns" | "rows"), in two passes and no
     host sync."""
     x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
-    programs, steps = _programs(x.numel(), MAX_PROGRAMS)
-    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, WIDE=_wide(programs, steps),
-                                      BLOCK=BLOCK, num_warps=8)
+    partials, programs, steps = _partial_amaxes(x, k, mul, mul_axis)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, None, programs, steps), scale
 
@@ -171,11 +212,45 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     """(x_fp8, scale) with a given (1,) dequant scale, in one pass; `clipped` (an int64 scalar
     tensor) gets the number of saturated values added."""
     x, k, mul, no_mul = _prepare(x, None, None)
-    if clipped is not None and clipped.dtype != torch.int64:
-        raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
+    _check_counter(clipped)
     scale = scale.float().reshape(1).contiguous()
     programs, steps = _programs(x.numel(), 2 ** 31 - 1)  # no partials to combine: a program per block
     return _launch_cast(x, k, mul, no_mul, fp8_dtype, scale, None, clipped, programs, steps), scale
+
+
+def _launch_cast_2d(x, mul, mul_axis, fp8_dtype, scale, partials, clipped, rows):
+    """x_fp8 (or None unless `rows`) and x_fp8_t (K, M) of a 2D x, by _cast_2d_kernel."""
+    m, k = x.shape
+    out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
+    out = torch.empty(m, k, dtype=fp8_dtype, device=x.device) if rows else out_t
+    grid = (triton.cdiv(m, TILE_2D[0]), triton.cdiv(k, TILE_2D[1]))
+    _cast_2d_kernel[grid](x, mul, out, out_t, scale, scale if partials is None else partials,
+                          scale if clipped is None else clipped, m, k, 1 if partials is None else partials.numel(),
+                          MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None, COUNT=clipped is not None,
+                          WRITE_ROWS=rows, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                          PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS),
+                          BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1], num_warps=8)
+    return (out if rows else None), out_t
+
+
+def quantize_tensorwise_2d(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
+                           mul_axis: str | None = None, rows: bool = True):
+    """(x_fp8 (M, K) or None unless `rows`, x_fp8_t (K, M), scale (1,)) of a 2D x: quantize_tensorwise
+    writing the transposed layout as well (or only), in the same two passes."""
+    x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
+    partials, _, _ = _partial_amaxes(x, k, mul, mul_axis)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    return (*_launch_cast_2d(x, mul, mul_axis, fp8_dtype, scale, partials, None, rows), scale)
+
+
+def quantize_with_scale_2d(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                           clipped: torch.Tensor | None = None):
+    """(x_fp8, x_fp8_t (K, M), scale) of a 2D x with a given (1,) scale: quantize_with_scale writing
+    both layouts in one pass."""
+    x, _, mul, no_mul = _prepare(x, None, None)
+    _check_counter(clipped)
+    scale = scale.float().reshape(1).contiguous()
+    return (*_launch_cast_2d(x, mul, no_mul, fp8_dtype, scale, None, clipped, True), scale)
 
 
 def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
