@@ -115,10 +115,17 @@ def _cast_2d_kernel(x, mul, out, out_t, scale, partials, clipped, M, K, NUM_PART
             tl.store(scale, s)
     else:
         s = tl.load(scale)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
-    cols = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
+    row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows, cols = row[:, None], col[None, :]
     ok = (rows < M) & (cols < K)
-    v = _load_scaled(x, mul, rows.to(tl.int64) * K + cols, ok, cols, rows, MUL)
+    v = tl.load(x + rows.to(tl.int64) * K + cols, mask=ok, other=0.0).to(tl.float32)
+    # The multiplier as a vector, broadcast after loading (H100: a masked load of (1, BLOCK_K)
+    # pointers under a (BLOCK_M, BLOCK_K) mask next to this kernel's transposed store read garbage).
+    if MUL == 1:
+        v = v * tl.load(mul + col, mask=col < K, other=0.0)[None, :]
+    elif MUL == 2:
+        v = v * tl.load(mul + row, mask=row < M, other=0.0)[:, None]
     q = _cast(v, s, FP8_MAX, FP8)
     tl.store(out_t + cols.to(tl.int64) * M + rows, q, mask=ok)
     if WRITE_ROWS:
