@@ -76,6 +76,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         options = op.options(**decision.options)
         module = op.from_site(site, options, site_params(site, found.model))
         modules[site.fqn] = module.to(site_device(site, found.model))
+        decision.note = module.plan_note() if hasattr(module, "plan_note") else ""
     converted = rewrite(found.model, found.trace, found.sites, modules)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     setattr(converted, PLAN_ATTR, plan)

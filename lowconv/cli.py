@@ -68,7 +68,8 @@ def plan_table(plan: Plan) -> str:
     rows = []
     for d in plan.decisions:
         options = ", ".join(f"{k}={v}" for k, v in d.options.items())
-        rows.append([d.fqn, d.site["kind"], d.op, options, d.rule or "-", d.reason])
+        reason = f"{d.reason}; {d.note}" if d.note else d.reason
+        rows.append([d.fqn, d.site["kind"], d.op, options, d.rule or "-", reason])
     return tabulate(rows, ["site", "kind", "op", "options", "rule", "reason"])
 
 

@@ -12,6 +12,7 @@ class Decision:
     options: dict  # the op's options, every field spelled out
     rule: int | None  # 1-based index of the recipe rule that decided, None when none matched
     reason: str  # why, in words
+    note: str = ""  # what the op module measured or chose when it was built (e.g. a 2:4 layer's backend)
 
     @property
     def fqn(self) -> str:

@@ -204,7 +204,7 @@ def test_transposable_option_prunes_both_ways(training):
     site = linear_site(32, 16, dtype="float32")
     w = torch.randn(16, 32)
     module = from_site(site, SemiSparseOptions(transposable=True, training=training), {"weight": w, "bias": torch.randn(16)})
-    weight = module.weight * module.mask if training else module.dense_weight
+    weight = module.linear_weight()
     mask = weight != 0
     assert groups_of_4_keep_2(mask) and groups_of_4_keep_2(mask.t())
 
@@ -214,3 +214,23 @@ def test_transposable_needs_a_fixed_weight_mask_and_out_features_by_4():
         SemiSparseOptions(transposable=True, mask="runtime")
     assert check(linear_site(32, 30), SemiSparseOptions(transposable=True)) == (
         "transposable 2:4 sparsity needs out_features divisible by 4 too (weight is (30, 32))")
+
+
+def test_a_modules_plan_note_is_kept_in_the_plan_through_save_and_load(monkeypatch, tmp_path):
+    """What an op module measured when it was built (a 2:4 layer's CUDA backend and its timings)
+    lands in its decision and in the plan table; a plan without it (older checkpoints) loads."""
+    import lowconv
+    from lowconv.api import plan_of
+    from lowconv.cli import plan_table
+    from lowconv.ops.semi_sparse import FixedMaskLinear
+
+    monkeypatch.setattr(FixedMaskLinear, "plan_note", lambda self: "CUDA backend cusparselt (faster: 0.1 ms vs 0.2 ms)")
+    model = torch.nn.Sequential()
+    model.add_module("mlp", torch.nn.Sequential(torch.nn.Linear(32, 16)))  # the built-in recipe takes MLPs
+    converted = lowconv.convert(model, "semi-sparse", (torch.randn(4, 32),))
+    (decision,) = [d for d in plan_of(converted).decisions if d.converted]
+    assert decision.note == "CUDA backend cusparselt (faster: 0.1 ms vs 0.2 ms)"
+    assert "faster: 0.1 ms vs 0.2 ms" in plan_table(plan_of(converted))
+    lowconv.save(converted, tmp_path / "out")
+    loaded = lowconv.load(model, tmp_path / "out", (torch.randn(4, 32),))
+    assert [d.note for d in plan_of(loaded).decisions if d.converted] == [decision.note]

@@ -11,11 +11,23 @@ Bitmask format (compressed-tensors' "sparse-24-bitmask", which vLLM reads):
     shape       int64 (2, 1)         [[rows], [cols]], the dense shape
 The mask is the 2:4 mask, not `!= 0`: a group with fewer than 2 nonzeros still keeps 2 values
 (zeros among them), so every row holds exactly cols/2 values.
+
+The linear runs as a masked dense product (semi_sparse_linear: cuBLAS on CUDA, the fp32 reference
+elsewhere) or on cuSPARSELt's 2:4 GEMM (lowconv.kernels.cusparselt): SparseLinearFunction for
+fixed-mask training, and choose_backend, which for "auto" times both on a layer's own GEMM.
 """
+from __future__ import annotations
+
+import functools
 import itertools
+import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lowconv.errors import LowconvError
+from lowconv.kernels import cusparselt
 
 
 def mask_24(x: torch.Tensor) -> torch.Tensor:
@@ -112,12 +124,185 @@ def semi_sparse_linear_reference(x: torch.Tensor, w_pruned: torch.Tensor, bias: 
 
 
 def semi_sparse_linear(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x w_pruned^T + b with a 2:4 operand (the weight, or x itself). The entry point: checks
-    its inputs and runs the masked-dense reference (on every device for now; cuSPARSELt plugs in
-    here)."""
+    """y = x w_pruned^T + b with a 2:4 operand (the weight, or x itself), as a masked dense product:
+    F.linear on CUDA (cuBLAS accumulates 16-bit operands in fp32 too), the reference elsewhere.
+    cuSPARSELt's 2:4 GEMM is lowconv.kernels.cusparselt.SparseWeight, which the op picks per site."""
     if w_pruned.dim() != 2 or x.shape[-1] != w_pruned.shape[1]:
         raise ValueError(f"semi_sparse_linear: x {tuple(x.shape)} and w {tuple(w_pruned.shape)} do not match "
                          f"(w is (N, K))")
     if w_pruned.shape[1] % 4:
         raise ValueError(f"semi_sparse_linear: K={w_pruned.shape[1]} is not divisible by 4")
+    if x.is_cuda:
+        return F.linear(x, w_pruned, bias)
     return semi_sparse_linear_reference(x, w_pruned, bias)
+
+
+class SparseLinearFunction(torch.autograd.Function):
+    """Fixed-mask 2:4 training on cuSPARSELt: y = x (W*mask)^T + b through the 2:4 GEMM, the
+    weight compressed anew every forward (it changes every step); dX = dY (W*mask) through the
+    2:4 GEMM of W^T when the mask is transposable (W^T (K, N) is then 2:4 along N), dense
+    otherwise; dW = (dY^T x) * mask dense (neither operand is 2:4), so pruned weights stay zero.
+    cuSPARSELt's compression is the slow part (0.56 ms for a 4096x1024 weight on the H100, more
+    than the GEMM): torch._sparse_semi_structured_tile does it in 0.024 ms but did not write
+    cuSPARSELt 0.8's bytes there (BENCHMARKS.md), so it is not used."""
+
+    @staticmethod
+    def forward(ctx, x, weight, mask, bias, gemms: TrainingGemms):
+        w = weight * mask
+        ctx.save_for_backward(x, w, mask)
+        ctx.gemms, ctx.has_bias = gemms, bias is not None
+        return gemms.forward.linear(gemms.forward.compress(w), x, bias, gemms.tuned(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, mask = ctx.saved_tensors
+        gemms = ctx.gemms
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            if gemms.backward is not None:
+                grad_x = gemms.backward.linear(gemms.backward.compress(w.t()), grad, None, gemms.tuned(grad))
+            else:
+                grad_x = grad @ w
+        g = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.reshape(-1, x.shape[-1])) * mask
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = g.sum(0)
+        return grad_x, grad_w, None, grad_bias, None
+
+
+@dataclass
+class TrainingGemms:
+    """The cuSPARSELt products of one training layer: W (N, K) forward, W^T (K, N) for dX when
+    the mask is transposable (else None: dX is dense); tuned at `rows` (the site's M)."""
+
+    forward: cusparselt.SparseGemm
+    backward: cusparselt.SparseGemm | None
+    rows: int | None = None
+
+    @staticmethod
+    def of(weight: torch.Tensor, transposable: bool, rows: int | None = None) -> TrainingGemms:
+        n, k = weight.shape
+        backward = cusparselt.SparseGemm(k, n, weight.dtype, weight.device) if transposable else None
+        return TrainingGemms(cusparselt.SparseGemm(n, k, weight.dtype, weight.device), backward, rows)
+
+    def tuned(self, x: torch.Tensor) -> bool:
+        return x.numel() // x.shape[-1] == self.rows
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which GEMM a 2:4 layer runs on CUDA, and why: asked for, impossible, or measured (the
+    median ms of both at the layer's rows M, dtype and bias, on this device; forward and
+    backward for a training layer)."""
+
+    backend: str  # "cusparselt" | "masked-dense"
+    reason: str
+    rows: int | None = None
+    sparse_ms: float | None = None
+    dense_ms: float | None = None
+
+
+# The 2:4 kernel must beat dense by this factor to be chosen: both times are medians of short
+# runs, and a site the plan marks sparse must not run slower than dense.
+WIN_FACTOR = 0.97
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    """What a backend is timed on: y = x W^T (+ b), x (rows, K), W (N, K), forward only
+    (inference) or forward and backward (fixed-mask training, W^T 2:4 too if transposable)."""
+
+    rows: int
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    has_bias: bool
+    device: torch.device
+    training: bool = False
+    transposable: bool = False
+
+
+def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
+    """The backend of a 2:4 layer on a CUDA device: as requested ("cusparselt", "masked-dense"),
+    or for "auto" the faster of the two on `case`, measured once per process and case."""
+    if requested == "masked-dense":
+        return BackendChoice("masked-dense", "backend = masked-dense")
+    shapes = [(case.out_features, case.in_features)] + ([(case.in_features, case.out_features)]
+                                                         if case.training and case.transposable else [])
+    reason = cusparselt.unavailable_reason(case.device) or next(
+        filter(None, (cusparselt.unsupported_shape_reason(*shape, case.dtype) for shape in shapes)), None)
+    if requested == "cusparselt":
+        if reason:
+            raise LowconvError(f"backend = cusparselt: {reason}")
+        return BackendChoice("cusparselt", "backend = cusparselt")
+    if reason:
+        return BackendChoice("masked-dense", reason)
+    sparse_ms, dense_ms = time_backends(case)
+    what = "forward+backward" if case.training else "forward"
+    measured = f"{what} 2:4 kernel {sparse_ms:.4f} ms vs dense {dense_ms:.4f} ms at M={case.rows}"
+    if sparse_ms < WIN_FACTOR * dense_ms:
+        return BackendChoice("cusparselt", f"faster: {measured}", case.rows, sparse_ms, dense_ms)
+    return BackendChoice("masked-dense", f"2:4 not faster: {measured}", case.rows, sparse_ms, dense_ms)
+
+
+@functools.lru_cache(maxsize=256)
+def time_backends(case: GemmCase) -> tuple[float, float]:
+    """(cuSPARSELt ms, masked-dense ms) on random data, each as the 2:4 modules call them. Once
+    per process and case, so that every layer of a shape (and a model converted and then loaded
+    in one process) makes the same choice."""
+    gen = torch.Generator(device=case.device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, device=case.device) * scale).to(case.dtype)
+
+    x = randn(case.rows, case.in_features)
+    w = randn(case.out_features, case.in_features, scale=case.in_features ** -0.5)
+    bias = randn(case.out_features) if case.has_bias else None
+    if case.training:
+        calls = training_calls(x, w, bias, case.transposable, randn(case.rows, case.out_features))
+    else:
+        w = prune_24(w)
+        sparse = cusparselt.SparseWeight(w)
+        calls = {"sparse": lambda: sparse.linear(x, bias, tuned=True), "dense": lambda: F.linear(x, w, bias)}
+    samples = {name: [] for name in calls}
+    for _ in range(TIMING_ROUNDS):  # alternated, so that clock and thermal drift hit both alike
+        for name, call in calls.items():
+            samples[name] += call_ms(call)
+    return statistics.median(samples["sparse"]), statistics.median(samples["dense"])
+
+
+def training_calls(x, w, bias, transposable: bool, grad_out) -> dict:
+    """Forward and backward (gradients of x, W and b) of a fixed-mask layer, both backends."""
+    mask = mask_24_transposable(w) if transposable else mask_24(w)
+    weight = (w * mask).requires_grad_()
+    x = x.requires_grad_()
+    leaves = (x, weight) if bias is None else (x, weight, bias.requires_grad_())
+    gemms = TrainingGemms.of(w, transposable, rows=x.shape[0])
+
+    def step(forward):
+        def run():
+            with torch.enable_grad():  # conversion may run under no_grad
+                return torch.autograd.grad(forward(), leaves, grad_out)
+        return run
+
+    return {"sparse": step(lambda: SparseLinearFunction.apply(x, weight, mask, bias, gemms)),
+            "dense": step(lambda: F.linear(x, weight * mask, bias))}
+
+
+TIMING_ROUNDS, TIMING_SAMPLES, TIMING_CALLS = 3, 5, 8
+def call_ms(call) -> list[float]:
+    """ms per call of `call`, TIMING_SAMPLES samples of TIMING_CALLS back-to-back calls each
+    (host time shows where the calls are host-bound), after a warm-up call."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(TIMING_SAMPLES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(TIMING_CALLS):
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / TIMING_CALLS)
+    return times

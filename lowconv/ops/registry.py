@@ -8,7 +8,9 @@ module rebuilt from a checkpoint equals the one built by `from_site`.
 Op modules may also have:
 - `needs_calibration` (True) with `begin_calibration()` / `end_calibration()`: convert runs the
   example or calibration inputs through the model between the two (static/delayed FP8 scales);
-- `report_stats() -> dict[str, float]`: counters the report shows per site (e.g. clipped values).
+- `report_stats() -> dict[str, float]`: counters the report shows per site (e.g. clipped values);
+- `plan_note() -> str`: what the module measured or chose when it was built (a 2:4 layer's CUDA
+  backend and its timings), kept in the plan beside the recipe's decision.
 """
 from __future__ import annotations
 

@@ -9,16 +9,25 @@ Which module, and its state dict, by options:
                                                 re-pruned every forward (torchao's SemiSparseLinear)
     target="activation"                         RuntimeSemiSparseLinear: weight (dense), bias; x is
                                                 pruned every forward (`mask` does not apply)
+
+On CUDA the two fixed-mask modules run cuSPARSELt's 2:4 GEMM (lowconv.kernels.cusparselt) or the
+masked dense product, as `backend` says; "auto" times both on the site's own GEMM (rows M from its
+traced input, dtype, bias; forward and backward for training) when the module first runs on a
+GPU, and keeps the faster (BackendChoice, in `module.choice`). Runtime masks and activation
+targets run the masked dense product: their cuSPARSELt path is not built. The CPU runs the
+masked dense reference.
 """
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
+from lowconv.kernels.cusparselt import SparseWeight, unsupported_shape_reason
 from lowconv.kernels.sparse24 import (
-    compress_bitmask, decompress_bitmask, mask_24, mask_24_transposable, prune_24_straight_through,
-    semi_sparse_linear,
+    BackendChoice, GemmCase, SparseLinearFunction, TrainingGemms, choose_backend, compress_bitmask,
+    decompress_bitmask, mask_24, mask_24_transposable, prune_24_straight_through, semi_sparse_linear,
 )
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -29,7 +38,9 @@ class SemiSparseOptions:
     target: Literal["weight", "activation"] = "weight"  # which GEMM operand is 2:4
     mask: Literal["fixed", "runtime"] = "fixed"  # weight only: prune once, or by magnitude every forward
     training: bool = False  # fixed mask: keep a trainable dense weight + mask instead of compressing
-    backend: Literal["auto", "cusparselt", "masked-dense"] = "auto"  # CUDA only; the CPU runs masked-dense
+    # CUDA only (the CPU runs masked-dense): cuSPARSELt's 2:4 GEMM, the dense GEMM of the pruned
+    # weight, or whichever is faster at the site's shape (fixed weight masks)
+    backend: Literal["auto", "cusparselt", "masked-dense"] = "auto"
     # fixed weight mask: also 2:4 along out_features, so that W^T (the backward GEMM's operand) is 2:4 too
     transposable: bool = False
 
@@ -37,74 +48,139 @@ class SemiSparseOptions:
         if self.transposable and (self.target != "weight" or self.mask != "fixed"):
             raise ValueError("applies to a fixed weight mask only (target = \"weight\", mask = \"fixed\")",
                              "transposable")
+        if self.backend == "cusparselt" and (self.target != "weight" or self.mask != "fixed"):
+            raise ValueError("\"cusparselt\" is built for a fixed weight mask only (target = \"weight\", "
+                             "mask = \"fixed\"); runtime masks and activation targets run masked-dense", "backend")
 
 
-class CompressedSemiSparseLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 options: SemiSparseOptions):
+class FixedMaskLinear(nn.Module):
+    """What both fixed-mask modules share: the CUDA backend, chosen once per module."""
+
+    def __init__(self, in_features: int, out_features: int, options: SemiSparseOptions, rows: int | None):
         super().__init__()
         self.in_features, self.out_features, self.options = in_features, out_features, options
+        self.rows = rows  # M of the site's traced input: the GEMM "auto" times
+        self.choice: BackendChoice | None = None  # the CUDA backend, decided on the first GPU seen
+
+    def decide(self, device: torch.device, rows: int, dtype: torch.dtype) -> BackendChoice:
+        if self.choice is None:
+            case = GemmCase(self.rows or rows, self.out_features, self.in_features, dtype, self.bias is not None,
+                            device, training=self.options.training, transposable=self.options.transposable)
+            self.choice = choose_backend(self.options.backend, case)
+        return self.choice
+
+    def runs_cusparselt(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        return x.is_cuda and self.decide(x.device, x.numel() // self.in_features, dtype).backend == "cusparselt"
+
+    def tuned(self, x: torch.Tensor) -> bool:
+        """Whether x's product runs a tuned cuSPARSELt algorithm: at the site's own M (the GEMM
+        "auto" timed); other M take cuSPARSELt's default, to spare a tuning per shape."""
+        return x.numel() // self.in_features == self.rows
+
+    def plan_note(self) -> str:
+        """The CUDA backend chosen at conversion and why (measured times for "auto"), for the plan."""
+        return f"CUDA backend {self.choice.backend} ({self.choice.reason})" if self.choice else ""
+
+    def extra_repr(self) -> str:
+        backend = f", backend={self.choice.backend}" if self.choice else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}{backend}")
+
+
+class CompressedSemiSparseLinear(FixedMaskLinear):
+    """Inference with a fixed 2:4 weight, kept in the bitmask format; on CUDA as `choice` says."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 options: SemiSparseOptions, rows: int | None = None):
+        super().__init__(in_features, out_features, options, rows)
         self.register_buffer("compressed", torch.empty(out_features, in_features // 2, dtype=dtype))
         self.register_buffer("bitmask", torch.empty(out_features, -(-in_features // 8), dtype=torch.uint8))
         self.register_buffer("shape", torch.tensor([[out_features], [in_features]]))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        # The dense pruned weight the forward multiplies by: derived from the three tensors above,
-        # so it stays out of the checkpoint and is rebuilt whenever they are loaded.
-        self.register_buffer("dense_weight", torch.empty(out_features, in_features, dtype=dtype), persistent=False)
-        self.register_load_state_dict_post_hook(rebuild_after_load)
+        # The dense pruned weight of the masked dense product: derived from the three tensors
+        # above, so it stays out of the checkpoint; empty while cuSPARSELt's copy is in use.
+        self.register_buffer("dense_weight", torch.empty(0, dtype=dtype), persistent=False)
+        self.sparse: SparseWeight | None = None  # the weight in cuSPARSELt's layout, on one GPU
+        self.register_load_state_dict_post_hook(forget_derived_weights)
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.compressed, self.bitmask, self.shape = compress_bitmask(weight * fixed_mask(weight, self.options))
         if bias is not None:
             self.bias.copy_(bias)
-        self.rebuild_dense_weight()
+        forget_derived_weights(self)
+        if weight.is_cuda and self.rows:  # converting on a GPU: the plan gets the measured choice
+            self.decide(weight.device, self.rows, weight.dtype)
 
-    @torch.no_grad()
-    def rebuild_dense_weight(self):
-        self.dense_weight = decompress_bitmask(self.compressed, self.bitmask, self.shape)
+    def dense(self) -> torch.Tensor:
+        """The dense pruned weight (out, in), rebuilt from the bitmask format when not kept."""
+        if self.dense_weight.numel() == 0:
+            self.dense_weight = decompress_bitmask(self.compressed, self.bitmask, self.shape)
+        return self.dense_weight
+
+    def sparse_weight(self) -> SparseWeight:
+        """cuSPARSELt's copy of the weight; the dense one is dropped (saving memory is the point)."""
+        if self.sparse is None:
+            self.sparse = SparseWeight(self.dense())
+            self.dense_weight = self.dense_weight.new_empty(0)
+        return self.sparse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return semi_sparse_linear(x, self.dense_weight, self.bias)
+        if self.runs_cusparselt(x, self.compressed.dtype):
+            return self.sparse_weight().linear(x, self.bias, self.tuned(x))
+        return semi_sparse_linear(x, self.dense(), self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() move or cast the buffers; cuSPARSELt's copy is rebuilt from them.
+        self.sparse = None
+        return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
         """The (out, in) weight a plain nn.Linear needs to compute what this module does."""
-        return self.dense_weight
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return decompress_bitmask(self.compressed, self.bitmask, self.shape)
 
 
-def rebuild_after_load(module: CompressedSemiSparseLinear, incompatible_keys):
-    module.rebuild_dense_weight()
+def forget_derived_weights(module: CompressedSemiSparseLinear, incompatible_keys=None):
+    """After new weights (set_params, load_state_dict): the dense and cuSPARSELt copies are stale."""
+    module.dense_weight = module.dense_weight.new_empty(0)
+    module.sparse = None
 
 
-class MaskedSemiSparseLinear(nn.Module):
-    """Fine-tuning with a fixed 2:4 mask: pruned weights get zero gradient and stay zero."""
+class MaskedSemiSparseLinear(FixedMaskLinear):
+    """Fine-tuning with a fixed 2:4 mask: pruned weights get zero gradient and stay zero. On CUDA
+    with cuSPARSELt: the forward (and dX when transposable) through 2:4 GEMMs, dW dense."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 options: SemiSparseOptions):
-        super().__init__()
-        self.in_features, self.out_features, self.options = in_features, out_features, options
+                 options: SemiSparseOptions, rows: int | None = None):
+        super().__init__(in_features, out_features, options, rows)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.register_buffer("mask", torch.empty(out_features, in_features, dtype=torch.bool))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.gemms: TrainingGemms | None = None  # cuSPARSELt's plans, on one GPU
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.mask.copy_(fixed_mask(weight, self.options))
-        self.weight.copy_(weight * self.mask)
+        mask = fixed_mask(weight, self.options)  # on the weight's device, which may not be the module's yet
+        self.mask.copy_(mask)
+        self.weight.copy_(weight * mask)
         if bias is not None:
             self.bias.copy_(bias)
+        if weight.is_cuda and self.rows:
+            self.decide(weight.device, self.rows, weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_cusparselt(x, self.weight.dtype):
+            if self.gemms is None:
+                self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
+            return SparseLinearFunction.apply(x, self.weight, self.mask, self.bias, self.gemms)
         return semi_sparse_linear(x, self.weight * self.mask, self.bias)
+
+    def _apply(self, fn, recurse=True):
+        self.gemms = None  # plans belong to a device and dtype
+        return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
         return self.weight * self.mask
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class RuntimeSemiSparseLinear(nn.Module):
@@ -158,12 +234,26 @@ def check(site, options: SemiSparseOptions) -> str | None:
     if options.transposable and info.out_features % 4:
         return (f"transposable 2:4 sparsity needs out_features divisible by 4 too "
                 f"(weight is ({info.out_features}, {info.in_features}))")
+    if options.backend == "cusparselt":
+        dtype = site_dtype(site)
+        shapes = [(info.out_features, info.in_features)]
+        if options.training and options.transposable:  # dX runs W^T (in, out) through cuSPARSELt too
+            shapes.append((info.in_features, info.out_features))
+        return next(filter(None, (unsupported_shape_reason(*shape, dtype) for shape in shapes)), None)
     return None
 
 
 def empty(site, options: SemiSparseOptions) -> nn.Module:
     info = linear_info(site)
-    return module_class(options)(info.in_features, info.out_features, info.bias, site_dtype(site), options)
+    cls = module_class(options)
+    if issubclass(cls, FixedMaskLinear):
+        return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options, site_rows(site))
+    return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options)
+
+
+def site_rows(site) -> int | None:
+    """M of the site's GEMM as traced (its input's elements over in_features), None if not traced."""
+    return math.prod(site.input.shape[:-1]) if site.input else None
 
 
 def from_site(site, options: SemiSparseOptions, params: dict[str, torch.Tensor]) -> nn.Module:

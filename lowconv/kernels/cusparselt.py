@@ -1,0 +1,435 @@
+"""cuSPARSELt 2:4 GEMMs with the plan made once per shape: ctypes bindings to libcusparseLt.
+
+Why not torch._cslt_sparse_mm: it builds the cuSPARSELt descriptors and the matmul plan on every
+call, 0.5-1 ms of host time on the H100 (../shared/notes/h100-anchors.md), more than the 2:4
+kernel saves at ViT-L MLP shapes. Here a SparseWeight keeps one plan per input row count (and
+input layout and bias); a forward is one cusparseLtMatmul on torch's current stream.
+
+The product is a linear y = x W^T + b, W (N, K) pruned 2:4 along K. cuSPARSELt's structured
+operand is A, so it computes D = A op(B) + bias with
+    A = W        structured, row-major N x K (the 2:4 groups run along its rows, i.e. along K)
+    op(B) = x^T  K x M: a row-major x (M, K) described as it lies with opB = transpose, or a
+                 column-major x (an earlier layer's transposed output) as a row-major K x M
+    D = y^T      N x M, one bias value per row of D (per output feature)
+D is written row-major, i.e. y^T contiguous, and y is returned as its transposed view (as torch's
+own 2:4 tensor does). Writing D column-major (y contiguous; torch's transpose_result=True) took
+1.8-2.2x the time on the H100 with cuSPARSELt 0.8.0 at the ViT-L MLP shapes (BENCHMARKS.md). The
+next layer reads such a column-major x as it lies (x^T row-major), without a copy.
+
+Algorithm tuning, for the products a caller asks it for (the op asks for its site's traced
+shape), once per process and product: the candidates are cuSPARSELt's own search pick
+(cusparseLtMatmulSearch, which tries every configuration), its default, and configuration 0 (what
+torch asks for), each timed here on the product's operands; later plans of the product take the
+winner, so that two modules of one weight compute the same bits. Measured on the H100
+(BENCHMARKS.md): 1.07-1.32x over cuSPARSELt's default in bf16 at the ViT-L shapes, 8192^3 and
+Llama-8B down; elsewhere within that run's noise.
+
+The opaque cuSPARSELt structs (handle, descriptors, plan) are fixed-size byte arrays in the
+header (1 KiB to 11 KiB depending on the version); they are allocated here bigger than any of
+those, 64-byte aligned, and never moved or copied, since the plan points into the descriptors.
+Enum values are those of cusparse.h / cusparseLt.h (0.6 and later; scripts/bench_semi_sparse.py
+checks them against the headers shipped beside the library: they matched cuSPARSELt 0.8.0).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import os
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lowconv.errors import LowconvError
+
+STRUCT_BYTES = 16384
+STRUCT_ALIGN = 64
+ALIGNMENT = 16  # bytes; every operand's pointer and leading dimension must keep it
+MAX_PLANS = 32  # per weight: distinct (rows, input layout, bias) seen; the oldest plan is freed first
+ROW_MULTIPLE = 8  # the dense operand's rows (M) are zero-padded to this (torch pads 16-bit types the same)
+SHAPE_MULTIPLE = 16  # N and K of a 16-bit structured operand (torch's constraint for cuSPARSELt)
+
+CUDA_R_16F, CUDA_R_16BF = 2, 14  # cudaDataType
+ORDER_ROW = 2  # cusparseOrder_t
+OP_NON_TRANSPOSE, OP_TRANSPOSE = 0, 1  # cusparseOperation_t
+SPARSITY_50_PERCENT = 0  # cusparseLtSparsity_t
+COMPUTE_32F = 2  # cusparseComputeType (0.6+): fp32 accumulation for fp16/bf16 operands
+MATMUL_BIAS_POINTER = 8  # cusparseLtMatmulDescAttribute_t
+MATMUL_ALG_DEFAULT = 0  # cusparseLtMatmulAlg_t
+# cusparseLtMatmulAlgAttribute_t
+ALG_CONFIG_ID, ALG_SPLIT_K, ALG_SPLIT_K_MODE, ALG_SPLIT_K_BUFFERS = 0, 3, 4, 5
+TUNING_SAMPLES, TUNING_CALLS = 3, 3
+VALUE_TYPES = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
+
+
+class Opaque:
+    """One of cuSPARSELt's opaque structs: zeroed, aligned memory at a fixed address."""
+
+    def __init__(self):
+        self._buffer = ctypes.create_string_buffer(STRUCT_BYTES + STRUCT_ALIGN)
+        base = ctypes.addressof(self._buffer)
+        self.ptr = ctypes.c_void_p(base + (-base % STRUCT_ALIGN))
+
+
+def find_library() -> str | None:
+    """libcusparseLt's path: the copy this process already loaded (torch's CUDA build links it),
+    else one in an installed nvidia-cusparselt wheel, else the system's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcusparseLt.so" in line:
+                    return line.split(maxsplit=5)[-1].strip()
+    except OSError:
+        pass
+    for root in sys.path:
+        found = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcusparseLt.so*")))
+        if found:
+            return found[0]
+    return ctypes.util.find_library("cusparseLt")
+
+
+VOID_P, I64, U32, INT, SIZE_P = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)
+SIGNATURES = {  # name: argument types; every function returns a cusparseStatus_t (int)
+    "cusparseLtInit": [VOID_P],
+    "cusparseLtGetVersion": [VOID_P, ctypes.POINTER(INT)],
+    "cusparseLtStructuredDescriptorInit": [VOID_P, VOID_P, I64, I64, I64, U32, INT, INT, INT],
+    "cusparseLtDenseDescriptorInit": [VOID_P, VOID_P, I64, I64, I64, U32, INT, INT],
+    "cusparseLtMatDescriptorDestroy": [VOID_P],
+    "cusparseLtMatmulDescriptorInit": [VOID_P, VOID_P, INT, INT, VOID_P, VOID_P, VOID_P, VOID_P, INT],
+    "cusparseLtMatmulDescSetAttribute": [VOID_P, VOID_P, INT, VOID_P, ctypes.c_size_t],
+    "cusparseLtMatmulAlgSelectionInit": [VOID_P, VOID_P, VOID_P, INT],
+    "cusparseLtMatmulAlgSetAttribute": [VOID_P, VOID_P, INT, VOID_P, ctypes.c_size_t],
+    "cusparseLtMatmulAlgGetAttribute": [VOID_P, VOID_P, INT, VOID_P, ctypes.c_size_t],
+    "cusparseLtMatmulPlanInit": [VOID_P, VOID_P, VOID_P, VOID_P],
+    "cusparseLtMatmulGetWorkspace": [VOID_P, VOID_P, SIZE_P],
+    "cusparseLtMatmulPlanDestroy": [VOID_P],
+    "cusparseLtMatmul": [VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P,
+                         ctypes.POINTER(VOID_P), ctypes.c_int32],
+    "cusparseLtMatmulSearch": [VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P, VOID_P,
+                               ctypes.POINTER(VOID_P), ctypes.c_int32],
+    "cusparseLtSpMMACompressedSize2": [VOID_P, VOID_P, SIZE_P, SIZE_P],
+    "cusparseLtSpMMACompress2": [VOID_P, VOID_P, INT, INT, VOID_P, VOID_P, VOID_P, VOID_P],
+}
+
+
+class Library:
+    """The loaded libcusparseLt with typed functions, and one handle per CUDA device."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.dll = ctypes.CDLL(path)
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(self.dll, name)
+            function.argtypes, function.restype = argtypes, INT
+        self.handles: dict[int, Opaque] = {}
+
+    def call(self, name: str, *args) -> None:
+        status = getattr(self.dll, name)(*args)
+        if status:
+            raise LowconvError(f"cuSPARSELt {name} failed: {self.status_text(status)} ({self.path})")
+
+    def status_text(self, status: int) -> str:
+        describe = getattr(self.dll, "cusparseLtGetErrorString", None)
+        if describe is None:
+            return f"status {status}"
+        describe.restype = ctypes.c_char_p
+        return f"{describe(status).decode()} (status {status})"
+
+    def handle(self, device: torch.device) -> ctypes.c_void_p:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.handles:
+            handle = Opaque()
+            with torch.cuda.device(index):  # a handle belongs to the device current at its init
+                self.call("cusparseLtInit", handle.ptr)
+            self.handles[index] = handle
+        return self.handles[index].ptr
+
+    def version(self, device: torch.device) -> str:
+        version = INT()
+        self.call("cusparseLtGetVersion", self.handle(device), ctypes.byref(version))
+        major, rest = divmod(version.value, 1000)
+        return f"{major}.{rest // 100}.{rest % 100}"
+
+
+_library: Library | None = None
+_library_error: str | None = None
+
+
+def library() -> Library:
+    """The library, loaded on first use; LowconvError when there is none to load."""
+    global _library, _library_error
+    if _library is None and _library_error is None:
+        path = find_library()
+        if path is None:
+            _library_error = "libcusparseLt was not found (torch's CUDA wheels ship it as nvidia-cusparselt)"
+        else:
+            try:
+                _library = Library(path)
+            except (OSError, AttributeError) as error:
+                _library_error = f"{path} could not be loaded: {error}"
+    if _library is None:
+        raise LowconvError(f"cuSPARSELt is not available: {_library_error}")
+    return _library
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why cuSPARSELt cannot run 2:4 GEMMs on `device`, or None when it can (sm_80 and later)."""
+    if device.type != "cuda":
+        return f"cuSPARSELt runs on CUDA devices, not {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"2:4 sparse tensor cores need compute capability 8.0 or later (this GPU is {major}.{minor})"
+    try:
+        library().handle(device)
+    except LowconvError as error:
+        return str(error)
+    return None
+
+
+def unsupported_shape_reason(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+    """Why cuSPARSELt cannot take a 2:4 weight (out_features, in_features) of `dtype`, or None."""
+    if dtype not in VALUE_TYPES:
+        return f"cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is {str(dtype).removeprefix('torch.')})"
+    if out_features % SHAPE_MULTIPLE or in_features % SHAPE_MULTIPLE:
+        return (f"cuSPARSELt needs out_features and in_features multiples of {SHAPE_MULTIPLE} "
+                f"(weight is ({out_features}, {in_features}))")
+    return None
+
+
+class Plan:
+    """Descriptors, matmul descriptor, algorithm selection and plan of one product, kept together
+    at fixed addresses (the plan refers to the others) and destroyed together."""
+
+    def __init__(self, lib: Library, handle, n: int, k: int, m: int, dtype: torch.dtype, x_row_major: bool,
+                 bias: torch.Tensor | None, algorithm: Algorithm | None = None):
+        self.lib, self.handle = lib, handle
+        self.sparse, self.dense, self.out = Opaque(), Opaque(), Opaque()
+        self.matmul, self.selection, self.plan = Opaque(), Opaque(), Opaque()
+        self.descriptors = []
+        value = VALUE_TYPES[dtype]
+        lib.call("cusparseLtStructuredDescriptorInit", handle, self.sparse.ptr, n, k, k, ALIGNMENT, value,
+                 ORDER_ROW, SPARSITY_50_PERCENT)
+        self.descriptors.append(self.sparse)
+        if x_row_major:  # x (M, K) as it lies; op(B) = its transpose
+            dense_shape, op_b = (m, k, k), OP_TRANSPOSE
+        else:  # x column-major is x^T (K, M) row-major
+            dense_shape, op_b = (k, m, m), OP_NON_TRANSPOSE
+        lib.call("cusparseLtDenseDescriptorInit", handle, self.dense.ptr, *dense_shape, ALIGNMENT, value, ORDER_ROW)
+        self.descriptors.append(self.dense)
+        lib.call("cusparseLtDenseDescriptorInit", handle, self.out.ptr, n, m, m, ALIGNMENT, value, ORDER_ROW)
+        self.descriptors.append(self.out)
+        lib.call("cusparseLtMatmulDescriptorInit", handle, self.matmul.ptr, OP_NON_TRANSPOSE, op_b,
+                 self.sparse.ptr, self.dense.ptr, self.out.ptr, self.out.ptr, COMPUTE_32F)
+        if bias is not None:
+            self.bias_pointer = ctypes.c_void_p(bias.data_ptr())
+            lib.call("cusparseLtMatmulDescSetAttribute", handle, self.matmul.ptr, MATMUL_BIAS_POINTER,
+                     ctypes.byref(self.bias_pointer), ctypes.sizeof(self.bias_pointer))
+        lib.call("cusparseLtMatmulAlgSelectionInit", handle, self.selection.ptr, self.matmul.ptr, MATMUL_ALG_DEFAULT)
+        if algorithm is not None:
+            for attribute, value in algorithm.attributes():
+                lib.call("cusparseLtMatmulAlgSetAttribute", handle, self.selection.ptr, attribute,
+                         ctypes.byref(ctypes.c_int32(value)), 4)
+        lib.call("cusparseLtMatmulPlanInit", handle, self.plan.ptr, self.matmul.ptr, self.selection.ptr)
+        self.initialized = True
+        workspace = ctypes.c_size_t()
+        lib.call("cusparseLtMatmulGetWorkspace", handle, self.plan.ptr, ctypes.byref(workspace))
+        self.workspace_bytes = workspace.value
+
+    def attribute(self, attribute: int) -> int:
+        value = ctypes.c_int32()
+        self.lib.call("cusparseLtMatmulAlgGetAttribute", self.handle, self.selection.ptr, attribute,
+                      ctypes.byref(value), 4)
+        return value.value
+
+    def algorithm(self) -> Algorithm:
+        """The algorithm this plan's selection holds (after a search: the fastest it found)."""
+        return Algorithm(*(self.attribute(a) for a in (ALG_CONFIG_ID, ALG_SPLIT_K, ALG_SPLIT_K_MODE,
+                                                      ALG_SPLIT_K_BUFFERS)))
+
+    def ms(self, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> float:
+        """Median ms per call of this plan's product, timed with CUDA events after a warm-up."""
+        self.run("cusparseLtMatmul", compressed, x, out)
+        times = []
+        for _ in range(TUNING_SAMPLES):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(TUNING_CALLS):
+                self.run("cusparseLtMatmul", compressed, x, out)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / TUNING_CALLS)
+        return sorted(times)[len(times) // 2]
+
+    def run(self, function: str, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        """cusparseLtMatmul (or cusparseLtMatmulSearch, which also times every algorithm and
+        keeps the fastest in the plan's selection) of the compressed weight and x into out, on
+        torch's current stream."""
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=x.device) \
+            if self.workspace_bytes else None
+        stream = (VOID_P * 1)(current_stream(x.device))
+        self.lib.call(function, self.handle, self.plan.ptr, ctypes.byref(ONE), VOID_P(compressed.data_ptr()),
+                      VOID_P(x.data_ptr()), ctypes.byref(ZERO), VOID_P(out.data_ptr()), VOID_P(out.data_ptr()),
+                      VOID_P(None if workspace is None else workspace.data_ptr()), stream, 1)
+
+    def __del__(self):
+        destroy = getattr(getattr(self, "lib", None), "dll", None)
+        if destroy is None:  # init failed before anything was made, or interpreter shutdown
+            return
+        if getattr(self, "initialized", False):
+            destroy.cusparseLtMatmulPlanDestroy(self.plan.ptr)
+        for descriptor in getattr(self, "descriptors", []):
+            destroy.cusparseLtMatDescriptorDestroy(descriptor.ptr)
+
+
+ONE, ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta: float for COMPUTE_32F
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A cuSPARSELt algorithm selection: configuration id and split-K settings."""
+
+    config_id: int
+    split_k: int
+    split_k_mode: int
+    split_k_buffers: int
+
+    def attributes(self) -> list[tuple[int, int]]:
+        split = [(ALG_SPLIT_K, self.split_k), (ALG_SPLIT_K_MODE, self.split_k_mode),
+                 (ALG_SPLIT_K_BUFFERS, self.split_k_buffers)] if self.split_k > 1 else []
+        return [(ALG_CONFIG_ID, self.config_id), *split]
+
+
+# product (N, K, M, dtype, x row-major, bias, device) -> the algorithm tuning picked for it
+TUNED: dict[tuple, Algorithm] = {}
+
+
+def current_stream(device: torch.device) -> int:
+    """torch's current CUDA stream on `device`, as a raw handle (without building a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                              torch.cuda.current_device())
+
+
+class SparseGemm:
+    """cuSPARSELt products y = x W^T + b with 2:4 weights W of one shape (N, K), dtype and CUDA
+    device: compression of such weights, and one plan per input row count, input layout and
+    bias, made on first use and kept (the weight's values are not part of a plan, so a training
+    step compresses its new weight and reuses the plans)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device):
+        reason = unavailable_reason(device) or unsupported_shape_reason(out_features, in_features, dtype)
+        if reason:
+            raise LowconvError(f"cuSPARSELt cannot take this 2:4 weight: {reason}")
+        self.lib = library()
+        self.out_features, self.in_features, self.dtype, self.device = out_features, in_features, dtype, device
+        self.handle = self.lib.handle(device)
+        self.plans: OrderedDict[tuple, Plan] = OrderedDict()
+
+    def compress(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight (N, K) in cuSPARSELt's layout (kept values and metadata in one uint8 buffer).
+        Values outside the 2:4 pattern are not checked: the caller prunes."""
+        if weight.shape != (self.out_features, self.in_features) or weight.dtype != self.dtype:
+            raise LowconvError(f"cuSPARSELt compress: weight {tuple(weight.shape)} {weight.dtype} is not "
+                               f"({self.out_features}, {self.in_features}) {self.dtype}")
+        weight = weight.contiguous()
+        descriptor = Opaque()
+        n, k = weight.shape
+        self.lib.call("cusparseLtStructuredDescriptorInit", self.handle, descriptor.ptr, n, k, k, ALIGNMENT,
+                      VALUE_TYPES[self.dtype], ORDER_ROW, SPARSITY_50_PERCENT)
+        try:
+            size, buffer_size = ctypes.c_size_t(), ctypes.c_size_t()
+            self.lib.call("cusparseLtSpMMACompressedSize2", self.handle, descriptor.ptr, ctypes.byref(size),
+                          ctypes.byref(buffer_size))
+            compressed = torch.empty(size.value, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(max(buffer_size.value, 1), dtype=torch.uint8, device=self.device)
+            stream = VOID_P(current_stream(self.device))
+            self.lib.call("cusparseLtSpMMACompress2", self.handle, descriptor.ptr, 1, OP_NON_TRANSPOSE,
+                          VOID_P(weight.data_ptr()), VOID_P(compressed.data_ptr()), VOID_P(buffer.data_ptr()), stream)
+        finally:
+            self.lib.dll.cusparseLtMatDescriptorDestroy(descriptor.ptr)
+        return compressed
+
+    def plan(self, x2: torch.Tensor, x_row_major: bool, bias: torch.Tensor | None, tuned: bool,
+             compressed: torch.Tensor, out: torch.Tensor) -> Plan:
+        """The plan of this product, made on first use (after tuning, if asked for and not yet
+        done in this process for this product)."""
+        rows = x2.shape[0]
+        key = (rows, x_row_major, None if bias is None else bias.data_ptr(), tuned)
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+            return plan
+        make = functools.partial(Plan, self.lib, self.handle, self.out_features, self.in_features, rows, self.dtype,
+                                 x_row_major, bias)
+        algorithm = None
+        if tuned:
+            product = (self.out_features, self.in_features, rows, self.dtype, x_row_major, bias is not None,
+                       self.device)
+            if product not in TUNED:
+                TUNED[product] = tune(make, compressed, x2, out)
+            algorithm = TUNED[product]
+        plan = self.plans[key] = make(algorithm)
+        if len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
+        return plan
+
+    def linear(self, compressed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+               tuned: bool = False) -> torch.Tensor:
+        """y = x W^T + b, W given compressed, x (..., K); y is y^T's transposed view. tuned=True:
+        this product runs the algorithm that tuning picks for it (tuned once per process and
+        product, on its first call)."""
+        if x.shape[-1] != self.in_features or x.dtype != self.dtype or x.device != self.device:
+            raise LowconvError(f"cuSPARSELt 2:4 linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not fit "
+                               f"the weight ({self.out_features}, {self.in_features}) {self.dtype} on {self.device}")
+        if bias is not None and (bias.shape != (self.out_features,) or bias.dtype != self.dtype):
+            raise LowconvError(f"cuSPARSELt 2:4 linear: bias {tuple(bias.shape)} {bias.dtype} does not fit "
+                               f"({self.out_features},) {self.dtype}")
+        rows = x.numel() // self.in_features
+        n = self.out_features
+        if rows == 0:
+            return x.new_empty(*x.shape[:-1], n)
+        x2, x_row_major = dense_operand(x.reshape(rows, self.in_features))
+        out = torch.empty(n, x2.shape[0], dtype=self.dtype, device=self.device)
+        plan = self.plan(x2, x_row_major, None if bias is None else bias.contiguous(), tuned, compressed, out)
+        plan.run("cusparseLtMatmul", compressed, x2, out)
+        return out[:, :rows].t().reshape(*x.shape[:-1], n)
+
+
+def tune(make, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> Algorithm:
+    """The fastest algorithm for a product (make(algorithm) -> its Plan) among cuSPARSELt's
+    search pick, its default and configuration 0, timed on the product's own operands."""
+    searched = make()
+    searched.run("cusparseLtMatmulSearch", compressed, x, out)
+    candidates = {searched.algorithm(), make().algorithm(), Algorithm(0, 1, 0, 0)}
+    times = {algorithm: make(algorithm).ms(compressed, x, out) for algorithm in candidates}
+    return min(times, key=times.get)
+
+
+class SparseWeight:
+    """A fixed 2:4-pruned weight (N, K) compressed for cuSPARSELt, for inference:
+    `linear(x, bias)` is y = x W^T + b."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.gemm = SparseGemm(*weight.shape, weight.dtype, weight.device)
+        self.compressed = self.gemm.compress(weight)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, tuned: bool = False) -> torch.Tensor:
+        return self.gemm.linear(self.compressed, x, bias, tuned)
+
+
+def dense_operand(x2: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """x (M, K) as cuSPARSELt can read it, and whether it is row-major: as it lies when row-major,
+    or column-major (a transposed layer output), with 16-byte aligned data; else a row-major
+    copy, its rows zero-padded to a multiple of ROW_MULTIPLE."""
+    rows, cols = x2.shape
+    if rows % ROW_MULTIPLE:
+        return F.pad(x2, (0, 0, 0, -rows % ROW_MULTIPLE)).contiguous(), True
+    if x2.data_ptr() % ALIGNMENT == 0:
+        if x2.stride() == (cols, 1):
+            return x2, True
+        if x2.stride() == (1, rows):
+            return x2, False
+    return x2.clone(memory_format=torch.contiguous_format), True

@@ -1,0 +1,188 @@
+"""cuSPARSELt's 2:4 GEMM through lowconv's plan-caching binding, on CUDA (run on the lent GPU by
+scripts/gpu_check.sh): products against float64 of the masked dense product, gradients of
+fixed-mask training, plan reuse, graph capture, and the op's backend choice."""
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import lowconv
+from lowconv.api import plan_of
+from lowconv.kernels.cusparselt import TUNED, SparseGemm, SparseWeight
+from lowconv.kernels.sparse24 import SparseLinearFunction, TrainingGemms, mask_24, mask_24_transposable, prune_24
+from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear
+from lowconv.recipe import parse_recipe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DTYPES = [torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # fp32 accumulation, one 16-bit rounding
+
+
+def relative_error(got, ref):
+    assert torch.isfinite(got).all()
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def operands(m, k, n, dtype, bias=True, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    w = prune_24((torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype))
+    b = torch.randn(n, generator=gen, device="cuda").to(dtype) if bias else None
+    return x, w, b
+
+
+def masked_reference(x, w, b):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, bias", [(256, 128, 64, True), (13, 64, 32, False), (1, 32, 16, True),
+                                           (1000, 512, 256, True)])
+@pytest.mark.parametrize("tuned", [False, True])
+def test_sparse_linear_matches_float64(dtype, m, k, n, bias, tuned):
+    x, w, b = operands(m, k, n, dtype, bias)
+    y = SparseWeight(w).linear(x, b, tuned)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert relative_error(y, masked_reference(x, w, b)) < TOLERANCE[dtype]
+
+
+def test_tuned_algorithm_is_reused_by_later_plans_of_the_product():
+    x, w, b = operands(512, 1024, 512, torch.float16)
+    first, second = SparseWeight(w), SparseWeight(w)
+    y = first.linear(x, b, tuned=True)
+    assert len(TUNED) >= 1
+    tuned = len(TUNED)
+    assert torch.equal(second.linear(x, b, tuned=True), y) and len(TUNED) == tuned
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_linear_takes_3d_and_transposed_inputs(dtype):
+    x, w, b = operands(48, 64, 32, dtype)
+    weight = SparseWeight(w)
+    ref = masked_reference(x, w, b)
+    assert relative_error(weight.linear(x.reshape(6, 8, 64), b).reshape(48, 32), ref) < TOLERANCE[dtype]
+    column_major = x.t().contiguous().t()  # what a transposed layer output looks like
+    assert relative_error(weight.linear(column_major, b), ref) < TOLERANCE[dtype]
+    assert relative_error(weight.linear(x[:, :], b), ref) < TOLERANCE[dtype]
+    offset = torch.cat([torch.zeros(1, 64, dtype=dtype, device="cuda"), x])[1:]  # 128-byte offset: aligned
+    assert relative_error(weight.linear(offset, b), ref) < TOLERANCE[dtype]
+    sliced = torch.cat([x, x], dim=1)[:, 64:]  # row stride 128, not K: copied
+    assert relative_error(weight.linear(sliced, b), ref) < TOLERANCE[dtype]
+
+
+def test_plans_are_made_once_per_shape_and_calls_are_cheap_on_the_host():
+    x, w, b = operands(64, 4096, 4096, torch.float16)
+    weight = SparseWeight(w)
+    weight.linear(x, b)
+    weight.linear(x, b)
+    weight.linear(x[:32], b)
+    assert len(weight.gemm.plans) == 2
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        weight.linear(x, b)
+    host_ms = (time.perf_counter() - start) / 50 * 1e3
+    torch.cuda.synchronize()
+    # torch._cslt_sparse_mm spends 0.4-1 ms of host time per call making its plan (h100-anchors.md)
+    assert host_ms < 0.15, host_ms
+
+
+def test_sparse_linear_replays_in_a_cuda_graph():
+    x, w, b = operands(128, 256, 128, torch.bfloat16)
+    weight = SparseWeight(w)
+    static_x = x.clone()
+    weight.linear(static_x, b)  # plan made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = weight.linear(static_x, b)
+    static_x.copy_(operands(128, 256, 128, torch.bfloat16, seed=1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(static_y, masked_reference(static_x, w, b)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transposable", [False, True])
+def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
+    m, k, n = 96, 128, 64
+    x, w, b = operands(m, k, n, dtype)
+    dense = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
+    mask = mask_24_transposable(dense) if transposable else mask_24(dense)
+    weight = (dense * mask).requires_grad_()
+    x.requires_grad_()
+    b.requires_grad_()
+    grad_out = torch.randn(m, n, device="cuda").to(dtype)
+    gemms = TrainingGemms.of(weight.detach(), transposable)
+    y = SparseLinearFunction.apply(x, weight, mask, b, gemms)
+    dx, dw, db = torch.autograd.grad(y, (x, weight, b), grad_out)
+    w64, x64, g64 = (weight * mask).double(), x.double(), grad_out.double()
+    assert relative_error(y, x64 @ w64.t() + b.double()) < TOLERANCE[dtype]
+    assert relative_error(dx, g64 @ w64) < TOLERANCE[dtype]
+    assert relative_error(dw, (g64.t() @ x64) * mask) < TOLERANCE[dtype]
+    assert relative_error(db, g64.sum(0)) < TOLERANCE[dtype]
+    assert (dw[~mask] == 0).all()
+
+
+def mlp(width=256, hidden=512):
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+
+def recipe(options):
+    return parse_recipe(f'name = "t"\n[[rules]]\nkind = "linear"\nop = "semi_sparse"\noptions = {{ {options} }}\n')
+
+
+@pytest.mark.parametrize("options, cls", [('backend = "cusparselt"', CompressedSemiSparseLinear),
+                                          ('backend = "cusparselt", training = true, transposable = true',
+                                           MaskedSemiSparseLinear)])
+def test_converted_model_runs_cusparselt_saves_and_loads(options, cls, tmp_path):
+    torch.manual_seed(0)
+    model = mlp().to("cuda", torch.bfloat16)
+    x = torch.randn(4, 50, 256, device="cuda", dtype=torch.bfloat16)  # M = 200: padded to 208
+    converted = lowconv.convert(model, recipe(options), (x,))
+    layers = [m for m in converted.modules() if isinstance(m, cls)]
+    assert len(layers) == 2 and all(layer.choice.backend == "cusparselt" for layer in layers)
+    masked = lowconv.convert(model, recipe(options.replace("cusparselt", "masked-dense")), (x,))
+    with torch.no_grad():
+        y, ref = converted(x), masked(x)
+    assert relative_error(y, ref.double()) < 1e-2
+    lowconv.save(converted, tmp_path)
+    again = lowconv.load(model, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(again(x), y)
+
+
+def test_auto_times_both_backends_at_the_site_shape():
+    model = nn.Sequential(nn.Linear(1024, 4096)).to("cuda", torch.float16)
+    x = torch.randn(13008, 1024, device="cuda", dtype=torch.float16)
+    converted = lowconv.convert(model, recipe('backend = "auto"'), (x,))
+    layer = next(m for m in converted.modules() if isinstance(m, CompressedSemiSparseLinear))
+    choice = layer.choice
+    assert choice.rows == 13008 and choice.sparse_ms > 0 and choice.dense_ms > 0
+    assert (choice.backend == "cusparselt") == (choice.sparse_ms < 0.97 * choice.dense_ms), choice
+    assert plan_of(converted).converted()[0].op == "semi_sparse"
+
+
+def test_auto_keeps_masked_dense_where_cusparselt_cannot_run():
+    model = nn.Sequential(nn.Linear(64, 24)).to("cuda", torch.float16)  # out_features not a multiple of 16
+    converted = lowconv.convert(model, recipe('backend = "auto"'), (torch.randn(8, 64, device="cuda",
+                                                                              dtype=torch.float16),))
+    layer = next(m for m in converted.modules() if isinstance(m, CompressedSemiSparseLinear))
+    assert layer.choice.backend == "masked-dense" and "multiples of 16" in layer.choice.reason
+    x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
+    assert relative_error(layer(x), masked_reference(x, layer.linear_weight(), layer.bias)) < 2e-3
+
+
+def test_sparse_gemm_rejects_what_it_cannot_take():
+    gemm = SparseGemm(32, 64, torch.float16, torch.device("cuda"))
+    with pytest.raises(lowconv.LowconvError, match=r"does not fit the weight \(32, 64\)"):
+        gemm.linear(gemm.compress(torch.zeros(32, 64, dtype=torch.float16, device="cuda")),
+                    torch.randn(4, 48, dtype=torch.float16, device="cuda"), None)
+    with pytest.raises(lowconv.LowconvError, match="multiples of 16"):
+        SparseGemm(24, 64, torch.float16, torch.device("cuda"))
+    with pytest.raises(lowconv.LowconvError, match="float16 or bfloat16"):
+        SparseGemm(32, 64, torch.float32, torch.device("cuda"))
