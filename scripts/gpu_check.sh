@@ -3,11 +3,11 @@
 # the GPU tests, the benchmarks and the example conversions on CUDA; everything lands under $OUT.
 #
 #   bash scripts/gpu_check.sh                     # every part (more than one 10-minute device call)
-#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train sparse examples
+#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train sparse fp16acc examples
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
-PARTS=${*:-tests attention fp8 train sparse examples}
+PARTS=${*:-tests attention fp8 train sparse fp16acc examples}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -34,6 +34,9 @@ for part in $PARTS; do
     sparse)
       python3 scripts/bench_semi_sparse.py --out "$OUT" --budget-s "${SPARSE_BENCH_BUDGET_S:-300}" \
         > "$OUT/bench_semi_sparse.txt" 2>&1 || status=1 ;;
+    fp16acc)
+      python3 scripts/bench_fp16acc.py --out "$OUT" --budget-s "${FP16ACC_BENCH_BUDGET_S:-240}" \
+        > "$OUT/bench_fp16acc.txt" 2>&1 || status=1 ;;
     train)
       python3 scripts/train_fp8.py --out "$OUT" > "$OUT/train_fp8.txt" 2>&1 || status=1 ;;
     examples)
@@ -44,7 +47,7 @@ for part in $PARTS; do
       python3 -m lowconv.cli convert examples/point_transformer.py sparse-attention-bf16 -o "$OUT/point-transformer" \
         --device cuda > "$OUT/point-transformer.txt" 2>&1 || status=1 ;;
     *)
-      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train sparse examples)" >&2
+      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train sparse fp16acc examples)" >&2
       exit 2 ;;
   esac
 done

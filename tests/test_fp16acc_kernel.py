@@ -1,11 +1,23 @@
-"""The fp16-accumulating split-K Triton kernel (in Triton's interpreter on the CPU, compiled on
-CUDA) against float64 and against the reference that emulates it: forward and both gradients."""
+"""The fp16-accumulating split-K GEMM: the Triton kernel (in Triton's interpreter on the CPU,
+compiled on CUDA) against float64 and against the reference that emulates it, forward and both
+gradients, in all of its launches (large M; small M with chunks in turn or in parallel programs);
+the cuBLAS path's chunking and its scoped fp16-accumulation flag (on the CPU with a stand-in
+matmul); on CUDA (-m gpu) the CPU emulation's error against the GPU's."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from lowconv.kernels.fp16acc import fp16acc_matmul, fp16acc_matmul_reference
+import lowconv.kernels.fp16acc as fa
+from lowconv.kernels.fp16acc import (Fp16AccMatmul, auto_splits, chunks, combine_in_order, cublas_fp16acc,
+                                     fp16acc_matmul, fp16acc_matmul_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parent.parent
 
 # The interpreter's loop over a loaded bound warns about numpy scalar conversion; harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -16,23 +28,78 @@ def rel_error(y, exact):
     return ((y.double() - exact).norm() / exact.norm()).item()
 
 
-def operands(m, k, n, seed=0):
+def operands(m, k, n, seed=0, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    return (t.half().to(DEVICE) for t in (x, w, b))
+    return (t.half().to(device) for t in (x, w, b))
+
+
+def poison_cuda_cache(m, n):
+    """On CUDA: a freed (m, n) fp16 block full of NaN, which the caching allocator hands to the
+    next (m, n) fp16 torch.empty (the output), so an element the kernel forgets to write is NaN."""
+    if torch.cuda.is_available():
+        torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+
+
+# (m, k, n, splits): small M with chunks in parallel (fewer 16-column tiles than the H100's 132 SMs),
+# with one chunk, with chunks in turn (n > 2096); large M (> 64) with several chunks and with one;
+# chunks that are not a whole number of k-tiles; odd tails everywhere.
+FORWARD_CASES = [(1, 640, 64, 2), (5, 100, 40, 3), (33, 512, 70, 1), (2, 256, 2200, 3), (70, 1040, 129, 4),
+                 (80, 200, 48, 1)]
+LAYOUTS = {"small M, chunks in parallel": (3, 24), "small M, chunks in turn": (3, 2200), "large M": (70, 24)}
 
 
 @pytest.mark.parametrize("combine", ["fp32", "fp16"])
-@pytest.mark.parametrize("m,k,n,splits", [(1, 640, 64, 2), (5, 100, 40, 3), (33, 512, 70, 1), (70, 1040, 129, 4)])
+@pytest.mark.parametrize("m,k,n,splits", FORWARD_CASES)
 def test_forward_error_is_the_references(m, k, n, splits, combine):
     """Same chunks as the reference: its error vs float64 within 2x of the reference's (the
     interpreter rounds once per k-tile, the GPU once per 16-wide MMA step)."""
     x, w, b = operands(m, k, n)
     exact = x.double() @ w.double().t() + b.double()
+    poison_cuda_cache(m, n)
     y = fp16acc_matmul(x, w, b, splits, combine, backend="triton")
     reference = fp16acc_matmul_reference(x, w, b, splits, combine)
     assert y.dtype == torch.float16 and y.shape == (m, n)
     assert rel_error(y, exact) < 2 * rel_error(reference, exact) + 1e-4
+
+
+@pytest.mark.parametrize("combine", ["fp32", "fp16"])
+@pytest.mark.parametrize("m,n", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_exact_chunk_sums_combine_in_order(m, n, combine):
+    """Positive integers of at most 8 and 32-wide chunks: every chunk's sum (<= 2048) is exact in
+    fp16, so the only roundings are the combine's (totals up to 12288) and the output's, and the
+    kernel must equal the reference bit for bit, on the GPU too: the chunk order and the combine
+    precision, in every layout."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randint(1, 9, (m, 192), generator=gen).half().to(DEVICE)
+    w = torch.randint(1, 9, (n, 192), generator=gen).half().to(DEVICE)
+    bias = torch.randint(-100, 101, (n,), generator=gen).half().to(DEVICE)
+    assert chunks(192, 6) == (2, 6)
+    y = fp16acc_matmul(x, w, bias, 6, combine, backend="triton")
+    reference = fp16acc_matmul_reference(x, w, bias, 6, combine)
+    assert torch.equal(y, reference)
+    if combine == "fp16":  # the fp16 running total does round: the test can fail
+        assert not torch.equal(y, fp16acc_matmul_reference(x, w, bias, 6, "fp32"))
+
+
+@pytest.mark.parametrize("m,parallel", [(1, True), (1, False), (70, False)],
+                         ids=["small M, chunks in parallel", "small M, chunks in turn", "large M"])
+def test_every_tuned_config_computes_the_product(m, parallel):
+    """Each config the autotuner may pick (it times them, it does not check them), run alone:
+    within 2x of the reference's error; on the GPU the same code compiled per config."""
+    k, n, splits = 320, 96, 3
+    x, w, _ = operands(m, k, n, seed=10)
+    exact = x.double() @ w.double().t()
+    bound = 2 * rel_error(fp16acc_matmul_reference(x, w, None, splits, "fp32"), exact) + 1e-4
+    blocks_per_split, _ = chunks(k, splits)
+    small_m = m <= fa.SMALL_M
+    tuner = fa._tuned_for_small_m if small_m else fa._tuned_for_large_m
+    for config in tuner.configs:
+        out = torch.full((splits, m, n) if parallel else (m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        fa.run_gemm(tuner, x, w, None, out, blocks_per_split * 16, splits, 1 if parallel else splits,
+                    splits if parallel else 1, True, fa.small_block_m(m) if small_m else None, config=config)
+        y = fa.add_bias(combine_in_order(out, "fp32"), None) if parallel else out
+        assert rel_error(y, exact) < bound, config
 
 
 def test_splits_bound_the_error_of_long_sums():
@@ -43,9 +110,10 @@ def test_splits_bound_the_error_of_long_sums():
     assert sixteen < one / 2, (one, sixteen)
 
 
-def test_gradients_through_the_kernel():
-    x, w, b = operands(6, 96, 48, seed=2)
-    grad = torch.randn(6, 48, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
+@pytest.mark.parametrize("m", [6, 72], ids=["small M", "large M"])
+def test_gradients_through_the_kernel(m):
+    x, w, b = operands(m, 96, 48, seed=2)
+    grad = torch.randn(m, 48, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     fp16acc_matmul(*leaves, 2, backend="triton").backward(grad)
     x64, w64, g64 = x.double(), w.double(), grad.double()
@@ -59,3 +127,167 @@ def test_batched_input_keeps_its_leading_dims():
     y = fp16acc_matmul(x.reshape(3, 4, 64), w, b, 1, backend="triton")
     assert y.shape == (3, 4, 32)
     assert torch.equal(y.reshape(12, 32), fp16acc_matmul(x, w, b, 1, backend="triton"))
+
+
+# --- the cuBLAS path on the CPU, through a stand-in for the per-chunk matmul -------------------
+
+@pytest.fixture
+def chunk_calls(monkeypatch):
+    """Each chunk product as (width of the chunk, allow_fp16_accumulation during the call); the
+    product itself is torch's (on the CPU: fp16 operands, fp32 sums, one rounding to fp16)."""
+    calls = []
+    real = fa.chunk_product
+
+    def spy(x_chunk, w_chunk):
+        calls.append((x_chunk.shape[1], torch.backends.cuda.matmul.allow_fp16_accumulation))
+        return real(x_chunk, w_chunk)
+    monkeypatch.setattr(fa, "chunk_product", spy)
+    return calls
+
+
+@pytest.fixture
+def fp16_accumulation_flag():
+    """allow_fp16_accumulation as the test found it, put back after it whatever happened."""
+    settings = torch.backends.cuda.matmul
+    before = settings.allow_fp16_accumulation
+    yield settings
+    settings.allow_fp16_accumulation = before
+
+
+@pytest.mark.parametrize("combine", ["fp32", "fp16"])
+def test_cublas_chunks_combine_in_order(combine, chunk_calls, fp16_accumulation_flag):
+    fp16_accumulation_flag.allow_fp16_accumulation = False
+    x, w, b = operands(5, 100, 24, seed=5, device="cpu")
+    y = cublas_fp16acc(x, w, b, 3, combine)
+    blocks_per_split, splits = chunks(100, 3)
+    widths = [min(blocks_per_split * 16, 100 - start) for start in range(0, 100, blocks_per_split * 16)]
+    assert chunk_calls == [(width, True) for width in widths]  # [48, 48, 4], each with the flag on
+    assert fp16_accumulation_flag.allow_fp16_accumulation is False  # and off again after
+    starts = [sum(widths[:i]) for i in range(splits)]
+    partials = torch.stack([x[:, s:s + n] @ w[:, s:s + n].t() for s, n in zip(starts, widths)])
+    assert torch.equal(y, (combine_in_order(partials, combine) + b.float()).half())
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_cublas_flag_restored_when_the_matmul_raises(before, monkeypatch, fp16_accumulation_flag):
+    seen = []
+
+    def failing(x_chunk, w_chunk):
+        seen.append(torch.backends.cuda.matmul.allow_fp16_accumulation)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+    monkeypatch.setattr(fa, "chunk_product", failing)
+    fp16_accumulation_flag.allow_fp16_accumulation = before
+    x, w, b = operands(2, 64, 8, device="cpu")
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        cublas_fp16acc(x, w, b, 2, "fp32")
+    assert seen == [True]
+    assert fp16_accumulation_flag.allow_fp16_accumulation is before
+
+
+def test_cublas_backward_chunks_each_gradient_by_its_own_reduced_dim(chunk_calls, fp16_accumulation_flag):
+    fp16_accumulation_flag.allow_fp16_accumulation = False
+    m, k, n = 40, 96, 130
+    x, w, b = operands(m, k, n, seed=6, device="cpu")
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    grad = torch.randn(m, n, generator=torch.Generator().manual_seed(7)).half()
+    Fp16AccMatmul.apply(*leaves, 2, "fp32", "cublas").backward(grad)
+    forward, grad_x, grad_w = 2, chunks(n, auto_splits(n))[1], chunks(m, auto_splits(m))[1]
+    assert len(chunk_calls) == forward + grad_x + grad_w and all(on for _, on in chunk_calls)
+    assert fp16_accumulation_flag.allow_fp16_accumulation is False
+    x64, w64, g64 = x.double(), w.double(), grad.double()
+    for got, exact in zip((t.grad for t in leaves), (g64 @ w64, g64.t() @ x64, g64.sum(0))):
+        assert got.dtype == torch.float16
+        assert rel_error(got, exact) < 2e-3
+
+
+def test_cublas_backend_needs_cuda_tensors():
+    x, w, b = operands(2, 32, 8, device="cpu")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        fp16acc_matmul(x, w, b, 2, backend="cublas")
+
+
+# --- compiled for the H100 on the CPU: every tuned config, and the combine kernel --------------
+
+def compile_configs():
+    """{case: shared bytes or the compiler's error} for _fp16acc_kernel in every tuned config (the
+    parallel ones with both BLOCK_Ms) and _combine_kernel; run in a child without the interpreter."""
+    from tests.test_kernels_compile import signature
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_one(kernel, constexprs, num_warps, num_stages=3, maxnreg=None):
+        types = {"*": "*fp16", **{name: "i32" for name in kernel.arg_names
+                                  if name[0].isupper() or name.startswith("stride")}}
+        source = ASTSource(kernel, signature(kernel, constexprs, types),
+                           constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+        options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+        try:
+            return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"[-2000:]
+
+    gemms = [(config, {}) for config in fa.LARGE_M_CONFIGS + [fa.LARGE_M_SMALL_WORK_CONFIG]]
+    gemms += [(config, {"BLOCK_M": block_m}) for config in fa.SMALL_M_CONFIGS + [fa.SMALL_M_SMALL_WORK_CONFIG]
+              for block_m in (16, 64)]
+    results = {}
+    for config, extra in gemms:
+        constexprs = dict(HAS_BIAS=True, COMBINE_FP32=True, **config.kwargs, **extra)
+        results[f"gemm {constexprs}, warps {config.num_warps}, stages {config.num_stages}"] = compile_one(
+            fa._fp16acc_kernel, constexprs, config.num_warps, config.num_stages, config.maxnreg)
+    for combine_fp32 in (False, True):
+        constexprs = dict(HAS_BIAS=True, COMBINE_FP32=combine_fp32, BLOCK=fa.COMBINE_BLOCK)
+        results[f"combine {constexprs}"] = compile_one(fa._combine_kernel, constexprs, 4)
+    return results
+
+
+def test_tuned_configs_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, "-c", "import json, tests.test_fp16acc_kernel as t; "
+                            "print(json.dumps(t.compile_configs()))"],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.splitlines()[-1])
+    failed = {case: result for case, result in results.items() if isinstance(result, str)}
+    assert not failed, "\n\n".join(f"{case}: {error}" for case, error in failed.items())
+    assert max(results.values()) <= 232448  # the H100's shared memory per block
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("combine", ["fp32", "fp16"])
+@pytest.mark.parametrize("m,k,n", [(1, 14336, 4096), (1, 14336, 2048), (48, 4096, 512), (256, 4096, 1024)],
+                         ids=["decode, chunks in turn", "decode, chunks in parallel", "64-row tiles", "large M"])
+@pytest.mark.parametrize("splits", [1, 8, "auto"])
+def test_cpu_emulation_predicts_the_gpu_error(m, k, n, splits, combine):
+    """The issue's test: on the same inputs the reference run on the CPU has an error vs float64
+    within 2x of the GPU kernel's, either way (shapes large enough for the autotuned configs)."""
+    splits = auto_splits(k) if splits == "auto" else splits
+    x, w, b = operands(m, k, n, seed=8, device="cpu")
+    exact = x.double() @ w.double().t() + b.double()
+    cpu = rel_error(fp16acc_matmul_reference(x, w, b, splits, combine), exact)
+    poison_cuda_cache(m, n)
+    gpu = rel_error(fp16acc_matmul(x.cuda(), w.cuda(), b.cuda(), splits, combine).cpu(), exact)
+    assert 0.5 < gpu / cpu < 2, (gpu, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 256])
+def test_cublas_backend_on_cuda(m, fp16_accumulation_flag):
+    """16 cuBLAS fp16-acc matmuls are at worst 2x as far from float64 as the reference's 16 fp16
+    chains (cuBLAS may accumulate some parts in more precision, never in less); the flag is off
+    again after the forward and after the backward."""
+    fp16_accumulation_flag.allow_fp16_accumulation = False
+    x, w, b = operands(m, 8192, 512, seed=9, device="cuda")
+    exact = x.double() @ w.double().t() + b.double()
+    split = rel_error(fp16acc_matmul(x, w, b, 16, backend="cublas"), exact)
+    reference = rel_error(fp16acc_matmul_reference(x, w, b, 16, "fp32"), exact)
+    assert split < 2 * reference, (split, reference)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    fp16acc_matmul(*leaves, 16, backend="cublas").float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+    assert fp16_accumulation_flag.allow_fp16_accumulation is False

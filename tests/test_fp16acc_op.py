@@ -97,7 +97,8 @@ def test_tails_vs_float64():
 
 
 def test_auto_splits():
-    assert [auto_splits(K) for K in (1, 16, 512, 513, 1024, 4096, 4100)] == [1, 1, 1, 2, 2, 8, 9]
+    """32 chunks, none narrower than 64 (see auto_splits)."""
+    assert [auto_splits(K) for K in (1, 16, 64, 65, 512, 1024, 2048, 4096, 14336)] == [1, 1, 1, 2, 8, 16, 32, 32, 32]
 
 
 def test_module_vs_float64_and_grads():
@@ -137,3 +138,33 @@ def test_check_reasons():
         Fp16AccOptions(splits=0)
     with pytest.raises(TypeError, match="float16"):
         fp16acc_matmul(torch.randn(2, 16), torch.randn(4, 16), None, 1)
+
+
+def test_cublas_backend_runs_the_reference_on_cpu():
+    site = linear_site(64, 16)
+    params = {"weight": torch.randn(16, 64).half(), "bias": torch.randn(16).half()}
+    module = from_site(site, Fp16AccOptions(splits=2, backend="cublas"), params)
+    assert "backend=cublas" in repr(module)
+    x = torch.randn(3, 64).half()
+    assert torch.equal(module(x), fp16acc_matmul(x, params["weight"], params["bias"], 2, backend="reference"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_module_on_cuda_vs_float64_and_grads(backend):
+    """Both backends train: forward and gradients near float64, and the cuBLAS flag is left as found."""
+    K, N = 4096, 256
+    torch.manual_seed(0)
+    w, b = torch.randn(N, K).half(), torch.randn(N).half()
+    module = from_site(linear_site(K, N), Fp16AccOptions(backend=backend), {"weight": w, "bias": b}).cuda()
+    x = torch.randn(2, 40, K).half().cuda().requires_grad_()
+    grad_out = torch.randn(2, 40, N).half().cuda()
+    before = torch.backends.cuda.matmul.allow_fp16_accumulation
+    y = module(x)
+    y.backward(grad_out)
+    assert torch.backends.cuda.matmul.allow_fp16_accumulation == before
+    x64, w64, g64 = x.detach().double(), w.double().cuda(), grad_out.double()
+    assert relative_error(y, F.linear(x64, w64, b.double().cuda())) < 1e-3
+    assert relative_error(x.grad, g64 @ w64) < 2e-3
+    assert relative_error(module.weight.grad, g64.reshape(-1, N).t() @ x64.reshape(-1, K)) < 2e-3

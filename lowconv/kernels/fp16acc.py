@@ -1,15 +1,31 @@
-"""fp16 GEMM with fp16 accumulation, split along K: a Triton kernel and a torch reference that
-emulates it.
+"""fp16 GEMM with fp16 accumulation, split along K: a Triton kernel, a cuBLAS path, and a torch
+reference that emulates them.
 
-K is split into S contiguous chunks of whole 16-wide k-blocks. Within a chunk each k-block is
-one MMA step (m16n8k16): fp16 x fp16 products are exact in fp32 and summed in fp32, and the
-block's sum is added into an fp16 accumulator (one rounding to fp16 per block). The S chunk
-results are then combined in fp32 or fp16, the bias added in fp32, and the output rounded to
-fp16. The kernel (`_fp16acc_kernel`) runs the S chunks one after the other in each program, each
-with its own fp16 accumulator, so nothing of size S x M x N is stored. (Triton's interpreter
-rounds once per loaded k-tile of up to 64 instead: CPU runs of the kernel test its logic, the
-reference its numbers.)
+The numerics (what "splits = S, combine = c" means). K is split into S contiguous chunks of whole
+16-wide k-blocks (`chunks`). Within a chunk each k-block is one tensor-core MMA step (k16): fp16 x
+fp16 products are exact in fp32 and summed in fp32, and the block's sum is added into the chunk's
+own fp16 accumulator (one rounding to fp16 per block). The S chunk results are then added up in
+order in fp32 or in fp16 (combine), the bias added in fp32, and the output rounded to fp16.
+`fp16acc_matmul_reference` computes exactly this. The hardware sums a k-block in its own way, so
+the kernel matches the reference in error size, not necessarily bit for bit: on the H100 the two
+errors vs float64 agree to three digits at every S (BENCHMARKS.md).
+
+The Triton kernel (`_fp16acc_kernel`) runs in one of two layouts, both with these numerics:
+- chunks in turn: one program per output tile runs its S chunks one after the other, each in a
+  fresh fp16 accumulator folded into the tile's running total at the chunk's end, so nothing of
+  size S x M x N is stored. Used when the output tiles alone give enough programs: M > SMALL_M,
+  or small M (decode) when N gives at least one 16-column tile per SM;
+- chunks in parallel (small M and small N): every chunk of every tile is its own program, writing
+  its fp16 accumulator (as is, exactly) to an (S, M, N) buffer; `_combine_kernel` then adds the S
+  partial sums in chunk order in `combine` precision, the same order as the other layout. The
+  buffer costs S*M*N*2 bytes against the weight's N*K*2, i.e. M / chunk width: small for small M.
+The `cublas` path runs S cuBLAS matmuls, one per chunk, with torch's
+`allow_fp16_accumulation` switched on for the call only, and combines them the same way.
+(Triton's interpreter rounds once per loaded k-tile of up to 256 instead of per k16 step: CPU runs
+of the kernel test its logic, the reference its numbers.)
 """
+import contextlib
+import functools
 import math
 import os
 
@@ -17,19 +33,37 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 BLOCK_K = 16
-MAX_BLOCKS_PER_SPLIT = 32
+AUTO_MAX_SPLITS = 32
+AUTO_MIN_CHUNK_K = 64
+SMALL_M = 64  # up to this many rows: 16- or 64-row tiles, their own configs
+NARROW_TILE_N = 16
+H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
+GROUP_M = tl.constexpr(8)  # tile rows per band in the launch order, so bands of W stay in L2
+SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one fixed config
 
 
 def auto_splits(K: int) -> int:
-    """S = ceil(K / 512): each fp16 accumulator takes at most 32 block-adds.
+    """S = min(32, ceil(K / 64)): 32 chunks, or fewer when that would make them narrower than 64.
 
-    An fp16 running sum loses ~2^-11 of its magnitude at every add, so its error grows with the
-    chain's length; 32 adds keep it within a few times fp16's own rounding, and S fp32-combined
-    partial sums cost S-1 extra adds only. K <= 512 needs no split at all.
+    Why: an fp16 running sum loses ~2^-11 of its magnitude at every add, so on random data its
+    error grows as the square root of the chain's length. cuBLAS's fp16 accumulation behaves as one
+    chain over all of K: on the H100 its error vs float64 equals this kernel's with S = 1 to three
+    digits (N(0, 1) data: 1.18e-3 at K = 1024, 1.67e-3 at 2048, 2.35e-3 at 4096, 3.32e-3 at 8192).
+    32 chains of K/32 cut that part of the error to ~1/sqrt(32) = 0.18, so with the fp16 rounding
+    of the output (2.1e-4, what fp32 accumulation also pays) the total lands at <= 1/4 of cuBLAS
+    fp16 accumulation's from K = 2048 on (H100: 3.9e-4 at 2048, 4.9e-4 at 4096, 6.4e-4 at 8192);
+    more chunks would buy little more than that floor and cost a fold of the accumulator each
+    (S = 32 takes 9-17% more time than S = 1 at 4096^3 and 8192^3). Chunks narrower than 64 would
+    leave the kernel's 64-wide k-tiles partly empty, so small K gets fewer of them (K = 1024: S = 16,
+    3.9e-4, 0.33x cuBLAS fp16-acc's). For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
+    at K = 14336, one chain: 4.28e-3), so there S = 32 (8.2e-4) is 0.32x of it. Combining in fp16
+    adds one fp16 rounding per chunk (about 2x the error): this rule assumes the default fp32
+    combine. BENCHMARKS.md has the measurements.
     """
-    return max(1, math.ceil(K / (BLOCK_K * MAX_BLOCKS_PER_SPLIT)))
+    return max(1, min(AUTO_MAX_SPLITS, math.ceil(K / AUTO_MIN_CHUNK_K)))
 
 
 def chunks(k: int, splits: int) -> tuple[int, int]:
@@ -55,23 +89,30 @@ def fp16acc_matmul_reference(x, w, bias, splits: int, combine: str) -> torch.Ten
     for j in range(blocks_per_split):
         block = torch.einsum("msk,nsk->smn", xb[:, :, j], wb[:, :, j])  # one MMA per split, fp32
         acc = (acc.float() + block).half()
+    return add_bias(combine_in_order(acc, combine), bias).reshape(*x.shape[:-1], N)
+
+
+def combine_in_order(partials, combine: str) -> torch.Tensor:
+    """The sum over dim 0 of fp16 partial sums in fp32, or one after the other in fp16 (fp32 out)."""
     if combine == "fp32":
-        y = acc.float().sum(0)
-    else:
-        y = acc[0]
-        for s in range(1, splits):
-            y = (y.float() + acc[s].float()).half()
-        y = y.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.half().reshape(*x.shape[:-1], N)
+        return partials.float().sum(0)
+    total = partials[0]
+    for partial in partials[1:]:
+        total = (total.float() + partial.float()).half()
+    return total.float()
+
+
+def add_bias(total, bias) -> torch.Tensor:
+    """fp32 total + bias in fp32, rounded to fp16 once."""
+    return (total if bias is None else total + bias.float()).half()
 
 
 def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str = "auto") -> torch.Tensor:
     """The entry point: checks its inputs and runs the Triton kernel (backend "auto" on CUDA, or
-    "triton", which on CPU tensors needs TRITON_INTERPRET=1) or the reference. Differentiable:
-    the kernel's backward runs the same kernel for dX and dW, each GEMM split by auto_splits of its
-    own reduced dim. x (..., K) fp16, w (N, K) fp16, bias (N,) fp16 or None."""
+    "triton", which on CPU tensors needs TRITON_INTERPRET=1), cuBLAS per chunk ("cublas", CUDA
+    only) or the reference. Differentiable: the Triton and cuBLAS backwards compute dX and dW the
+    same way as the forward, each GEMM split by auto_splits of its own reduced dim.
+    x (..., K) fp16, w (N, K) fp16, bias (N,) fp16 or None."""
     if x.dtype != torch.float16 or w.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
         raise TypeError(f"fp16acc_matmul takes float16 tensors, got x {x.dtype}, w {w.dtype}"
                         + ("" if bias is None else f", bias {bias.dtype}"))
@@ -83,39 +124,203 @@ def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str 
         raise ValueError(f"fp16acc_matmul: splits must be an int >= 1, got {splits!r}")
     if combine not in ("fp32", "fp16"):
         raise ValueError(f"fp16acc_matmul: combine must be 'fp32' or 'fp16', got {combine!r}")
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"fp16acc_matmul: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend not in ("auto", "triton", "cublas", "reference"):
+        raise ValueError(f"fp16acc_matmul: backend must be 'auto', 'triton', 'cublas' or 'reference', "
+                         f"got {backend!r}")
     if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("fp16acc_matmul: the Triton backend on CPU tensors needs TRITON_INTERPRET=1 "
                          "set before triton is imported")
-    if backend == "triton" or (backend == "auto" and x.is_cuda):
-        return Fp16AccMatmul.apply(x, w, bias, splits, combine)
-    return fp16acc_matmul_reference(x, w, bias, splits, combine)
+    if backend == "cublas" and not x.is_cuda:
+        raise ValueError("fp16acc_matmul: the cublas backend needs CUDA tensors (the CPU runs the reference)")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "reference"
+    if backend == "reference":
+        return fp16acc_matmul_reference(x, w, bias, splits, combine)
+    return Fp16AccMatmul.apply(x, w, bias, splits, combine, backend)
 
 
 class Fp16AccMatmul(torch.autograd.Function):
-    """y = x w^T + b through the kernel; dX = dY w and dW = dY^T x through it too."""
+    """y = x w^T + b through one backend's GEMM; dX = dY w and dW = dY^T x through it too."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, splits, combine):
+    def forward(ctx, x, w, bias, splits, combine, backend):
         ctx.save_for_backward(x, w)
-        ctx.combine, ctx.has_bias = combine, bias is not None
+        ctx.combine, ctx.backend, ctx.has_bias = combine, backend, bias is not None
         x2 = x.reshape(-1, x.shape[-1])
-        return launch_fp16acc(x2, w, bias, splits, combine).reshape(*x.shape[:-1], w.shape[0])
+        return GEMMS[backend](x2, w, bias, splits, combine).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
+        gemm = GEMMS[ctx.backend]
         g = grad.reshape(-1, grad.shape[-1]).to(torch.float16)
         x2 = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:  # (M, K) = g (M, N) @ w (N, K): "w" is w^T, (K, N)
-            grad_x = launch_fp16acc(g, w.t(), None, auto_splits(g.shape[1]), ctx.combine).reshape(x.shape)
+            grad_x = gemm(g, w.t(), None, auto_splits(g.shape[1]), ctx.combine).reshape(x.shape)
         if ctx.needs_input_grad[1]:  # (N, K) = g^T (N, M) @ x (M, K): "w" is x^T, (K, M)
-            grad_w = launch_fp16acc(g.t(), x2.t(), None, auto_splits(g.shape[0]), ctx.combine)
+            grad_w = gemm(g.t(), x2.t(), None, auto_splits(g.shape[0]), ctx.combine)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.float().sum(0).half()
-        return grad_x, grad_w, grad_bias, None, None
+        return grad_x, grad_w, grad_bias, None, None, None
+
+
+# --- cuBLAS: one matmul per chunk, fp16-accumulated --------------------------------------------
+
+@contextlib.contextmanager
+def cublas_fp16_accumulation():
+    """torch.backends.cuda.matmul.allow_fp16_accumulation on inside the block only: the previous
+    value comes back on the way out, also when the block raises."""
+    settings = torch.backends.cuda.matmul
+    previous = settings.allow_fp16_accumulation
+    settings.allow_fp16_accumulation = True
+    try:
+        yield
+    finally:
+        settings.allow_fp16_accumulation = previous
+
+
+def chunk_product(x_chunk, w_chunk) -> torch.Tensor:
+    """One chunk's x_chunk (M, k) @ w_chunk (N, k)^T in fp16 (a name of its own, so tests can
+    watch the calls)."""
+    return x_chunk @ w_chunk.t()
+
+
+def cublas_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
+    """(M, N) fp16 = x (M, K) @ w (N, K)^T + bias: one cuBLAS matmul per chunk of the reference,
+    each accumulated in fp16 by cuBLAS (allow_fp16_accumulation), added up in `combine` precision."""
+    (m, k), n = x.shape, w.shape[0]
+    blocks_per_split, _ = chunks(k, splits)
+    width = blocks_per_split * BLOCK_K
+    total = torch.zeros(m, n, dtype=torch.float32 if combine == "fp32" else torch.float16, device=x.device)
+    with cublas_fp16_accumulation():
+        for start in range(0, k, width):
+            partial = chunk_product(x[:, start:start + width], w[:, start:start + width])
+            total = (total.float() + partial.float()).to(total.dtype)
+    return add_bias(total.float(), bias)
+
+
+# --- Triton ------------------------------------------------------------------------------------
+
+def gemm_config(block_n, tile_k, warps, stages, block_m=None, **options) -> triton.Config:
+    kwargs = dict(BLOCK_N=block_n, TILE_K=tile_k, **({} if block_m is None else {"BLOCK_M": block_m}))
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages, **options)
+
+
+# Wgmma with an fp16 accumulator is synchronous in Triton 3.6 (its pipeliner makes a dot async only
+# with an fp32 accumulator), so each k-tile's MMAs are waited for before the next are issued. The
+# candidates keep two or three programs per SM (registers and shared memory for all of them), so
+# that one program's MMAs run while another waits, loads or folds its accumulator into its total.
+# On the H100 the first wins from 2048^3 up and (128, 64) at 1024^3 (BENCHMARKS.md).
+LARGE_M_CONFIGS = [
+    gemm_config(128, 64, 8, 3, block_m=128, maxnreg=128),  # 2 programs per SM
+    gemm_config(128, 64, 4, 3, block_m=128),  # 2 programs per SM
+    gemm_config(128, 64, 8, 3, block_m=256),
+    gemm_config(128, 64, 4, 3, block_m=64),  # 3 programs per SM
+    gemm_config(64, 64, 4, 4, block_m=128),  # 2 programs per SM
+]
+LARGE_M_SMALL_WORK_CONFIG = gemm_config(64, 64, 4, 3, block_m=64)
+# BLOCK_M comes from the launch (16 or 64 rows); memory-bound, so wide k-tiles for bytes in flight
+# and narrow N for enough programs when there are few chunks.
+SMALL_M_CONFIGS = [
+    gemm_config(16, 256, 4, 4),
+    gemm_config(32, 256, 4, 4),
+    gemm_config(64, 128, 4, 4),
+    gemm_config(64, 256, 4, 3),
+    gemm_config(128, 128, 4, 3),
+]
+SMALL_M_SMALL_WORK_CONFIG = gemm_config(32, 64, 4, 3)
+
+
+def quick_bench(kernel_call, quantiles):
+    """The autotuner's timing: fewer and shorter repeats than its default, so that tuning a new
+    shape stays a fraction of a second per config."""
+    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+
+
+def untuned_when_small(small_config):
+    """An early_config_prune: only `small_config` for problems under SMALL_WORK."""
+    def prune(configs, named_args, **kwargs):
+        return [small_config] if named_args["M"] * named_args["N"] * named_args["K"] < SMALL_WORK else configs
+    return prune
+
+
+@triton.jit(do_not_specialize=["SPLITS", "CHUNKS_PER_PROGRAM"])
+def _fp16acc_kernel(x, w, bias, out, M, N, K, CHUNK_K, SPLITS, CHUNKS_PER_PROGRAM,
+                    stride_xm, stride_xk, stride_wn, stride_wk, stride_og, stride_om, stride_on,
+                    HAS_BIAS: tl.constexpr, COMBINE_FP32: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) output tile over chunks first .. first + CHUNKS_PER_PROGRAM - 1
+    (first = program_id(1) * CHUNKS_PER_PROGRAM): each chunk (CHUNK_K wide, the last one cut at K)
+    summed in its own fp16 accumulator, folded into the total (fp32 or fp16) at its end; then the
+    bias; stored at out + program_id(1) * stride_og."""
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, TILE_K)
+    x_rows = x + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = w + rn[None, :].to(tl.int64) * stride_wn
+    first_chunk = tl.program_id(1) * CHUNKS_PER_PROGRAM
+    tiles_per_chunk = tl.cdiv(CHUNK_K, TILE_K)
+    steps = tl.minimum(SPLITS - first_chunk, CHUNKS_PER_PROGRAM) * tiles_per_chunk
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32 if COMBINE_FP32 else tl.float16)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float16)
+    # One flat loop over (chunk, k-tile), not two nested ones: the compiler pipelines the loads of
+    # a flat loop across chunk ends, and the nested form spilled registers.
+    for step in range(steps):
+        chunk = first_chunk + step // tiles_per_chunk
+        tile = step % tiles_per_chunk
+        ks = chunk * CHUNK_K + tile * TILE_K + rk
+        k_end = tl.minimum((chunk + 1) * CHUNK_K, K)
+        a = tl.load(x_rows + ks[None, :] * stride_xk, mask=(rm[:, None] < M) & (ks[None, :] < k_end), other=0.0)
+        b = tl.load(w_cols + ks[:, None] * stride_wk, mask=(ks[:, None] < k_end) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.float16)
+        if tile == tiles_per_chunk - 1:
+            total = (total.to(tl.float32) + acc.to(tl.float32)).to(total.dtype)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float16)
+    y = total.to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out += tl.program_id(1).to(tl.int64) * stride_og
+    tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, y.to(tl.float16),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """program_id(0) -> (tile row, tile column), GROUP_M tile rows at a time down each column band."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * tiles_n
+    first_m = (pid // band) * GROUP_M
+    rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % band) % rows, (pid % band) // rows
+
+
+@triton.jit
+def _combine_kernel(partials, bias, out, MN, N, SPLITS, HAS_BIAS: tl.constexpr, COMBINE_FP32: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """out (M, N contiguous) = the S fp16 partial sums (S, M, N contiguous) added in chunk order in
+    fp32 or fp16, plus the bias in fp32, rounded to fp16."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < MN
+    total = tl.zeros([BLOCK], tl.float32 if COMBINE_FP32 else tl.float16)
+    for split in range(SPLITS):
+        partial = tl.load(partials + split * MN + offsets, mask=inside, other=0.0)
+        total = (total.to(tl.float32) + partial.to(tl.float32)).to(total.dtype)
+    y = total.to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias + offsets % N, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + offsets, y.to(tl.float16), mask=inside)
+
+
+GEMM_KEY = ["M", "N", "K", "stride_xk", "stride_wk"]  # the strides tell the backward's transposed operands apart
+_tuned_for_large_m = triton.autotune(LARGE_M_CONFIGS, key=GEMM_KEY, do_bench=quick_bench, prune_configs_by={
+    "early_config_prune": untuned_when_small(LARGE_M_SMALL_WORK_CONFIG)})(_fp16acc_kernel)
+_tuned_for_small_m = triton.autotune(SMALL_M_CONFIGS, key=GEMM_KEY + ["CHUNK_K"], do_bench=quick_bench,
+                                     prune_configs_by={"early_config_prune": untuned_when_small(
+                                         SMALL_M_SMALL_WORK_CONFIG)})(_fp16acc_kernel)
+COMBINE_BLOCK = 1024
 
 
 def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
@@ -125,39 +330,53 @@ def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     if m == 0 or n == 0:
         return out
     blocks_per_split, splits = chunks(k, splits)
-    # The widest k-tile (up to 64) that a chunk holds a whole number of.
-    tile_k = next(t for t in (64, 32, 16) if blocks_per_split * BLOCK_K % t == 0)
-    block_m = 16 if m <= 16 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-    _fp16acc_kernel[grid](
-        x, w, bias if bias is not None else x, out, m, n, k, *x.stride(), *w.stride(), *out.stride(),
-        blocks_per_split * BLOCK_K // tile_k, splits, HAS_BIAS=bias is not None, COMBINE_FP32=combine == "fp32",
-        BLOCK_M=block_m, BLOCK_N=64, TILE_K=tile_k, num_warps=4)
+    chunk_k = blocks_per_split * BLOCK_K
+    combine_fp32 = combine == "fp32"
+    if m > SMALL_M:
+        run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
+        return out
+    if splits == 1 or triton.cdiv(n, NARROW_TILE_N) >= multiprocessors(x.device):
+        run_gemm(_tuned_for_small_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32,
+                 block_m=small_block_m(m))
+        return out
+    partials = torch.empty(splits, m, n, dtype=torch.float16, device=x.device)
+    run_gemm(_tuned_for_small_m, x, w, None, partials, chunk_k, splits, 1, splits, combine_fp32,
+             block_m=small_block_m(m))
+    _combine_kernel[(triton.cdiv(m * n, COMBINE_BLOCK),)](
+        partials, bias if bias is not None else partials, out, m * n, n, splits,
+        HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, BLOCK=COMBINE_BLOCK)
     return out
 
 
-@triton.jit
-def _fp16acc_kernel(x, w, bias, out, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                    TILES_PER_SPLIT, SPLITS, HAS_BIAS: tl.constexpr, COMBINE_FP32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_K: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) output tile: the S chunks of K in turn, each summed in its own fp16
-    accumulator, added into the total (fp32 or fp16), then the bias."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, TILE_K)
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32 if COMBINE_FP32 else tl.float16)
-    for split in range(SPLITS):
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float16)
-        for tile in range(TILES_PER_SPLIT):
-            ks = (split * TILES_PER_SPLIT + tile) * TILE_K + rk
-            a = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
-                        mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
-            b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
-                        mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.float16)
-        total = (total.to(tl.float32) + acc.to(tl.float32)).to(total.dtype)
-    y = total.to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, y.to(tl.float16),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+def small_block_m(m: int) -> int:
+    return 16 if m <= 16 else 64
+
+
+@functools.cache
+def multiprocessors(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
+
+
+def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, programs_per_tile, combine_fp32, block_m,
+             config=None):
+    """_fp16acc_kernel through an autotuner (or in the given config), over (output tiles,
+    programs_per_tile); out is (M, N) or, for programs_per_tile > 1, (programs_per_tile, M, N).
+    block_m: a fixed BLOCK_M, or None when the configs choose it."""
+    (m, k), n = x.shape, w.shape[0]
+    args = (x, w, bias if bias is not None else x, out, m, n, k, chunk_k, splits, chunks_per_program,
+            *x.stride(), *w.stride(), out.stride(0) if out.dim() == 3 else 0, *out.stride()[-2:])
+    kwargs = dict(HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32,
+                  **({} if block_m is None else {"BLOCK_M": block_m}))
+
+    def grid(meta):
+        return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), programs_per_tile
+
+    if config is None and x.is_cuda:
+        tuner[grid](*args, **kwargs)
+        return
+    if config is None:  # Triton's interpreter cannot time configs: the first one the pruning keeps
+        config = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)))[0]
+    tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+
+
+GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc}

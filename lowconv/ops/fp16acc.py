@@ -17,7 +17,9 @@ from lowconv.ops.registry import Op, register
 class Fp16AccOptions:
     splits: int | Literal["auto"] = "auto"  # chunks of K, each with its own fp16 accumulator
     combine: Literal["fp32", "fp16"] = "fp32"  # how the chunks' partial sums are added up
-    backend: Literal["triton", "cublas"] = "triton"  # CUDA only; the CPU runs the reference
+    # On CUDA: lowconv's Triton kernel, or one cuBLAS matmul per chunk with torch's
+    # allow_fp16_accumulation on for the call only. The CPU runs the reference either way.
+    backend: Literal["triton", "cublas"] = "triton"
 
     def __post_init__(self):
         if self.splits != "auto" and self.splits < 1:
@@ -39,14 +41,15 @@ class Fp16AccLinear(nn.Module):
             self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp16acc_matmul(x, self.weight, self.bias, self.splits, self.options.combine)
+        backend = self.options.backend if x.is_cuda else "reference"
+        return fp16acc_matmul(x, self.weight, self.bias, self.splits, self.options.combine, backend)
 
     def linear_weight(self) -> torch.Tensor:
         return self.weight
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"splits={self.splits}, combine={self.options.combine}")
+                f"splits={self.splits}, combine={self.options.combine}, backend={self.options.backend}")
 
 
 def check(site, options: Fp16AccOptions) -> str | None:
