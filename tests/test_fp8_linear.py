@@ -11,6 +11,17 @@ OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture
+def fake_capability(monkeypatch):
+    """fake_capability((major, minor)): what torch.cuda reports from now on; the cached capability
+    is cleared before and after."""
+    def fake(capability):
+        fp8.cuda_capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    yield fake
+    fp8.cuda_capability.cache_clear()
+
+
+@pytest.fixture
 def scaled_mm_calls(monkeypatch):
     """How many times fp8_linear called torch._scaled_mm."""
     calls = []
@@ -69,19 +80,27 @@ def test_no_rows_run_the_reference(scaled_mm_calls):
     assert not scaled_mm_calls
 
 
-def test_cuda_takes_fp8_gpus_and_rowwise_with_bf16_output_only(monkeypatch):
+def test_cuda_takes_fp8_gpus_and_rowwise_with_bf16_output_only(fake_capability):
     """cuBLASLt's row-wise scaling writes bf16 only; GPUs before sm_89 have no FP8 GEMM."""
     cuda = torch.device("cuda")
-    fp8.cuda_has_fp8.cache_clear()  # the capability is cached per device; here it is faked
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_capability((9, 0))
     assert fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=True, out_dtype=torch.bfloat16)
     assert fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=False, out_dtype=torch.float16)
     assert not fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=True, out_dtype=torch.float16)
     assert not fp8.scaled_mm_takes(cuda, 48, 40, True, rowwise=False, out_dtype=torch.bfloat16)
-    fp8.cuda_has_fp8.cache_clear()
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    fake_capability((8, 0))  # an A100
     assert not fp8.scaled_mm_takes(cuda, 48, 64, True, rowwise=False, out_dtype=torch.bfloat16)
-    fp8.cuda_has_fp8.cache_clear()
+
+
+def test_triton_quantizes_on_sm90_only(fake_capability):
+    """On sm_89 Triton casts fp32 -> fp8 through fp16 (two roundings): the torch reference runs there."""
+    cuda_x = type("CudaTensor", (), {"is_cuda": True, "device": torch.device("cuda", 0)})()  # no GPU needed
+    fake_capability((8, 9))
+    assert not fp8.quantizes_in_triton(cuda_x)
+    assert fp8.scaled_mm_takes(torch.device("cuda"), 48, 64, True, rowwise=False, out_dtype=torch.bfloat16)
+    fake_capability((9, 0))
+    assert fp8.quantizes_in_triton(cuda_x)
+    assert not fp8.quantizes_in_triton(torch.empty(4))
 
 
 @pytest.mark.gpu
@@ -119,24 +138,34 @@ def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradie
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_training_on_cuda_matches_the_cpu_reference(granularity, static):
+def test_training_on_cuda_matches_the_cpu_reference(granularity, static, dtype, monkeypatch):
     """The CUDA path (Triton quantizers writing the transposed layouts, cuBLASLt GEMMs) against the
-    CPU's (torch quantizers, transposed views): the same fp8 values, fp32 sums in another order."""
+    CPU's (torch quantizers, transposed views): the same fp8 values, fp32 sums in another order.
+    fp32 inputs (a model's master weights, LayerNorm outputs under autocast) once broke only here."""
+    from lowconv.kernels import fp8_quant
+
+    transposing = []
+    for name in ("transposed_with_scale", "quantize_tensorwise_transposed"):
+        real = getattr(fp8_quant, name)
+        monkeypatch.setattr(fp8_quant, name, lambda *a, real=real, name=name: transposing.append(name) or real(*a))
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(4, 40, 64, generator=gen), torch.randn(48, 64, generator=gen) * 0.1
     bias, grad = torch.randn(48, generator=gen), torch.randn(4, 40, 48, generator=gen)
     results = {}
     for device in ("cpu", "cuda"):
-        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (x, w, bias)]
+        leaves = [t.to(device, dtype).requires_grad_() for t in (x, w, bias)]
         clipped = torch.zeros((), dtype=torch.int64, device=device) if static else None
         scale = torch.tensor([0.004], device=device) if static else None  # clips the largest x
         y = fp8.Fp8LinearFunction.apply(*leaves, scale, granularity, False, clipped)
-        y.backward(grad.to(device, torch.bfloat16))
+        y.backward(grad.to(device, dtype))
         results[device] = [y, *(t.grad for t in leaves)], clipped
     (cpu, cpu_clipped), (cuda, cuda_clipped) = results["cpu"], results["cuda"]
     for got, ref in zip(cuda, cpu):
         assert_one_rounding_apart(got.cpu(), ref)
     if static:
         assert cuda_clipped.item() == cpu_clipped.item() > 0
+    assert "quantize_tensorwise_transposed" in transposing  # dY^T for dW, always tensorwise
+    assert ("transposed_with_scale" in transposing) == (static or granularity == "tensor")  # x^T, W^T

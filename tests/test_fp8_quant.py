@@ -66,16 +66,14 @@ def test_rowwise_matches_the_reference(shape, fp8_dtype):
     assert_same_fp8(got, ref)
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("mul_axis", ["columns", "rows"])
-def test_a_multiplier_is_folded_in_as_the_reference_multiplies(granularity, mul_axis, few_programs):
+def test_a_multiplier_is_folded_in_as_the_reference_multiplies(mul_axis, few_programs):
     x = sample((6, 5, 96), torch.float16)
     length = 96 if mul_axis == "columns" else 30
     mul = torch.rand(length, generator=torch.Generator().manual_seed(3)).add(0.5).to(DEVICE)
-    quantize = fp8_quant.quantize_tensorwise if granularity == "tensor" else fp8_quant.quantize_rowwise
-    got, scale = quantize(x, fp8.E5M2, mul, mul_axis)
+    got, scale = fp8_quant.quantize_tensorwise(x, fp8.E5M2, mul, mul_axis)
     product = x.cpu().float() * (mul.cpu() if mul_axis == "columns" else mul.cpu().reshape(6, 5, 1))
-    ref, ref_scale = fp8.quantize(product, granularity, fp8.E5M2)
+    ref, ref_scale = fp8.quantize_tensorwise(product, fp8.E5M2)
     assert torch.equal(scale.cpu(), ref_scale)
     assert_same_fp8(got, ref)
 
@@ -95,25 +93,31 @@ def test_a_given_scale_saturates_and_counts_what_it_clips(fp8_dtype, few_program
 
 
 def test_empty_and_zero_tensors_get_scale_one():
+    """As the reference: scale 1 where there is nothing (or only zeros) to scale, in every quantizer."""
     zeros = torch.zeros(4, 16, device=DEVICE)
-    for quantize in (fp8_quant.quantize_tensorwise, fp8_quant.quantize_rowwise):
+    for quantize in (fp8_quant.quantize_tensorwise, fp8_quant.quantize_rowwise,
+                     fp8_quant.quantize_tensorwise_transposed):
         got, scale = quantize(zeros, fp8.E4M3)
         assert (scale == 1).all() and (got.float() == 0).all()
-    got, scale = fp8_quant.quantize_tensorwise(torch.zeros(0, 16, device=DEVICE), fp8.E4M3)
-    assert got.shape == (0, 16) and scale.item() == 1
-    got, scale = fp8_quant.quantize_rowwise(torch.zeros(0, 16, device=DEVICE), fp8.E4M3)
-    assert got.shape == (0, 16) and scale.shape == (0, 1)
+    for empty in (torch.zeros(0, 16), torch.zeros(16, 0)):
+        for quantize in (fp8_quant.quantize_tensorwise, fp8_quant.quantize_rowwise,
+                         fp8_quant.quantize_tensorwise_transposed):
+            got, scale = quantize(torch.full_like(empty, float("nan")).to(DEVICE), fp8.E4M3)
+            _, ref_scale = (fp8.quantize_tensorwise if quantize is not fp8_quant.quantize_rowwise
+                            else fp8.quantize_rowwise)(empty, fp8.E4M3)
+            assert got.numel() == 0 and torch.equal(scale.cpu(), ref_scale)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter does not cast NaN to fp8 faithfully")
-@pytest.mark.gpu
-def test_a_nan_stays_in_its_element():
+@pytest.mark.parametrize("quantize", ["tensorwise", "rowwise"])
+def test_a_nan_does_not_enter_the_scale(quantize):
     x = sample((8, 64), torch.float32)
     x[3, 5] = float("nan")
-    got, scale = fp8_quant.quantize_tensorwise(x, fp8.E4M3)
-    assert torch.isfinite(scale).all()
-    nan = got.float().isnan()
-    assert nan[3, 5] and nan.sum() == 1
+    got, scale = getattr(fp8_quant, f"quantize_{quantize}")(x, fp8.E4M3)
+    _, ref_scale = getattr(fp8, f"quantize_{quantize}")(x.cpu(), fp8.E4M3)
+    assert torch.isfinite(scale).all() and torch.equal(scale.cpu(), ref_scale)
+    if DEVICE == "cuda":  # the interpreter does not cast NaN to fp8 faithfully
+        nan = got.float().isnan()
+        assert nan[3, 5] and nan.sum() == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the torch quantizers dispatch to Triton on CUDA")
@@ -132,26 +136,17 @@ def test_the_public_quantizers_run_triton_on_an_fp8_gpu(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(70, 200), (130, 33), (1, 16)], ids=str)
 @pytest.mark.parametrize("mul_axis", [None, "columns", "rows"])
-def test_the_transposing_cast_writes_both_layouts_of_the_same_values(shape, mul_axis):
-    x = sample(shape, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_transposing_cast_writes_the_row_quantizers_values_transposed(shape, mul_axis, dtype):
+    """Against the flat kernel (same cast, same interpreter): exact, on the CPU too. fp32 inputs are
+    the case a two-layout version of this kernel got wrong on the H100."""
+    x = sample(shape, dtype)
     mul = None if mul_axis is None else \
         torch.rand(shape[1] if mul_axis == "columns" else shape[0]).add(0.5).to(DEVICE)
-    rows, rows_t, scale = fp8_quant.quantize_tensorwise_2d(x, fp8.E5M2, mul, mul_axis)
+    rows_t, scale = fp8_quant.quantize_tensorwise_transposed(x, fp8.E5M2, mul, mul_axis)
     flat, flat_scale = fp8_quant.quantize_tensorwise(x, fp8.E5M2, mul, mul_axis)
     assert rows_t.shape == shape[::-1] and rows_t.is_contiguous()
     assert torch.equal(scale, flat_scale)
-    assert torch.equal(rows.view(torch.uint8), flat.view(torch.uint8))
     assert torch.equal(rows_t.view(torch.uint8), flat.t().view(torch.uint8))
-    only_t = fp8_quant.quantize_tensorwise_2d(x, fp8.E5M2, mul, mul_axis, rows=False)
-    assert only_t[0] is None and torch.equal(only_t[1].view(torch.uint8), rows_t.view(torch.uint8))
-
-
-def test_the_transposing_cast_with_a_scale_counts_what_it_clips():
-    x = sample((65, 130), torch.bfloat16)
-    scale = torch.tensor([0.05], device=DEVICE)
-    clipped = torch.zeros((), dtype=torch.int64, device=DEVICE)
-    rows, rows_t, _ = fp8_quant.quantize_with_scale_2d(x, scale, fp8.E4M3, clipped)
-    flat, _ = fp8_quant.quantize_with_scale(x, scale, fp8.E4M3)
-    assert clipped.item() == fp8.count_clipped(x.cpu(), scale.cpu()).item() > 0
-    assert torch.equal(rows.view(torch.uint8), flat.view(torch.uint8))
-    assert torch.equal(rows_t.view(torch.uint8), flat.t().view(torch.uint8))
+    again = fp8_quant.transposed_with_scale(x, scale, fp8.E5M2) if mul is None else None
+    assert again is None or torch.equal(again.view(torch.uint8), rows_t.view(torch.uint8))

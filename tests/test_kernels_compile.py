@@ -18,9 +18,9 @@ WINDOW_CASES = ([(kernel, dtype, rel, 24) for kernel in WINDOW_KERNELS for dtype
                  for rel in (False, True)] + [(kernel, "fp16", True, 4) for kernel in WINDOW_KERNELS])
 FP8_CASES = ([("partial_amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide in (False, True)]
              + [("cast", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1) for mode in ("dynamic", "count")]
-             + [("cast_2d", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1, 2)
-                for mode in ("dynamic", "count")]
-             + [("rowwise", fp8, mul, block_k) for fp8 in ("e4m3", "e5m2") for mul in (0, 2) for block_k in (1024, 2048)])
+             + [("cast_transposed", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1, 2)
+                for mode in ("dynamic", "given")]
+             + [("rowwise", fp8, 0, block_k) for fp8 in ("e4m3", "e5m2") for block_k in (1024, 2048)])
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 
@@ -86,14 +86,13 @@ def fp8_case(kernel_name, fp8, mul, variant):
         kernel = fq._cast_kernel
         constexprs = dict(MUL=mul, WIDE=False, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
                           PARTIALS_P2=fq.MAX_PROGRAMS, BLOCK=fq.BLOCK, **fp8_type)
-    elif kernel_name == "cast_2d":
-        kernel = fq._cast_2d_kernel
-        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
-                          WRITE_ROWS=True, PARTIALS_P2=fq.MAX_PROGRAMS, BLOCK_M=fq.TILE_2D[0],
-                          BLOCK_K=fq.TILE_2D[1], **fp8_type)
+    elif kernel_name == "cast_transposed":
+        kernel = fq._cast_transposed_kernel
+        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", PARTIALS_P2=fq.MAX_PROGRAMS,
+                          BLOCK_M=fq.TILE_2D[0], BLOCK_K=fq.TILE_2D[1], **fp8_type)
     else:
         kernel = fq._rowwise_kernel
-        constexprs = dict(MUL=mul, BLOCK_M=fq.BLOCK * 2 // variant, BLOCK_K=variant, **fp8_type)
+        constexprs = dict(BLOCK_M=fq.BLOCK * 2 // variant, BLOCK_K=variant, **fp8_type)
     return compile_for_sm90(kernel, types, constexprs, 8)
 
 

@@ -2,16 +2,18 @@
 
 Scales follow torch._scaled_mm: a float32 *dequant* scale, x ~= x_fp8.float() * scale.
 Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1).
-Quantizers saturate: values beyond the format's max are clamped to it, never cast to NaN/inf.
-Quantizers run Triton kernels (fp8_quant.py) on FP8 GPUs and torch ops (the reference, the
-same numbers) elsewhere; a quantizer may scale x by a vector along its columns or rows first
-(mul, mul_axis), as the training backward needs. The linear runs torch._scaled_mm (cuBLASLt on
+Quantizers saturate: finite values beyond the format's max are clamped to it, never cast to
+NaN/inf (NaN stays NaN; an infinite x makes its scale infinite). Amaxes skip NaN.
+Quantizers run Triton kernels (fp8_quant.py) on sm_90+ GPUs and torch ops (the reference, the
+same numbers) elsewhere; the per-tensor quantizer may scale x by a vector along its columns or
+rows first (mul, mul_axis), as the training backward needs. The linear runs torch._scaled_mm (cuBLASLt on
 CUDA, also on the CPU) where it takes the operands, and otherwise a torch reference with the
 same numerics.
 """
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from lowconv.kernels import fp8_quant
 
@@ -27,15 +29,16 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantizes_in_triton(x: torch.Tensor) -> bool:
-    """Whether x's quantizers run the Triton kernels: on GPUs with FP8 (sm_89+)."""
-    return x.is_cuda and cuda_has_fp8(x.device.index)
+    """Whether x's quantizers run the Triton kernels: on sm_90+, where Triton's fp32 -> fp8 cast
+    rounds once (on sm_89 it goes through fp16: a double rounding, not the reference's numbers)."""
+    return x.is_cuda and cuda_capability(x.device.index) >= (9, 0)
 
 
 @functools.cache
-def cuda_has_fp8(index: int | None) -> bool:
-    """Whether CUDA device `index` (None: the current one) has FP8 tensor cores (sm_89+); cached,
-    as the FP8 layers ask on every call."""
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+def cuda_capability(index: int | None) -> tuple[int, int]:
+    """CUDA device `index`'s (None: the current one) compute capability; cached, as the FP8
+    layers ask on every call."""
+    return torch.cuda.get_device_capability(index)
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
@@ -56,7 +59,7 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     return cast_with_scale(x, scale, fp8_dtype)
 
 
-def times(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None) -> torch.Tensor:
+def scaled_by(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None) -> torch.Tensor:
     """x, or x.float() times the vector mul along its columns (last dim) or its rows (the rest)."""
     if mul is None:
         return x
@@ -72,19 +75,24 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     """(x_fp8, scale (1,)): one scale for the whole tensor (x times mul along mul_axis)."""
     if quantizes_in_triton(x):
         return fp8_quant.quantize_tensorwise(x, fp8_dtype, mul, mul_axis)
-    x = times(x, mul, mul_axis)
-    amax = x.detach().abs().amax().reshape(1)
-    return cast_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
+    x = scaled_by(x, mul, mul_axis)
+    return cast_with_scale(x, amax_to_scale(abs_max(x.reshape(-1)).reshape(1), fp8_dtype), fp8_dtype)
 
 
-def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
-                     mul_axis: str | None = None):
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
     """(x_fp8, scale (..., 1)): one scale per row (per token of x, per output channel of W)."""
     if quantizes_in_triton(x):
-        return fp8_quant.quantize_rowwise(x, fp8_dtype, mul, mul_axis)
-    x = times(x, mul, mul_axis)
-    amax = x.detach().abs().amax(dim=-1, keepdim=True)
-    return cast_with_scale(x, amax_to_scale(amax, fp8_dtype), fp8_dtype)
+        return fp8_quant.quantize_rowwise(x, fp8_dtype)
+    return cast_with_scale(x, amax_to_scale(abs_max(x), fp8_dtype), fp8_dtype)
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| along the last dim, kept (..., 1), as the kernels take it: NaN skipped, 0 for no elements."""
+    a = x.detach().abs()
+    a = torch.where(a.isnan(), 0.0, a)
+    if a.shape[-1] == 0:
+        return a.new_zeros(*a.shape[:-1], 1)
+    return a.amax(dim=-1, keepdim=True)
 
 
 def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
@@ -171,7 +179,7 @@ def scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, rowwis
     if device.type == "cpu":
         return not rowwise or cpu_scaled_mm_takes_rows()
     if device.type == "cuda":
-        return cuda_has_fp8(device.index) and (not rowwise or out_dtype == torch.bfloat16)
+        return cuda_capability(device.index) >= (8, 9) and (not rowwise or out_dtype == torch.bfloat16)
     return False
 
 
@@ -240,13 +248,11 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
 def quantize_for_training(x2: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,
                           clipped: torch.Tensor | None = None):
     """(x_fp8, x_fp8_t, scale) of a 2D x in e4m3 for training's GEMMs: as quantize_activation, and
-    x_fp8_t (K, M), the transposed layout the backward GEMM needs, written by the same kernel on
-    an FP8 GPU with a tensor scale; elsewhere x_fp8_t is a transposed view (fp8_linear copies it)."""
-    if quantizes_in_triton(x2) and (scale is not None or granularity == "tensor"):
-        if scale is None:
-            return fp8_quant.quantize_tensorwise_2d(x2, E4M3)
-        return fp8_quant.quantize_with_scale_2d(x2, scale, E4M3, clipped)
+    x_fp8_t (K, M), the transposed layout the backward GEMM needs, written by a transposing Triton
+    cast with a tensor scale (one more read of x); elsewhere a transposed view (fp8_linear copies it)."""
     x_fp8, scale = quantize_activation(x2, granularity, scale, clipped)
+    if quantizes_in_triton(x2) and scale.numel() == 1:
+        return x_fp8, fp8_quant.transposed_with_scale(x2, scale, E4M3), scale
     return x_fp8, x_fp8.t(), scale
 
 
@@ -254,8 +260,7 @@ def quantize_transposed(g: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     """(g_fp8_t (N, M), scale): the tensorwise quantization of a 2D g (times mul), transposed; the
     Triton kernel writes that layout directly, elsewhere it is a transposed view."""
     if quantizes_in_triton(g):
-        _, g_t, scale = fp8_quant.quantize_tensorwise_2d(g, fp8_dtype, mul, mul_axis, rows=False)
-        return g_t, scale
+        return fp8_quant.quantize_tensorwise_transposed(g, fp8_dtype, mul, mul_axis)
     g_fp8, scale = quantize_tensorwise(g, fp8_dtype, mul, mul_axis)
     return g_fp8.t(), scale
 
@@ -283,6 +288,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], -1)
 
     @staticmethod
+    @once_differentiable  # the backward's FP8 GEMMs and casts have no derivatives of their own
     def backward(ctx, grad):
         x_t, x_scale, w_t, w_scale = ctx.saved_tensors
         x_dtype, w_dtype, bias_dtype = ctx.dtypes

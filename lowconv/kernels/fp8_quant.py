@@ -5,14 +5,16 @@
 - per row: one kernel, each program a few whole rows (amax loop, then cast loop; the second read
   of a row comes from L2).
 - with a given scale (static or delayed scaling): one pass that also counts the clipped values.
-Every quantizer may multiply x by a vector along columns or rows first (the backward's folding
-of the forward's row scales into the gradient) without materializing the product.
+- transposed (training's GEMM operands): a tiled cast that writes x^T (K, M) of a 2D x.
+The per-tensor quantizers may multiply x by a vector along its columns or rows first (the
+backward's folding of the forward's row scales into the gradient) without materializing it.
 
 Division is IEEE (div_rn) and the fp32 -> fp8 cast rounds to nearest even and saturates, as
-torch's `(x.float() / scale).clamp(-max, max).to(fp8)`: the outputs equal the torch reference's
-bit for bit. NaN inputs stay NaN in their element (the torch reference's amax would make the
-whole tensor NaN). Triton's interpreter does not emulate fp8 casts faithfully: the casts are
-checked on the GPU, the rest also in the interpreter.
+torch's `(x.float() / scale).clamp(-max, max).to(fp8)`, on sm_90 (one cvt.rn.satfinite; Triton
+casts through fp16 on sm_89, a double rounding, so fp8.py runs the torch reference there): the
+outputs equal the torch reference's bit for bit. NaN inputs stay NaN in their element and do not
+enter the amax (the reference skips them too). Triton's interpreter does not emulate fp8 casts
+faithfully: the casts are checked on the GPU, the rest also in the interpreter.
 """
 import torch
 import triton
@@ -59,6 +61,14 @@ def _cast(v, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _scale_from_partials(partials, NUM_PARTIALS, FP8_MAX: tl.constexpr, PARTIALS_P2: tl.constexpr):
+    """amax / FP8_MAX over the partial amaxes (1 for an all-zero x)."""
+    p = tl.arange(0, PARTIALS_P2)
+    amax = tl.max(tl.load(partials + p, mask=p < NUM_PARTIALS, other=0.0), 0)
+    return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+
+
+@triton.jit
 def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, WIDE: tl.constexpr,
                          BLOCK: tl.constexpr):
     """partials[program] = max |x| over the program's STEPS blocks."""
@@ -81,9 +91,7 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
     number of clipped values to `clipped`."""
     pid = tl.program_id(0)
     if SCALE_FROM_PARTIALS:
-        p = tl.arange(0, PARTIALS_P2)
-        amax = tl.max(tl.load(partials + p, mask=p < NUM_PARTIALS, other=0.0), 0)
-        s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        s = _scale_from_partials(partials, NUM_PARTIALS, FP8_MAX, PARTIALS_P2)
         if pid == 0:
             tl.store(scale, s)
     else:
@@ -100,18 +108,18 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
 
 
 @triton.jit
-def _cast_2d_kernel(x, mul, out, out_t, scale, partials, clipped, M, K, NUM_PARTIALS,
-                    MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
-                    WRITE_ROWS: tl.constexpr, FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_cast_kernel on (BLOCK_M, BLOCK_K) tiles of a row-major (M, K) x, writing out_t (K, M), the
-    transposed layout an FP8 GEMM of the backward needs, and out (M, K) too when WRITE_ROWS."""
+def _cast_transposed_kernel(x, mul, out_t, scale, partials, M, K, NUM_PARTIALS,
+                            MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, FP8_MAX: tl.constexpr,
+                            FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """out_t (K, M) = saturate(x / scale)^T on (BLOCK_M, BLOCK_K) tiles of a row-major (M, K) x,
+    the scale given or (SCALE_FROM_PARTIALS) from the partial amaxes, written by program (0, 0).
+    Only the transposed layout: with a second store of the row layout, fp32 inputs came out wrong
+    in the transposed one on the H100 (triton 3.6); the row layout comes from _cast_kernel."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     if SCALE_FROM_PARTIALS:
-        p = tl.arange(0, PARTIALS_P2)
-        amax = tl.max(tl.load(partials + p, mask=p < NUM_PARTIALS, other=0.0), 0)
-        s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-        if pid_m == 0 and pid_k == 0:
+        s = _scale_from_partials(partials, NUM_PARTIALS, FP8_MAX, PARTIALS_P2)
+        if (pid_m == 0) & (pid_k == 0):
             tl.store(scale, s)
     else:
         s = tl.load(scale)
@@ -126,17 +134,11 @@ def _cast_2d_kernel(x, mul, out, out_t, scale, partials, clipped, M, K, NUM_PART
         v = v * tl.load(mul + col, mask=col < K, other=0.0)[None, :]
     elif MUL == 2:
         v = v * tl.load(mul + row, mask=row < M, other=0.0)[:, None]
-    q = _cast(v, s, FP8_MAX, FP8)
-    tl.store(out_t + cols.to(tl.int64) * M + rows, q, mask=ok)
-    if WRITE_ROWS:
-        tl.store(out + rows.to(tl.int64) * K + cols, q, mask=ok)
-    if COUNT:
-        count = tl.sum(tl.sum((tl.math.div_rn(tl.abs(v), s) > FP8_MAX).to(tl.int32), 1), 0).to(tl.int64)
-        tl.atomic_add(clipped, count, mask=count > 0)
+    tl.store(out_t + cols.to(tl.int64) * M + rows, _cast(v, s, FP8_MAX, FP8), mask=ok)
 
 
 @triton.jit
-def _rowwise_kernel(x, mul, out, scales, M, K, MUL: tl.constexpr, FP8_MAX: tl.constexpr, FP8: tl.constexpr,
+def _rowwise_kernel(x, out, scales, M, K, FP8_MAX: tl.constexpr, FP8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per row of a row-major (M, K) x: scale = amax / FP8_MAX (1 for a zero row), out = saturate(x / scale)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,15 +147,15 @@ def _rowwise_kernel(x, mul, out, scales, M, K, MUL: tl.constexpr, FP8_MAX: tl.co
     amax = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
-        amax = tl.maximum(amax, tl.abs(_load_scaled(x, mul, base + cols, row_ok & (cols < K), cols, rows[:, None],
-                                                     MUL)))
+        v = tl.load(x + base + cols, mask=row_ok & (cols < K), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
     amax_row = tl.max(amax, 1)
     s = tl.where(amax_row > 0, tl.math.div_rn(amax_row, FP8_MAX), 1.0)
     tl.store(scales + rows, s, mask=rows < M)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
         ok = row_ok & (cols < K)
-        v = _load_scaled(x, mul, base + cols, ok, cols, rows[:, None], MUL)
+        v = tl.load(x + base + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + base + cols, _cast(v, s[:, None], FP8_MAX, FP8), mask=ok)
 
 
@@ -187,21 +189,32 @@ def _partial_amaxes(x, k, mul, mul_axis):
     return partials, programs, steps
 
 
-def _check_counter(clipped: torch.Tensor | None):
-    if clipped is not None and clipped.dtype != torch.int64:
-        raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
+def _partials_p2(partials) -> int:
+    return 1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS)
 
 
 def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, programs, steps):
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     _cast_kernel[(programs,)](x, mul, out, scale, scale if partials is None else partials,
-                              scale if clipped is None else clipped, x.numel(), k,
-                              steps, programs, MUL=mul_axis, WIDE=_wide(programs, steps),
-                              SCALE_FROM_PARTIALS=partials is not None,
-                              COUNT=clipped is not None,
-                              FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                              PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS), BLOCK=BLOCK, num_warps=8)
+                              scale if clipped is None else clipped, x.numel(), k, steps, programs,
+                              MUL=mul_axis, WIDE=_wide(programs, steps), SCALE_FROM_PARTIALS=partials is not None,
+                              COUNT=clipped is not None, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                              PARTIALS_P2=_partials_p2(partials), BLOCK=BLOCK, num_warps=8)
     return out
+
+
+def _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, partials):
+    """x_fp8_t (K, M) of a 2D x. Every grid has a program (0, 0), so the scale is written even for
+    an empty x."""
+    m, k = x.shape
+    out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
+    grid = (max(1, triton.cdiv(m, TILE_2D[0])), max(1, triton.cdiv(k, TILE_2D[1])))
+    _cast_transposed_kernel[grid](x, mul, out_t, scale, scale if partials is None else partials, m, k,
+                                  1 if partials is None else partials.numel(), MUL=mul_axis,
+                                  SCALE_FROM_PARTIALS=partials is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
+                                  FP8=FP8_TL[fp8_dtype], PARTIALS_P2=_partials_p2(partials),
+                                  BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1], num_warps=8)
+    return out_t
 
 
 def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
@@ -218,52 +231,34 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                         clipped: torch.Tensor | None = None):
     """(x_fp8, scale) with a given (1,) dequant scale, in one pass; `clipped` (an int64 scalar
     tensor) gets the number of saturated values added."""
-    x, k, mul, no_mul = _prepare(x, None, None)
-    _check_counter(clipped)
+    x, k, no_mul, no_mul_axis = _prepare(x, None, None)
+    if clipped is not None and clipped.dtype != torch.int64:
+        raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
     scale = scale.float().reshape(1).contiguous()
     programs, steps = _programs(x.numel(), 2 ** 31 - 1)  # no partials to combine: a program per block
-    return _launch_cast(x, k, mul, no_mul, fp8_dtype, scale, None, clipped, programs, steps), scale
+    return _launch_cast(x, k, no_mul, no_mul_axis, fp8_dtype, scale, None, clipped, programs, steps), scale
 
 
-def _launch_cast_2d(x, mul, mul_axis, fp8_dtype, scale, partials, clipped, rows):
-    """x_fp8 (or None unless `rows`) and x_fp8_t (K, M) of a 2D x, by _cast_2d_kernel."""
-    m, k = x.shape
-    out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
-    out = torch.empty(m, k, dtype=fp8_dtype, device=x.device) if rows else out_t
-    grid = (triton.cdiv(m, TILE_2D[0]), triton.cdiv(k, TILE_2D[1]))
-    _cast_2d_kernel[grid](x, mul, out, out_t, scale, scale if partials is None else partials,
-                          scale if clipped is None else clipped, m, k, 1 if partials is None else partials.numel(),
-                          MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None, COUNT=clipped is not None,
-                          WRITE_ROWS=rows, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                          PARTIALS_P2=1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS),
-                          BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1], num_warps=8)
-    return (out if rows else None), out_t
-
-
-def quantize_tensorwise_2d(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
-                           mul_axis: str | None = None, rows: bool = True):
-    """(x_fp8 (M, K) or None unless `rows`, x_fp8_t (K, M), scale (1,)) of a 2D x: quantize_tensorwise
-    writing the transposed layout as well (or only), in the same two passes."""
+def quantize_tensorwise_transposed(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
+                                   mul_axis: str | None = None):
+    """(x_fp8_t (K, M), scale (1,)) of a 2D x (times mul): quantize_tensorwise's values, transposed."""
     x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
     partials, _, _ = _partial_amaxes(x, k, mul, mul_axis)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    return (*_launch_cast_2d(x, mul, mul_axis, fp8_dtype, scale, partials, None, rows), scale)
+    return _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, partials), scale
 
 
-def quantize_with_scale_2d(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
-                           clipped: torch.Tensor | None = None):
-    """(x_fp8, x_fp8_t (K, M), scale) of a 2D x with a given (1,) scale: quantize_with_scale writing
-    both layouts in one pass."""
-    x, _, mul, no_mul = _prepare(x, None, None)
-    _check_counter(clipped)
-    scale = scale.float().reshape(1).contiguous()
-    return (*_launch_cast_2d(x, mul, no_mul, fp8_dtype, scale, None, clipped, True), scale)
+def transposed_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """x_fp8_t (K, M) of a 2D x with a given (1,) scale (one that quantize_tensorwise or
+    quantize_with_scale returned for x): the same values, transposed."""
+    x, _, no_mul, no_mul_axis = _prepare(x, None, None)
+    return _launch_cast_transposed(x, no_mul, no_mul_axis, fp8_dtype, scale.float().reshape(1).contiguous(), None)
 
 
-def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
-                     mul_axis: str | None = None):
-    """(x_fp8, scale (..., 1)): one scale per row of x (times mul along mul_axis), in one kernel."""
-    x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
+def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
+    """(x_fp8, scale (..., 1)): one scale per row of x, in one kernel."""
+    x = x.contiguous()
+    k = x.shape[-1] if x.dim() else 1
     m = x.numel() // max(k, 1)
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
@@ -271,7 +266,7 @@ def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor 
         return out, scales.fill_(1.0)
     block_k = min(triton.next_power_of_2(k), BLOCK)
     block_m = max(1, BLOCK * 2 // block_k)  # ~4096 elements per program step
-    _rowwise_kernel[(triton.cdiv(m, block_m),)](x, mul, out, scales, m, k, MUL=mul_axis,
-                                                 FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                                                 BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
+    _rowwise_kernel[(triton.cdiv(m, block_m),)](x, out, scales, m, k, FP8_MAX=torch.finfo(fp8_dtype).max,
+                                                 FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m, BLOCK_K=block_k,
+                                                 num_warps=8)
     return out, scales

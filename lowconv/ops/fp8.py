@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, amax_to_scale, dequantize, fp8_frozen_linear, quantize_weight,
+    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale, dequantize, fp8_frozen_linear,
+    quantize_weight,
 )
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -62,7 +63,8 @@ class Fp8Linear(nn.Module):
             self.register_buffer("amax_history", torch.zeros(options.amax_history_len))
         if options.scaling != "dynamic":
             # Saturation counters for report_stats; run-time state, not part of the checkpoint. The
-            # quantizer adds to `clipped` on the device; `elements` is known on the host.
+            # quantizer adds to `clipped` on the device; `elements` is known on the host (so a
+            # CUDA graph replay adds to `clipped` but not to `elements`: counts of eager runs only).
             self.register_buffer("clipped", torch.zeros((), dtype=torch.int64), persistent=False)
             self.elements = 0
         self.calibrating = False
@@ -110,7 +112,7 @@ class Fp8Linear(nn.Module):
                 self._input_scale_checked = True
             scale = self.input_scale
         else:
-            amax = x.detach().abs().amax().float().reshape(1)
+            amax = abs_max(x.reshape(-1)).float().reshape(1)
             past = self.amax_history[:1] if self.options.amax_reduction == "most_recent" else \
                 self.amax_history.max().reshape(1)
             # An empty history (never calibrated, first step) falls back to the current amax.
@@ -122,7 +124,7 @@ class Fp8Linear(nn.Module):
 
     def calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Record x's amax and compute with the unquantized x (its scale is what is being measured)."""
-        amax = x.detach().abs().amax().float()
+        amax = abs_max(x.reshape(-1)).float().reshape(())
         self.calibration_amax = amax if self.calibration_amax is None else torch.maximum(self.calibration_amax, amax)
         weight = self.weight if self.options.training else dequantize(self.weight, self.weight_scale)
         bias = None if self.bias is None else self.bias.float()
