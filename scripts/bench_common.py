@@ -6,6 +6,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +14,22 @@ import triton
 import triton.testing
 
 CPU_REPS = 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GEMM y (m, n) = x (m, k) W^T, named for the report."""
+    name: str
+    m: int
+    k: int
+    n: int
+
+    @property
+    def dims(self):
+        return (self.m, self.k, self.n)
+
+    def label(self):
+        return f"{self.name} {self.m}x{self.k}x{self.n}"
 
 
 def synchronize(device):

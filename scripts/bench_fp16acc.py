@@ -39,23 +39,8 @@ from tabulate import tabulate  # noqa: E402
 
 import lowconv.kernels.fp16acc as fa  # noqa: E402
 from lowconv.kernels.fp16acc import auto_splits, cublas_fp16_accumulation, fp16acc_matmul  # noqa: E402
-from scripts.bench_common import (add_run_arguments, cuda_context_error, first_line, measure,  # noqa: E402
-                                  run_device, run_header, write_outputs)
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    m: int
-    k: int
-    n: int
-
-    @property
-    def dims(self):
-        return (self.m, self.k, self.n)
-
-    def label(self):
-        return f"{self.name} {self.m}x{self.k}x{self.n}"
+from scripts.bench_common import (Shape, add_run_arguments, cuda_context_error, first_line,  # noqa: E402
+                                  measure, run_device, run_header, write_outputs)
 
 
 # The targets' shapes first, so a run cut short by its budget still decides them.

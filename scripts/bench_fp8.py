@@ -51,29 +51,14 @@ from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
-from scripts.bench_common import (add_run_arguments, cuda_context_error, first_line, measure,  # noqa: E402
-                                  run_device, run_header, write_outputs)
+from scripts.bench_common import (Shape, add_run_arguments, cuda_context_error, first_line,  # noqa: E402
+                                  measure, run_device, run_header, write_outputs)
 from lowconv.kernels.fp8 import (  # noqa: E402
     E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise, quantize_with_scale,
 )
 from lowconv.ops.fp8 import Fp8Linear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
 from lowconv.report import tensor_metrics  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    m: int
-    k: int
-    n: int
-
-    @property
-    def dims(self):
-        return (self.m, self.k, self.n)
-
-    def label(self):
-        return f"{self.name} {self.m}x{self.k}x{self.n}"
 
 
 ISSUE_SHAPES = [Shape("ViT-L fc1", 13008, 1024, 4096), Shape("ViT-L fc2", 13008, 4096, 1024),

@@ -62,25 +62,10 @@ from lowconv.kernels import cusparselt  # noqa: E402
 from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import (add_run_arguments, cuda_context_error, first_line, measure,  # noqa: E402
-                                  run_device, run_header, write_outputs)
+from scripts.bench_common import (Shape, add_run_arguments, cuda_context_error, first_line,  # noqa: E402
+                                  measure, run_device, run_header, write_outputs)
 
 NAME = "bench_semi_sparse"
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    m: int
-    k: int
-    n: int
-
-    @property
-    def dims(self):
-        return (self.m, self.k, self.n)
-
-    def label(self):
-        return f"{self.name} {self.m}x{self.k}x{self.n}"
 
 
 ISSUE_SHAPES = [Shape("ViT-L fc1", 13008, 1024, 4096), Shape("ViT-L fc2", 13008, 4096, 1024),

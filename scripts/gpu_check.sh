@@ -3,11 +3,11 @@
 # the GPU tests, the benchmarks and the example conversions on CUDA; everything lands under $OUT.
 #
 #   bash scripts/gpu_check.sh                     # every part (more than one 10-minute device call)
-#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train sparse fp16acc examples
+#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train sparse fp16acc examples real
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
-PARTS=${*:-tests attention fp8 train sparse fp16acc examples}
+PARTS=${*:-tests attention fp8 train sparse fp16acc examples real}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -46,8 +46,13 @@ for part in $PARTS; do
       done
       python3 -m lowconv.cli convert examples/point_transformer.py sparse-attention-bf16 -o "$OUT/point-transformer" \
         --device cuda > "$OUT/point-transformer.txt" 2>&1 || status=1 ;;
+    real)
+      # timm and torchvision models (also in the `tests` part) and README's coverage table on CUDA
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_real_models_gpu.py 2>&1 | tee "$OUT/pytest_real_models.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      python3 scripts/coverage_real_models.py --device cuda --out "$OUT" > "$OUT/coverage_real_models.txt" 2>&1 || status=1 ;;
     *)
-      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train sparse fp16acc examples)" >&2
+      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train sparse fp16acc examples real)" >&2
       exit 2 ;;
   esac
 done
