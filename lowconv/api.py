@@ -203,7 +203,7 @@ def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> t
     checked to be the same graph as at conversion and given what the conversion learned."""
     todo = plan.converted()
     trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in todo}),
-                        none_args=plan.none_args)
+                        none_args=plan.none_args, constant_args=plan.constant_args)
     found = {s.fqn: s for s in find_sites(model, trace)}
     sites = {}
     for decision in todo:

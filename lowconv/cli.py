@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from lowconv import api, checkpoint, report as reports
 from lowconv.errors import LowconvError
-from lowconv.model_file import load_model_file
+from lowconv.model_sources import load_model
 from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
 from lowconv.site import FLOAT_DTYPES
@@ -25,8 +25,16 @@ EPILOG = """examples:
   lowconv inspect examples/vit.py fp8-dynamic         # ... and what the recipe would do to each
   lowconv convert examples/vit.py fp8-dynamic -o out/ # out/model.safetensors, report.md, report.json
   lowconv compare examples/vit.py out/                # rebuild from out/, re-check; exit 1 if the gate fails
+  lowconv inspect hf:path/to/llama sparse-attention-bf16   # a local Hugging Face directory
+  lowconv convert timm:vit_base_patch16_224 fp8-dynamic -o out/
 
-A model file defines build_model() and example_inputs(); RECIPE is a .toml path or a built-in name."""
+MODEL is a model file (it defines build_model() and example_inputs()), or a model source with
+example inputs made for it: hf:DIR (config.json, and safetensors weights if any), timm:NAME,
+torchvision:NAME (random weights), nn:transformer-encoder, nn:multihead-attention. Nothing is
+downloaded. RECIPE is a .toml path or a built-in name."""
+
+
+MODEL_HELP = "model file (defines build_model() and example_inputs()), or hf:DIR, timm:NAME, torchvision:NAME, nn:NAME"
 
 
 def progress(message: str) -> None:
@@ -88,7 +96,7 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    loaded = load_model_file(args.model, device=pick_device(args.device), dtype=args.dtype, seed=args.seed)
+    loaded = load_model(args.model, device=pick_device(args.device), dtype=args.dtype, seed=args.seed)
     recipe = args.recipe or "keep-all"
     _, plan = api.plan_conversion(loaded.model, recipe, loaded.inputs)
     print(sites_table(plan))
@@ -116,7 +124,7 @@ def write_outputs(out: Path, report: reports.Report) -> None:
 
 def cmd_convert(args) -> int:
     device = pick_device(args.device)
-    loaded = load_model_file(args.model, device=device, dtype=args.dtype, seed=args.seed)
+    loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
     converted = api.convert(loaded.model, recipe, loaded.inputs, progress=progress)
     plan = api.plan_of(converted)
@@ -141,7 +149,7 @@ def cmd_compare(args) -> int:
     plan, _ = api.read_plan(args.output)
     seed = args.seed if args.seed is not None else plan.model.get("seed", 0)
     dtype = args.dtype or plan.model.get("dtype")
-    loaded = load_model_file(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
+    loaded = load_model(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
     progress(f"rebuilding the converted model from {args.output}")
     converted = api.load(loaded.model, args.output, example_inputs=loaded.inputs)
     report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
@@ -168,18 +176,18 @@ def parser() -> argparse.ArgumentParser:
     command("recipes", "list the built-in recipes", cmd_recipes, "lowconv recipes")
     c = command("inspect", "list the sites of a model, and with a recipe what it would do to each",
                 cmd_inspect, "lowconv inspect examples/vit.py fp8-dynamic")
-    c.add_argument("model", help="model file (defines build_model() and example_inputs())")
+    c.add_argument("model", help=MODEL_HELP)
     c.add_argument("recipe", nargs="?", help="recipe file or built-in recipe name")
     model_options(c)
     c = command("convert", "convert a model; write the checkpoint and the accuracy report",
                 cmd_convert, "lowconv convert examples/vit.py fp8-dynamic -o out/")
-    c.add_argument("model", help="model file (defines build_model() and example_inputs())")
+    c.add_argument("model", help=MODEL_HELP)
     c.add_argument("recipe", help="recipe file or built-in recipe name (see `lowconv recipes`)")
     c.add_argument("-o", "--output", required=True, help="output directory")
     model_options(c)
     c = command("compare", "rebuild a saved conversion and re-check it against the original",
                 cmd_compare, "lowconv compare examples/vit.py out/")
-    c.add_argument("model", help="the model file the conversion was made from")
+    c.add_argument("model", help="the model file or source the conversion was made from")
     c.add_argument("output", help="the directory `lowconv convert -o` wrote")
     model_options(c, seed_default=None)
     return p

@@ -21,7 +21,7 @@ from lowconv.site import FLOAT_DTYPES
 
 @dataclass
 class ModelFile:
-    path: Path
+    source: str  # the model file's path, or the model source it came from (model_sources.py)
     model: nn.Module
     inputs: object  # as example_inputs() returned it, moved and cast
     logits: bool | None
@@ -68,16 +68,27 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
                     seed: int = 0) -> ModelFile:
     """Import the file, build the model and its example inputs under `seed`, on `device`."""
     path = Path(path)
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise LowconvError(f"dtype {dtype!r} is not one of: {', '.join(FLOAT_DTYPES)}")
-    if not isinstance(seed, int):
-        raise LowconvError(f"seed {seed!r} is not an integer")
+    cast = checked_cast(dtype, seed)
     module = import_file(path)
     torch.manual_seed(seed)
     model = call(module, path, "build_model")
     if not isinstance(model, nn.Module):
         raise LowconvError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     inputs = call(module, path, "example_inputs")
-    cast = FLOAT_DTYPES[dtype] if dtype else None
+    return placed(str(path), model, inputs, getattr(module, "LOGITS", None), device, cast)
+
+
+def checked_cast(dtype: str | None, seed) -> torch.dtype | None:
+    """The dtype to cast a model and its inputs to (None: as built), after checking the options."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise LowconvError(f"dtype {dtype!r} is not one of: {', '.join(FLOAT_DTYPES)}")
+    if not isinstance(seed, int):
+        raise LowconvError(f"seed {seed!r} is not an integer")
+    return FLOAT_DTYPES[dtype] if dtype else None
+
+
+def placed(source: str, model: nn.Module, inputs, logits: bool | None, device: str,
+           cast: torch.dtype | None) -> ModelFile:
+    """The built model and inputs moved to `device` and cast (floating tensors only)."""
     model = model.to(device=device, dtype=cast) if cast else model.to(device)
-    return ModelFile(path, model, to_device(inputs, torch.device(device), cast), getattr(module, "LOGITS", None))
+    return ModelFile(source, model, to_device(inputs, torch.device(device), cast), logits)

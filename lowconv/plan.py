@@ -32,6 +32,8 @@ class Plan:
     none_args: dict[str, list[str]]  # region FQN -> forward arguments traced as the constant None
     untraced: list[dict]  # {"fqn": ..., "error": ...} for each module whose own code did not trace
     warnings: list[str] = field(default_factory=list)
+    constant_args: dict[str, dict] = field(default_factory=dict)  # region FQN -> {argument: the bool/int/float/str traced}
+    decided: dict[str, list[str]] = field(default_factory=dict)  # region FQN -> branches its example inputs decided
     gate_min_sqnr_db: float | None = None
     model: dict = field(default_factory=dict)  # how the original was made: signature, seed, dtype, ...
 

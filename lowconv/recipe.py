@@ -235,12 +235,20 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         f"keeps eval behaviour (e.g. no functional dropout) when the converted model trains"
         for r in trace.regions if r.reads_training and r.fqn in rewritten
     ]
+    warnings += [
+        f"region {r.fqn or '(whole model)'} was traced with {len(r.decided)} branches decided by the example "
+        f"inputs' shapes, dtypes and flags (at {', '.join(dict.fromkeys(d.rpartition(': ')[0] for d in r.decided))}): "
+        f"the converted region checks them on every call and raises on inputs that branch otherwise"
+        for r in trace.regions if r.decided and r.fqn in rewritten
+    ]
     return Plan(
         recipe=recipe.name,
         recipe_text=recipe.text,
         decisions=decisions,
         regions=[r.fqn for r in trace.regions],
         none_args={r.fqn: r.none_args for r in trace.regions if r.none_args},
+        constant_args={r.fqn: r.constant_args for r in trace.regions if r.constant_args},
+        decided={r.fqn: r.decided for r in trace.regions if r.decided},
         untraced=[dataclasses.asdict(u) for u in trace.untraced],
         warnings=warnings,
         gate_min_sqnr_db=recipe.min_sqnr_db,

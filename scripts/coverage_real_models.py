@@ -108,9 +108,15 @@ def measure(row: Row, device: str) -> dict:
     return result
 
 
+def sites(fqns: list[str]) -> str:
+    """The sites kept for one reason: all of them when few, else the first and how many more."""
+    unique = list(dict.fromkeys(fqns))
+    return ", ".join(unique) if len(unique) <= 3 else f"{unique[0]} and {len(unique) - 1} more like it"
+
+
 def table(results: dict[str, dict | str]) -> str:
-    head = ("| model | linears found | attention found | fp8-dynamic: linears converted, output SQNR | "
-            "semi-sparse: linears converted, SQNR | sparse-attention-bf16: attention converted, SQNR |")
+    head = ("| model | linears found / in the model | attention found / modules | fp8-dynamic: linears converted, "
+            "output SQNR | semi-sparse (MLP linears): converted, SQNR | sparse-attention-bf16: attention converted, SQNR |")
     lines = [head, "|" + "---|" * 6]
     notes = []  # "- model: sites: why", one line per reason
     for label, r in results.items():
@@ -127,7 +133,7 @@ def table(results: dict[str, dict | str]) -> str:
         for c in r["recipes"].values():
             for reason, fqn in c["kept"]:
                 kept.setdefault(reason, []).append(fqn)
-        notes += [f"- {label}: {', '.join(dict.fromkeys(fqns))}: {reason}" for reason, fqns in kept.items()]
+        notes += [f"- {label}: {sites(fqns)}: {reason}" for reason, fqns in kept.items()]
         lines.append(f"| {label} | {r['found linears']} / {r['linears']} | "
                      f"{r['found attention']} / {r['attention modules']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nKept, and why (sites that no rule of the recipe matched are not listed):\n"

@@ -91,6 +91,7 @@ def find_attention_sites(region: Region, names: dict[str, set[str]] | None = Non
             continue
         match = match_sdpa(region, node) or match_handwritten(region, node)
         if match is not None:
+            unrepeat_kv(match)
             sites.append(functional_site(region, match, names))
     order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
     for site in sites:
@@ -354,6 +355,42 @@ def untranspose(kt: fx.Node) -> fx.Node | None:
     else:
         swapped = kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT"
     return kt.args[0] if swapped else None
+
+
+# ---- grouped-query attention ----
+
+def unrepeat_kv(match: Match) -> None:
+    """Take k and v as the model's own kv heads when both were repeated up to q's heads (GQA)
+    and nothing else reads the repeated tensors: the op repeats them itself (kernel-side), and the
+    copies go away with the site."""
+    if match.k is None:
+        return
+    k, k_nodes = repeated_heads(match.k)
+    v, v_nodes = repeated_heads(match.v)
+    if k_nodes and v_nodes:
+        match.k, match.v = k, v
+        match.nodes.extend([*k_nodes, *v_nodes])
+
+
+def repeated_heads(x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(kv, the nodes that repeat it) when `x` is kv with each of its heads repeated n times in a
+    row, as Hugging Face's repeat_kv writes it (`kv[:, :, None, :, :].expand(b, h, n, s, d)
+    .reshape(b, h * n, s, d)`) or as `kv.repeat_interleave(n, dim=1)`, used by the attention
+    only; else (x, [])."""
+    if len(x.users) != 1:
+        return x, []
+    if op_is(x, (torch.repeat_interleave,), ("repeat_interleave",)):
+        args = call_args(x, ("input", "repeats", "dim"))
+        if args.get("dim") == 1 and isinstance(args.get("repeats"), int):
+            return args["input"], [x]
+    if op_is(x, (torch.reshape,), ("reshape",)):
+        expand = x.args[0]
+        if op_is(expand, (), ("expand",)) and len(expand.users) == 1:
+            index = expand.args[0]
+            new_axis = (slice(None),) * 2 + (None,) + (slice(None),) * 2
+            if is_slice(index) and index.args[1] == new_axis and len(index.users) == 1:
+                return index.args[0], [index, expand, x]
+    return x, []
 
 
 # ---- the Site ----

@@ -131,10 +131,23 @@ def functional_conflict(site: Site, region: Region, rel: str, w: fx.Node, b: fx.
     return None
 
 
+def mha_out_proj_site(region: Region, mha_fqn: str, mha: nn.MultiheadAttention) -> Site:
+    """nn.MultiheadAttention's out_proj: an nn.Linear that the MHA's fused forward never calls
+    (F.multi_head_attention_forward reads its weight, as it reads in_proj_weight), so no linear op
+    can take its place. Listed, so that inspect shows every nn.Linear, and kept with the reason."""
+    site = module_site(region, join_fqn(mha_fqn, "out_proj"), mha.out_proj, None)
+    site.input = site.output = None  # the lone-region reading would be the MHA's own input
+    site.unsupported = ("inside nn.MultiheadAttention, whose forward reads this weight (and in_proj_weight) "
+                        "itself; the sparse_attention op converts the attention and keeps both projections")
+    return site
+
+
 def find_linear_sites(region: Region) -> list[Site]:
     if region.graph is None:
         if isinstance(region.module, nn.Linear):
             return [module_site(region, region.fqn, region.module, None)]
+        if isinstance(region.module, nn.MultiheadAttention):
+            return [mha_out_proj_site(region, region.fqn, region.module)]
         return []
     sites, called = [], set()
     for node in region.graph.graph.nodes:
@@ -143,6 +156,8 @@ def find_linear_sites(region: Region) -> list[Site]:
             module = region.graph.get_submodule(node.target)
             if isinstance(module, nn.Linear):
                 sites.append(module_site(region, join_fqn(region.fqn, node.target), module, node))
+            elif isinstance(module, nn.MultiheadAttention):
+                sites.append(mha_out_proj_site(region, join_fqn(region.fqn, node.target), module))
         else:
             site = functional_site(node, region)
             if site is not None:

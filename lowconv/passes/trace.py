@@ -13,6 +13,14 @@ Arguments that are None on the example call (`attention_mask=None`) are traced a
 None: fx would otherwise trace them as tensors and freeze `if mask is None` in its other branch.
 The traced region then asserts that they are still None when called.
 
+Arguments that are a bool, int, float or str on the example call (`use_cache=False`,
+`logits_to_keep=0`) are traced as those constants, guarded the same way. With the example
+inputs, the tracer also knows every traced value, and takes the branches that depend on shapes,
+dtypes and flags the way the example does (`if q.shape[2] > 1`, `cos, sin = pair`, `f(**kwargs)`),
+each checked by a guard in the graph (passes/example_values.py); branches on tensor data still
+stop the trace. Forwards fx cannot take as they are (decorated, or with *args/**kwargs, as in
+Hugging Face's models) are traced through a function of the arguments the example call bound.
+
 Tracing works on the module it is given; callers pass a copy, never the user's model.
 
 Every run of a model on example inputs that lowconv makes (here and in api.py) is given fresh
@@ -21,8 +29,10 @@ then neither changes the user's tensors nor sees another run's writes.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -32,10 +42,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.proxy import TraceError
 
 from lowconv.compat import sptr, sptr_install
 from lowconv.errors import LowconvError
+from lowconv.passes.example_values import MISSING, ExampleValues, code_location, decided, decided_length
 
+# timm's (1.0.x) non-fused attention adds its mask through these: `scores if mask is None else
+# scores + mask`, with a mask resolved from flags. Plain Python: they trace.
+TRACED_INTO = {"timm.layers.attention.maybe_add_mask", "timm.layers.attention.resolve_self_attn_mask"}
 # Modules that are sites by themselves: traced as calls, never into.
 SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
 
@@ -52,7 +67,9 @@ class Region:
     module: nn.Module
     graph: fx.GraphModule | None  # None: a lone site module under untraceable code
     none_args: list[str] = field(default_factory=list)  # forward arguments traced as None
+    constant_args: dict = field(default_factory=dict)  # forward arguments traced as this bool/int/float/str
     reads_training: bool = False  # its code branches on self.training (traced as eval)
+    decided: list[str] = field(default_factory=list)  # branches the example inputs decided (guarded)
     example_args: tuple | None = None  # its inputs on the first call with the example inputs
     example_output: object = None  # its output on that call (lone site modules only)
 
@@ -71,23 +88,29 @@ class Trace:
 
 class SetItemProxy(fx.Proxy):
     """A Proxy that records `x[i] = y` as an operator.setitem call, which fx generates code for
-    but its Proxy refuses; SpTr's sparse_self_attention puts its output back in order that way."""
+    but its Proxy refuses (SpTr's sparse_self_attention puts its output back in order that way),
+    and whose len() the tracer answers from the example values when it can."""
 
     def __setitem__(self, key, value):
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)
 
 
 class SiteTracer(fx.Tracer):
     """fx's default tracer, but everything it may need to rewrite stays a call_module.
 
-    Extra leaf classes (e.g. the op modules of an already converted model) can be given.
+    Given the example values of the forward's arguments (in placeholder order), it computes each
+    node's value beside the trace and takes the branches, iterations and lengths the example
+    takes where they depend on metadata only, each guarded in the graph (passes/example_values.py).
     """
 
     # Buffers become get_attr nodes (not constants): `self.mask[:, :, :T, :T]` with a traced T
     # then traces, and the attention pass can read the buffer to recognize a causal mask.
     proxy_buffer_attributes = True
 
-    def __init__(self):
+    def __init__(self, example_arguments: list | None = None, forward=None):
         # SpTr ops stay single calls even when a model imported them by name (torch.fx.wrap only
         # patches calls through the module's namespace); so do a real SpTr install's, whose
         # autograd Functions and CUDA extension cannot take a Proxy.
@@ -100,6 +123,68 @@ class SiteTracer(fx.Tracer):
         self._autowrap_search += sptr_install.loaded_modules()
         # By id: fx records the very object it patched, and call targets need not be hashable.
         self.real_ops = {id(op.real): op for op in real_ops}
+        self.example = ExampleValues(example_arguments) if example_arguments is not None else None
+        self.forward = forward  # traced instead of the root's forward (see bound_forward)
+        self.running_example = False  # a node is being run on its example values
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        return super().create_args_for_root(self.forward or root_fn, is_module, concrete_args)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if self.example is not None and kind != "output":
+            # fx's patches of nn.Module stay on while the node runs on real values: getattr and
+            # call_module below let the run through instead of recording it.
+            self.running_example = True
+            try:
+                self.example.evaluate(proxy.node, self.root)
+            finally:
+                self.running_example = False
+        return proxy
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.running_example:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.running_example:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def decidable(self, proxy: fx.Proxy):
+        return self.example.decidable(proxy) if self.example is not None else MISSING
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        value = self.decidable(obj)
+        if value is MISSING:
+            return super().to_bool(obj)  # a branch on data, or on something unknown: not traceable
+        where, taken = code_location(), bool(value)
+        self.create_proxy("call_function", decided, (obj, taken, where), {})
+        self.example.decisions.append(f"{where}: branch {taken}")
+        return taken
+
+    def length(self, obj: fx.Proxy) -> int:
+        value = self.decidable(obj)
+        if value is MISSING or not hasattr(value, "__len__"):
+            raise TraceError(f"len() of {obj.node.name}, whose length is not known before it runs")
+        where = code_location()
+        self.create_proxy("call_function", decided_length, (obj, len(value), where), {})
+        self.example.decisions.append(f"{where}: length {len(value)}")
+        return len(value)
+
+    def iter(self, obj: fx.Proxy):
+        if not isinstance(self.decidable(obj), (tuple, list, torch.Size)):
+            return super().iter(obj)
+        return iter([obj[i] for i in range(self.length(obj))])
+
+    def keys(self, obj: fx.Proxy):
+        value = self.decidable(obj)
+        if not isinstance(value, dict):
+            return super().keys(obj)
+        where = code_location()  # `**obj`: its keys are fixed as the example's
+        self.example.decisions.append(f"{where}: keys {', '.join(map(str, value))}")
+        return list(value)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         if kind == "call_function":
@@ -111,13 +196,34 @@ class SiteTracer(fx.Tracer):
         # get_indices_params; fx takes no numpy argument, so the graph rebuilds the array.
         if isinstance(a, np.ndarray):
             return self.create_node("call_function", np.array, (a.tolist(),), {"dtype": str(a.dtype)})
+        # A dataclass (Hugging Face's ModelOutput, a dict subclass that fx would turn into a plain
+        # dict) is rebuilt by the graph, so a converted model returns what the model returned.
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
+            return self.create_node("call_function", type(a), (), fields)
         return super().create_arg(a)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return SetItemProxy(node, self)
 
+    def trace(self, root, concrete_args=None):
+        # Functions a library made opaque with torch.fx.wrap that hide an attention's scores: fx
+        # would record one call for them; traced into, the attention pass sees the ops.
+        hidden = {key: frame for key, frame in torch.fx._symbolic_trace._wrapped_fns_to_patch.items()
+                  if qualified_name(frame.get(key[1])) in TRACED_INTO}
+        for key in hidden:
+            del torch.fx._symbolic_trace._wrapped_fns_to_patch[key]
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            torch.fx._symbolic_trace._wrapped_fns_to_patch.update(hidden)
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return is_site_module(m) or super().is_leaf_module(m, qualname)
+
+
+def qualified_name(function) -> str:
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
 
 
 def join_fqn(prefix: str, name: str) -> str:
@@ -129,21 +235,68 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".strip()
 
 
-def trace_module(module: nn.Module, none_args=(), training: bool = False) -> fx.GraphModule:
-    """The module traced with every submodule's mode set to `training` (modes restored after)."""
+def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = False,
+                 call: Call | None = None) -> fx.GraphModule:
+    """The module traced with every submodule's mode set to `training` (modes restored after),
+    with the arguments in `fixed` (name -> None or a constant) traced as those values.
+
+    Given the example `call`, branches on metadata are decided by its values, and a forward that
+    fx cannot take as it is (a decorated one, one with *args/**kwargs) is traced through
+    `bound_forward`. The decisions are in the result's meta["decided"].
+    """
     modes = {m: m.training for m in module.modules()}
     module.train(training)
-    try:
-        graph = SiteTracer().trace(module, concrete_args={name: None for name in none_args} or None)
+    arguments = None if call is None or call.arguments is None else fresh_inputs((), call.arguments)[1]
+    tracer = SiteTracer(None if arguments is None else list(arguments.values()), bound_forward(module, arguments))
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:  # the example values are computed as in an eval run: no autograd, the global RNG as it was
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            graph = tracer.trace(module, concrete_args=fixed or None)
     finally:
         for m, mode in modes.items():
             m.training = mode
-    return fx.GraphModule(module, graph, class_name=type(module).__name__)
+    for node in graph.nodes:  # fx names a fixed argument's parameter `name_1`: keep it callable by keyword
+        if node.op == "placeholder" and node.target.removesuffix("_1") in (fixed or {}):
+            node.target = node.target.removesuffix("_1")
+    traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    traced.meta["decided"] = tracer.example.decisions if tracer.example is not None else []
+    return traced
 
 
-def reads_training(module: nn.Module, graph: fx.GraphModule, none_args=()) -> bool:
+def bound_forward(module: nn.Module, arguments: dict | None):
+    """The module's forward as a plain function of the arguments the example call bound, when fx
+    cannot trace the forward as it is (None otherwise): a decorated forward (fx cannot see through
+    functools.wraps wrappers of (*args, **kwargs)) or one with *args/**kwargs (fx makes them
+    placeholders that cannot be unpacked). The function calls the forward, decorators and all,
+    with its own parameters: the forward's, then the extra keyword arguments of the call (None
+    by default, so a converted region is still called as the original was)."""
+    forward = type(module).forward
+    params = inspect.signature(forward).parameters
+    varying = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+    if arguments is None or not (varying or hasattr(forward, "__wrapped__")):
+        return None
+    names = list(arguments)
+    own = {name: p for name, p in params.items() if name in arguments}
+    defaults = [own[n].default if n in own and own[n].default is not inspect.Parameter.empty else None
+                for n in names]
+    first_default = next((i for i, n in enumerate(names) if n not in own or own[n].default is not
+                          inspect.Parameter.empty), len(names))
+    source = (f"def make(forward):\n"
+              f"    def forward_of_call(self, {', '.join(names)}):\n"
+              f"        return forward(self, {', '.join(f'{n}={n}' for n in names)})\n"
+              f"    return forward_of_call\n")
+    namespace: dict = {}
+    exec(source, namespace)  # noqa: S102 - a signature made of the forward's own parameter names
+    made = namespace["make"](forward)
+    # The forward's module globals: fx patches wrapped functions (SpTr ops) in the traced code's globals.
+    return types.FunctionType(made.__code__, inspect.unwrap(forward).__globals__, "forward",
+                              tuple(defaults[first_default:]) or None, made.__closure__)
+
+
+def reads_training(module: nn.Module, graph: fx.GraphModule, fixed: dict | None = None,
+                   call: Call | None = None) -> bool:
     """Whether the module's traced code differs between train and eval mode."""
-    return trace_module(module, none_args, training=True).code != graph.code
+    return trace_module(module, fixed, training=True, call=call).code != graph.code
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -164,23 +317,36 @@ def opaque_calls(graph: fx.GraphModule) -> list[str]:
 
 
 def find_regions(model: nn.Module, only: list[str] | None = None,
-                 none_args: dict[str, list[str]] | None = None) -> Trace:
+                 none_args: dict[str, list[str]] | None = None, calls: dict[str, Call] | None = None,
+                 constant_args: dict[str, dict] | None = None) -> Trace:
     """Trace `model`, or where it does not trace, its largest traceable submodules.
 
     `only` replays a known list of region FQNs (from a saved plan) instead of searching.
-    `none_args`: per module FQN, the forward arguments to trace as None.
+    `none_args`: per module FQN, the forward arguments to trace as None; `constant_args`, those to
+    trace as a constant (name -> value).
+    `calls`: per module FQN, its first call on the example inputs (first_calls), whose values
+    decide branches on metadata (see trace_module).
     """
-    none_args = none_args or {}
+    none_args, calls, constant_args = none_args or {}, calls or {}, constant_args or {}
 
     def region(fqn: str, module: nn.Module) -> Region:
         if is_site_module(module):
             return Region(fqn, module, None)
-        nones = none_args.get(fqn, [])
-        graph = trace_module(module, nones)
-        return Region(fqn, module, graph, nones, reads_training(module, graph, nones))
+        nones, constants, call = none_args.get(fqn, []), constant_args.get(fqn, {}), calls.get(fqn)
+        fixed = {**dict.fromkeys(nones), **constants}
+        graph = trace_module(module, fixed, call=call)
+        return Region(fqn, module, graph, nones, constants, reads_training(module, graph, fixed, call),
+                      decided=graph.meta["decided"])
+
+    def replayed(fqn: str) -> Region:
+        try:
+            return region(fqn, model.get_submodule(fqn))
+        except Exception as err:
+            hint = "" if calls else " (its branches were decided by the example inputs: pass example_inputs)"
+            raise LowconvError(f"region {fqn or '(whole model)'} does not trace again: {first_line(err)}{hint}") from err
 
     if only is not None:
-        return Trace([region(fqn, model.get_submodule(fqn)) for fqn in only], [])
+        return Trace([replayed(fqn) for fqn in only], [])
 
     regions: list[Region] = []
     untraced: list[Untraced] = []
@@ -234,23 +400,25 @@ def fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
-    """The forward's arguments by name, defaults filled (None when they cannot be bound, or when
-    extra *args/**kwargs were passed, which a traced forward cannot take positionally)."""
+    """The forward's arguments by name, defaults filled, then the extra keyword arguments that
+    went to its **kwargs (see bound_forward). None when they cannot be bound, or when extra
+    positional arguments went to its *args, which have no names."""
     try:
         sig = inspect.signature(module.forward)
         bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
     bound.apply_defaults()
-    arguments = {}
+    arguments, extra = {}, {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
-        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            if value:
-                return None
-            continue
-        arguments[name] = value
-    return arguments
+        if kind == inspect.Parameter.VAR_POSITIONAL and value:
+            return None
+        if kind == inspect.Parameter.VAR_KEYWORD:
+            extra = value
+        elif kind != inspect.Parameter.VAR_POSITIONAL:
+            arguments[name] = value
+    return {**arguments, **extra}
 
 
 @contextmanager
@@ -316,17 +484,24 @@ def propagate_shapes(region: Region) -> None:
 
 
 def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,
-                none_args: dict[str, list[str]] | None = None) -> Trace:
+                none_args: dict[str, list[str]] | None = None,
+                constant_args: dict[str, dict] | None = None) -> Trace:
     """Find regions in `model` (or replay `only`); given example inputs, propagate shapes.
 
-    `none_args` (per module FQN, the arguments to trace as None) defaults to the arguments that
-    are None on the example inputs; a replay passes the ones the conversion used.
+    `none_args` (per module FQN, the arguments to trace as None) and `constant_args` (those to trace
+    as a constant: name -> value) default to the arguments that are None, or a bool, int, float
+    or str, on the example inputs; a replay passes the ones the conversion used. A constant
+    argument is guarded by the traced graph, as a None one is, and takes code such as
+    `isinstance(n, int)` the way the example took it.
     """
     calls = first_calls(model, example_inputs) if example_inputs is not None else {}
     if none_args is None:
         none_args = {fqn: [name for name, value in call.arguments.items() if value is None]
                      for fqn, call in calls.items() if call.arguments}
-    trace = find_regions(model, only, none_args)
+    if constant_args is None:
+        constant_args = {fqn: {name: value for name, value in call.arguments.items() if is_constant(value)}
+                         for fqn, call in calls.items() if call.arguments}
+    trace = find_regions(model, only, none_args, calls, constant_args)
     for region in trace.regions:
         call = calls.get(region.fqn)
         if call is not None:
@@ -335,3 +510,8 @@ def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = 
                 region.example_args = tuple(call.arguments.values())
         propagate_shapes(region)
     return trace
+
+
+def is_constant(value) -> bool:
+    """An argument value that tracing fixes (and the graph guards): a bool, int, float or str."""
+    return type(value) in (bool, int, float, str)

@@ -1,0 +1,154 @@
+"""Real model libraries on the CPU: Hugging Face Llama, GPT-2 and BERT built from the small configs
+in examples/hf/ (random weights), and torch.nn's TransformerEncoder and MultiheadAttention, through
+the model sources, the tracer's example-value branches, the passes and the three recipes.
+(timm and torchvision: tests/test_real_models_gpu.py.)"""
+import re
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import lowconv
+from lowconv.cli import main
+from lowconv.errors import LowconvError
+from lowconv.model_sources import load_model
+
+HF_MODELS = ["hf:examples/hf/llama-tiny", "hf:examples/hf/gpt2-tiny", "hf:examples/hf/bert-tiny"]
+RECIPES = ["fp8-dynamic", "semi-sparse", "sparse-attention-bf16"]
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
+
+
+def linear_names(model: nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+
+
+def found_linears(plan) -> set[str]:
+    return {d.site["info"]["weight"].removesuffix(".weight") for d in plan.decisions if d.site["kind"] == "linear"}
+
+
+@pytest.mark.parametrize("spec", HF_MODELS)
+def test_hf_models_every_site_found_and_each_recipe_passes_its_gate(transformers, spec):
+    loaded = load_model(spec)
+    layers = loaded.model.config.num_hidden_layers
+    for recipe in RECIPES:
+        converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
+        plan = converted.lowconv_plan
+        assert found_linears(plan) == linear_names(loaded.model)
+        attention = [d for d in plan.decisions if d.site["kind"] == "attention"]
+        assert len(attention) == layers and all(d.site["unsupported"] is None for d in attention)
+        report = lowconv.compare(loaded.model, converted, loaded.inputs)
+        assert report.passed, lowconv.report.report_to_table(report)
+        if recipe == "sparse-attention-bf16":
+            assert len(plan.converted()) == layers and report.outputs[0].metrics.sqnr_db > 40
+        elif recipe == "fp8-dynamic":  # every linear but GPT-2's LM head, tied to the embedding
+            kept = {d.fqn for d in plan.decisions if d.site["kind"] == "linear" and not d.converted}
+            assert kept == ({"lm_head"} if "gpt2" in spec else set())
+        else:  # semi-sparse: the MLP linears, each of them
+            linears = [d for d in plan.decisions if d.site["kind"] == "linear"]
+            mlp = {d.fqn for d in linears if re.search(r"mlp\.|intermediate\.dense|layer\.\d+\.output\.dense", d.fqn)}
+            assert {d.fqn for d in plan.converted()} == mlp and len(mlp) == 2 * layers * (1.5 if "llama" in spec else 1)
+
+
+def test_llama_padding_mask_gqa_and_rotary_trace_whole(transformers):
+    """The whole LlamaForCausalLM is one region: HF's mask builders, rotary embedding and SDPA
+    attention function are traced with their shape branches decided and guarded."""
+    loaded = load_model("hf:examples/hf/llama-tiny")
+    converted = lowconv.convert(loaded.model, "sparse-attention-bf16", loaded.inputs)
+    plan = converted.lowconv_plan
+    assert plan.regions == [""] and plan.untraced == []
+    assert plan.constant_args[""] == {"use_cache": False, "logits_to_keep": 0}
+    assert any("sdpa_attention.py" in d for d in plan.decided[""])
+    info = plan.converted()[0].site["info"]
+    assert info["form"] == "sdpa" and info["mask"] == "keep" and info["heads"] == 4
+    # Other lengths and batches take the same branches and convert as well; the output type stays.
+    inputs = {"input_ids": torch.randint(0, 128, (3, 9)), "attention_mask": torch.ones(3, 9, dtype=torch.long),
+              "use_cache": False}
+    with torch.no_grad():
+        out, ref = converted(**inputs), loaded.model(**inputs)
+    assert type(out) is type(ref)
+    assert (out.logits - ref.logits).norm() / ref.logits.norm() < 1e-2
+    one_query = {"input_ids": inputs["input_ids"][:, :1], "attention_mask": inputs["attention_mask"][:, :1]}
+    with pytest.raises(AssertionError, match=r"sdpa_attention.py:\d+: this branch was decided"):  # decoding branches otherwise
+        converted(**one_query, use_cache=False)
+
+
+@pytest.mark.parametrize("spec, mask", [("hf:examples/hf/llama-tiny", "additive"),
+                                        ("hf:examples/hf/bert-tiny", "additive")])
+def test_eager_attention_is_found_with_its_additive_mask_and_gqa(transformers, spec, mask):
+    loaded = load_model(spec)
+    model = loaded.model.__class__._from_config(loaded.model.config, attn_implementation="eager").eval()
+    converted = lowconv.convert(model, "sparse-attention-bf16", loaded.inputs)
+    infos = [d.site["info"] for d in converted.lowconv_plan.converted()]
+    assert len(infos) == 2 and {i["form"] for i in infos} == {"handwritten"} and {i["mask"] for i in infos} == {mask}
+    if "llama" in spec:  # repeat_kv is taken back: the op gets the 2 kv heads
+        assert {(i["heads"], i["kv_heads"]) for i in infos} == {(4, 2)}
+    assert lowconv.compare(model, converted, loaded.inputs).outputs[0].metrics.sqnr_db > 40
+
+
+def test_hf_directory_with_weights_loads_them_and_a_saved_conversion_reloads(transformers, tmp_path):
+    made = load_model("hf:examples/hf/gpt2-tiny", seed=3).model
+    made.save_pretrained(tmp_path / "gpt2")  # config.json + model.safetensors
+    loaded = load_model(f"hf:{tmp_path / 'gpt2'}", seed=0)
+    for name, p in made.state_dict().items():
+        assert torch.equal(p, loaded.model.state_dict()[name]), name
+    converted = lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs)
+    lowconv.save(converted, tmp_path / "out")
+    again = lowconv.load(loaded.model, tmp_path / "out", example_inputs=loaded.inputs)
+    with torch.no_grad():
+        assert torch.equal(again(**loaded.inputs).logits, converted(**loaded.inputs).logits)
+    with pytest.raises(LowconvError, match="pass example_inputs"):
+        lowconv.load(loaded.model, tmp_path / "out")
+
+
+def test_cli_inspects_converts_and_compares_an_hf_directory(transformers, tmp_path, capsys):
+    assert main(["inspect", "hf:examples/hf/bert-tiny", "semi-sparse"]) == 0
+    out = capsys.readouterr().out
+    assert "encoder.layer.0.intermediate.dense" in out and "semi_sparse" in out
+    assert "encoder.layer.0.attention.self.attention" in out
+    assert main(["convert", "hf:examples/hf/llama-tiny", "sparse-attention-bf16", "-o", str(tmp_path)]) == 0
+    assert main(["compare", "hf:examples/hf/llama-tiny", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_transformer_encoder_with_padding_mask(recipe):
+    loaded = load_model("nn:transformer-encoder")
+    converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
+    plan = converted.lowconv_plan
+    assert found_linears(plan) == linear_names(loaded.model)
+    assert sum(d.site["kind"] == "attention" for d in plan.decisions) == 2
+    out_proj = [d for d in plan.decisions if d.fqn.endswith("out_proj")]
+    assert len(out_proj) == 2 and all("inside nn.MultiheadAttention" in d.reason for d in out_proj)
+    report = lowconv.compare(loaded.model, converted, loaded.inputs)
+    assert report.passed and len(plan.converted()) == (2 if recipe == "sparse-attention-bf16" else 4)
+
+
+def test_multihead_attention_source_converts():
+    loaded = load_model("nn:multihead-attention")
+    converted = lowconv.convert(loaded.model, "sparse-attention-bf16", loaded.inputs)
+    assert [d.fqn for d in converted.lowconv_plan.converted()] == [""]
+    assert lowconv.compare(loaded.model, converted, loaded.inputs).outputs[0].metrics.sqnr_db > 40
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hf:/nonexistent/model", "/nonexistent/model/config.json does not exist"),
+    ("nn:transformer-encodr", "close matches: transformer-encoder"),
+    ("tim:vit_base_patch16_224", "unknown source 'tim' (one of: a model file path, hf:DIR, timm:NAME"),
+    ("examples/missing.py", "model file examples/missing.py does not exist"),
+])
+def test_model_source_mistakes_are_exit_2_and_say_what_is_wrong(spec, message, capsys):
+    assert main(["inspect", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, package", [("timm:vit_base_patch16_224", "pip install timm"),
+                                           ("torchvision:vit_b_16", "pip install the torchvision release"),
+                                           ("hf:examples/hf/bert-tiny", "pip install transformers")])
+def test_a_missing_library_names_its_pip_package(spec, package, monkeypatch):
+    monkeypatch.setitem(sys.modules, spec.partition(":")[0].replace("hf", "transformers"), None)
+    with pytest.raises(LowconvError, match=package):
+        load_model(spec)
