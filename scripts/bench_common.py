@@ -130,3 +130,49 @@ def write_outputs(out, name, text, data) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
+class BudgetedRun:
+    """A benchmark run's clock, time budget (args.budget_s) and CUDA health: once a failure has
+    taken the CUDA context down, or the budget is spent, nothing more is run."""
+
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+        self.start = time.perf_counter()
+        self.context_lost = None  # first line of the error after which CUDA stopped working
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def log(self, text):
+        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
+
+    def blocked(self):
+        """Why nothing more is run, or None."""
+        if self.context_lost:
+            return f"CUDA context lost ({self.context_lost})"
+        if self.elapsed() > self.args.budget_s:
+            return "time budget"
+        return None
+
+    def failed(self, error):
+        """The failure's message; find out whether CUDA still works after it."""
+        self.context_lost = self.context_lost or cuda_context_error(self.device)
+        return first_line(error)
+
+
+def no_grad_call(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def train_call(layer, weight, x, grad_out):
+    """Forward and the gradients of (out * grad_out).sum() for x and the weight."""
+    x = x.detach().requires_grad_()
+
+    def run():
+        out = layer(x)
+        return (out, *torch.autograd.grad(out, (x, weight), grad_out))
+    return run

@@ -39,8 +39,8 @@ from tabulate import tabulate  # noqa: E402
 
 import lowconv.kernels.fp16acc as fa  # noqa: E402
 from lowconv.kernels.fp16acc import auto_splits, cublas_fp16_accumulation, fp16acc_matmul  # noqa: E402
-from scripts.bench_common import (Shape, add_run_arguments, cuda_context_error, first_line,  # noqa: E402
-                                  measure, run_device, run_header, write_outputs)
+from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, run_device,  # noqa: E402
+                                  run_header, write_outputs)
 
 
 # The targets' shapes first, so a run cut short by its budget still decides them.
@@ -150,29 +150,14 @@ def tuning(tuner):
     return str(best or ""), {str(config): ms[0] if isinstance(ms, list) else ms for config, ms in timings.items()}
 
 
-class Run:
+class Run(BudgetedRun):
     def __init__(self, args, device, header, shapes):
-        self.args, self.device, self.header, self.shapes = args, device, header, shapes
+        super().__init__(args, device)
+        self.header, self.shapes = header, shapes
         self.results: list[Result] = []
-        self.start = time.perf_counter()
-        self.dead = None  # the CUDA context's error once it is gone
-
-    def elapsed(self):
-        return time.perf_counter() - self.start
 
     def log(self, message):
         print(f"[{self.elapsed():6.1f} s] {message}", file=sys.stderr, flush=True)
-
-    def blocked(self):
-        if self.dead:
-            return f"CUDA context lost: {self.dead}"
-        if self.elapsed() > self.args.budget_s:
-            return "time budget"
-        return None
-
-    def failed(self, error):
-        self.dead = self.dead or cuda_context_error(self.device)
-        return first_line(error)
 
     def shape(self, shape):
         x, w = random_operands(shape, self.device, self.args.seed)

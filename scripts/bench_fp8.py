@@ -38,7 +38,6 @@ import argparse
 import gc
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,8 +50,8 @@ from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
-from scripts.bench_common import (Shape, add_run_arguments, cuda_context_error, first_line,  # noqa: E402
-                                  measure, run_device, run_header, write_outputs)
+from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, no_grad_call,  # noqa: E402
+                                  run_device, run_header, train_call, write_outputs)
 from lowconv.kernels.fp8 import (  # noqa: E402
     E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise, quantize_with_scale,
 )
@@ -235,23 +234,6 @@ def training_builders():
     return {"bf16": bf16, "lowconv fp8 training": fp8}
 
 
-def no_grad_call(fn):
-    def run():
-        with torch.no_grad():
-            return fn()
-    return run
-
-
-def train_call(layer, weight, x, grad_out):
-    """Forward and the gradients of (out * grad_out).sum() for x and the weight."""
-    x = x.detach().requires_grad_()
-
-    def run():
-        out = layer(x)
-        return (out, *torch.autograd.grad(out, (x, weight), grad_out))
-    return run
-
-
 def reference_rows(shape):
     return min(REFERENCE_ROWS, shape.m), min(REFERENCE_ROWS, shape.n)
 
@@ -293,34 +275,14 @@ def mlp_stack(width, hidden, blocks):
                            for _ in range(blocks)))
 
 
-class Run:
+class Run(BudgetedRun):
     """The results so far, the budget, and whether CUDA still works; rewrites the report."""
 
     def __init__(self, args, device, header, settings):
-        self.args, self.device, self.header, self.settings = args, device, header, settings
-        self.start = time.perf_counter()
+        super().__init__(args, device)
+        self.header, self.settings = header, settings
         self.results = []
         self.memory = WeightMemory()
-        self.context_lost = None  # first line of the error after which CUDA stopped working
-
-    def elapsed(self):
-        return time.perf_counter() - self.start
-
-    def log(self, text):
-        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
-
-    def blocked(self):
-        """Why nothing more is run, or None."""
-        if self.context_lost:
-            return f"CUDA context lost ({self.context_lost})"
-        if self.elapsed() > self.args.budget_s:
-            return "time budget"
-        return None
-
-    def failed(self, error):
-        """The failure's message; find out whether CUDA still works after it."""
-        self.context_lost = self.context_lost or cuda_context_error(self.device)
-        return first_line(error)
 
     def unit(self, result, work):
         """Fill `result` from work() (a dict of its fields) unless the run is blocked; record, report."""

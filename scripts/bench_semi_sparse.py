@@ -62,8 +62,8 @@ from lowconv.kernels import cusparselt  # noqa: E402
 from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import (Shape, add_run_arguments, cuda_context_error, first_line,  # noqa: E402
-                                  measure, run_device, run_header, write_outputs)
+from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, first_line, measure,  # noqa: E402
+                                  no_grad_call, run_device, run_header, train_call, write_outputs)
 
 NAME = "bench_semi_sparse"
 
@@ -331,28 +331,14 @@ class MlpBlock(nn.Module):
 MLP_RULE = '[[rules]]\nkind = "linear"\nmodules = ["re:.*fc[12]"]\nop = "semi_sparse"\noptions = {{ {} }}\n'
 
 
-class Run:
+class Run(BudgetedRun):
     """The results so far, the budget, and whether CUDA still works; rewrites the report."""
 
     def __init__(self, args, device, header, settings):
-        self.args, self.device, self.header, self.settings = args, device, header, settings
-        self.start = time.perf_counter()
+        super().__init__(args, device)
+        self.header, self.settings = header, settings
         self.results: list[Result] = []
         self.checks: dict = {}
-        self.context_lost = None
-
-    def elapsed(self):
-        return time.perf_counter() - self.start
-
-    def log(self, text):
-        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
-
-    def blocked(self):
-        if self.context_lost:
-            return f"CUDA context lost ({self.context_lost})"
-        if self.elapsed() > self.args.budget_s:
-            return "time budget"
-        return None
 
     def unit(self, result, work):
         blocked = self.blocked()
@@ -363,8 +349,7 @@ class Run:
                 for name, value in work().items():
                     setattr(result, name, value)
             except Exception as error:  # noqa: BLE001 - a peer's failure is a result
-                self.context_lost = self.context_lost or cuda_context_error(self.device)
-                result.status, result.error = "fails", first_line(error)
+                result.status, result.error = "fails", self.failed(error)
         self.results.append(result)
         self.log(f"{result.section} {result.case} {result.peer}: {result_line(result)}")
         self.write()
@@ -394,7 +379,7 @@ class Run:
                 call, note = build(x, w)
                 with torch.no_grad():
                     error = {"out": relative_error(call()[:rows], reference)}
-                    return {"rel_error": error, "note": note, **self.timed(no_grad(call))}
+                    return {"rel_error": error, "note": note, **self.timed(no_grad_call(call))}
             self.unit(Result("forward", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name), work)
 
     def training_shape(self, shape, dtype_name):
@@ -424,7 +409,7 @@ class Run:
         builders = forward_builders()
         for peer in ("dense", "torch 2:4", "lowconv"):
             def work():
-                call = no_grad(builders[peer](x, w)[0])
+                call = no_grad_call(builders[peer](x, w)[0])
                 call()
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -520,22 +505,6 @@ def same_bytes(packed, compressed) -> bool:
     return flat.numel() >= compressed.numel() and torch.equal(flat[:compressed.numel()], compressed)
 
 
-def no_grad(call):
-    def run():
-        with torch.no_grad():
-            return call()
-    return run
-
-
-def train_call(layer, weight, x, grad_out):
-    x = x.detach().requires_grad_()
-
-    def run():
-        out = layer(x)
-        return (out, *torch.autograd.grad(out, (x, weight), grad_out))
-    return run
-
-
 def training_reference(x, w_masked, mask, grad_out, rows):
     x64, w64, g64 = x.double(), w_masked.double(), grad_out.double()
     return {"out": x64[:rows] @ w64.t(), "dx": g64[:rows] @ w64, "dw": (g64[:, :rows].t() @ x64) * mask[:rows]}
@@ -543,7 +512,7 @@ def training_reference(x, w_masked, mask, grad_out, rows):
 
 def mlp_call(model, x, mode):
     if mode == "inference":
-        return no_grad(lambda: model(x))
+        return no_grad_call(lambda: model(x))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
 
