@@ -176,3 +176,14 @@ def train_call(layer, weight, x, grad_out):
         out = layer(x)
         return (out, *torch.autograd.grad(out, (x, weight), grad_out))
     return run
+
+
+def status_cell(result, notes):
+    """'' when not planned; the failure note or the skip reason when not ok; None when ok."""
+    if result is None:
+        return ""
+    if result.status == "fails":
+        return f"fails [{notes.setdefault(result.error, len(notes) + 1)}]"
+    if result.status == "skipped":
+        return f"skipped ({result.error})"
+    return None

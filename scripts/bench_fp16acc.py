@@ -40,7 +40,7 @@ from tabulate import tabulate  # noqa: E402
 import lowconv.kernels.fp16acc as fa  # noqa: E402
 from lowconv.kernels.fp16acc import auto_splits, cublas_fp16_accumulation, fp16acc_matmul  # noqa: E402
 from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, run_device,  # noqa: E402
-                                  run_header, write_outputs)
+                                  run_header, status_cell, write_outputs)
 
 
 # The targets' shapes first, so a run cut short by its budget still decides them.
@@ -273,13 +273,8 @@ def verdicts(run):
 
 def cell(result, notes, value):
     """value(result) for an ok result; otherwise its status (failures numbered in notes)."""
-    if result is None:
-        return ""
-    if result.status == "fails":
-        return f"fails [{notes.setdefault(result.error, len(notes) + 1)}]"
-    if result.status == "skipped":
-        return f"skipped ({result.error})"
-    return value(result)
+    status = status_cell(result, notes)
+    return value(result) if status is None else status
 
 
 def table(run, notes, value):

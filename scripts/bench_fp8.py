@@ -51,7 +51,7 @@ from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
 from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, no_grad_call,  # noqa: E402
-                                  run_device, run_header, train_call, write_outputs)
+                                  run_device, run_header, status_cell, train_call, write_outputs)
 from lowconv.kernels.fp8 import (  # noqa: E402
     E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise, quantize_with_scale,
 )
@@ -418,17 +418,6 @@ def result_line(result):
 
 def format_ms(ms):
     return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
-
-
-def status_cell(result, notes):
-    """'' when not planned; the failure note or the skip reason when not ok; None when ok."""
-    if result is None:
-        return ""
-    if result.status == "fails":
-        return f"fails [{notes.setdefault(result.error, len(notes) + 1)}]"
-    if result.status == "skipped":
-        return f"skipped ({result.error})"
-    return None
 
 
 def time_cell(result, baseline, notes):

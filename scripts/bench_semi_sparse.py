@@ -63,7 +63,7 @@ from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transpos
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
 from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, first_line, measure,  # noqa: E402
-                                  no_grad_call, run_device, run_header, train_call, write_outputs)
+                                  no_grad_call, run_device, run_header, status_cell, train_call, write_outputs)
 
 NAME = "bench_semi_sparse"
 
@@ -540,12 +540,9 @@ def find(run, section, peer, dims, dtype):
 
 
 def cell(result, baseline, notes):
-    if result is None:
-        return ""
-    if result.status == "fails":
-        return f"fails [{notes.setdefault(result.error, len(notes) + 1)}]"
-    if result.status == "skipped":
-        return f"skipped ({result.error})"
+    status = status_cell(result, notes)
+    if status is not None:
+        return status
     if baseline is None or baseline.status != "ok" or baseline is result:
         return f"{result.ms:.4g}"
     return f"{result.ms:.4g} ({baseline.ms / result.ms:.2f}x)"
