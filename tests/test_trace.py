@@ -89,3 +89,27 @@ def test_trace_model_leaves_written_inputs_alone():
     # the model's recorded arguments hold the example values, not what the runs wrote into them
     assert torch.equal(root.example_args[0], torch.zeros(2, 4))
     assert "setitem" in root.graph.code
+
+
+class DuckTypingAttention(nn.Module):
+    """transformers' is_jax_jitting: `hasattr(x, "jax")`, then x.jax() where jax imports."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if hasattr(x, "jax"):
+            x = x.jax()
+        return self.proj(x)
+
+
+def test_an_attribute_the_example_value_lacks_is_missing_on_the_proxy_too():
+    """fx's Proxy answers every attribute; a tensor has no `jax`, so the traced code takes the
+    branch a real tensor takes and no call to a missing method is recorded."""
+    model = DuckTypingAttention()
+    x = torch.randn(2, 8)
+    trace = trace_model(model, (x,))
+    (region,) = trace.regions
+    assert "jax" not in [n.target for n in region.graph.graph.nodes]
+    torch.testing.assert_close(region.graph(x), model(x))

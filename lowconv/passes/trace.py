@@ -97,6 +97,16 @@ class SetItemProxy(fx.Proxy):
     def __len__(self) -> int:
         return self.tracer.length(self)
 
+    def __getattr__(self, name):
+        # fx's Proxy has every attribute. Where the example's value lacks one, so does the proxy:
+        # `hasattr(x, "jax")` (transformers' torchax check, which then calls x.jax() when jax is
+        # installed) must say False for a tensor, not record a call that fails when the graph runs.
+        example = self.tracer.example
+        value = MISSING if example is None else example.values.get(self.node, MISSING)
+        if value is not MISSING and not hasattr(value, name):
+            raise AttributeError(f"{type(value).__name__} has no attribute {name!r}")
+        return super().__getattr__(name)
+
 
 class SiteTracer(fx.Tracer):
     """fx's default tracer, but everything it may need to rewrite stays a call_module.
