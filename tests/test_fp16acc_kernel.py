@@ -291,3 +291,40 @@ def test_cublas_backend_on_cuda(m, fp16_accumulation_flag):
     fp16acc_matmul(*leaves, 16, backend="cublas").float().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
     assert fp16_accumulation_flag.allow_fp16_accumulation is False
+
+
+def test_overlapping_cublas_blocks_in_two_threads_leave_the_flag_as_it_was():
+    """Two threads (DataParallel replicas, a serving pool) inside cublas_fp16_accumulation at once:
+    the flag stays on until the last leaves, then the value from before the first comes back."""
+    import threading
+
+    from lowconv.kernels.fp16acc import cublas_fp16_accumulation
+
+    settings = torch.backends.cuda.matmul
+    before = settings.allow_fp16_accumulation
+    settings.allow_fp16_accumulation = False
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def a():
+        with cublas_fp16_accumulation():
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def b():
+        a_in.wait()
+        with cublas_fp16_accumulation():
+            b_in.set()
+            a_out.wait()
+            seen.append(settings.allow_fp16_accumulation)  # a has left: still on for b
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert seen == [True] and settings.allow_fp16_accumulation is False
+    finally:
+        settings.allow_fp16_accumulation = before

@@ -234,3 +234,15 @@ def test_a_modules_plan_note_is_kept_in_the_plan_through_save_and_load(monkeypat
     lowconv.save(converted, tmp_path / "out")
     loaded = lowconv.load(model, tmp_path / "out", (torch.randn(4, 32),))
     assert [d.note for d in plan_of(loaded).decisions if d.converted] == [decision.note]
+
+
+def test_a_dtype_or_device_change_drops_the_backend_choice():
+    """The CUDA backend was timed for one dtype and device: .float() / .to() choose again (a bf16
+    choice of cuSPARSELt would fail on float32)."""
+    from lowconv.kernels.sparse24 import BackendChoice
+
+    for module in (CompressedSemiSparseLinear(16, 8, True, torch.bfloat16, SemiSparseOptions()),
+                   MaskedSemiSparseLinear(16, 8, True, torch.bfloat16, SemiSparseOptions(training=True))):
+        module.choice = BackendChoice("cusparselt", "faster")
+        module.float()
+        assert module.choice is None

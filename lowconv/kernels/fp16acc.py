@@ -28,6 +28,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -167,17 +168,32 @@ class Fp16AccMatmul(torch.autograd.Function):
 
 # --- cuBLAS: one matmul per chunk, fp16-accumulated --------------------------------------------
 
+# The flag is process-wide: blocks in several threads (DataParallel replicas, a serving pool) share
+# one switch-on, and the value from before the first comes back when the last one leaves.
+_fp16_accumulation_lock = threading.Lock()
+_fp16_accumulation_users = 0
+_fp16_accumulation_before = False
+
+
 @contextlib.contextmanager
 def cublas_fp16_accumulation():
     """torch.backends.cuda.matmul.allow_fp16_accumulation on inside the block only: the previous
-    value comes back on the way out, also when the block raises."""
+    value comes back when the last block (of any thread) leaves, also when a block raises. Other
+    threads' fp16 matmuls see the flag on while a block runs."""
+    global _fp16_accumulation_users, _fp16_accumulation_before
     settings = torch.backends.cuda.matmul
-    previous = settings.allow_fp16_accumulation
-    settings.allow_fp16_accumulation = True
+    with _fp16_accumulation_lock:
+        if _fp16_accumulation_users == 0:
+            _fp16_accumulation_before = settings.allow_fp16_accumulation
+            settings.allow_fp16_accumulation = True
+        _fp16_accumulation_users += 1
     try:
         yield
     finally:
-        settings.allow_fp16_accumulation = previous
+        with _fp16_accumulation_lock:
+            _fp16_accumulation_users -= 1
+            if _fp16_accumulation_users == 0:
+                settings.allow_fp16_accumulation = _fp16_accumulation_before
 
 
 def chunk_product(x_chunk, w_chunk) -> torch.Tensor:

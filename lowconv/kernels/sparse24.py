@@ -246,11 +246,17 @@ def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
     return BackendChoice("masked-dense", f"2:4 not faster: {measured}", case.rows, sparse_ms, dense_ms)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # unbounded: the cases are bounded by a model's sites, and an evicted one could choose anew
 def time_backends(case: GemmCase) -> tuple[float, float]:
     """(cuSPARSELt ms, masked-dense ms) on random data, each as the 2:4 modules call them. Once
     per process and case, so that every layer of a shape (and a model converted and then loaded
-    in one process) makes the same choice."""
+    in one process) makes the same choice. Autograd is on for the training case even when the
+    caller runs under inference_mode or no_grad."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return measure_backends(case)
+
+
+def measure_backends(case: GemmCase) -> tuple[float, float]:
     gen = torch.Generator(device=case.device).manual_seed(0)
 
     def randn(*shape, scale=1.0):
@@ -282,8 +288,7 @@ def training_calls(x, w, bias, transposable: bool, grad_out) -> dict:
 
     def step(forward):
         def run():
-            with torch.enable_grad():  # conversion may run under no_grad
-                return torch.autograd.grad(forward(), leaves, grad_out)
+            return torch.autograd.grad(forward(), leaves, grad_out)
         return run
 
     return {"sparse": step(lambda: SparseLinearFunction.apply(x, weight, mask, bias, gemms)),
@@ -291,6 +296,8 @@ def training_calls(x, w, bias, transposable: bool, grad_out) -> dict:
 
 
 TIMING_ROUNDS, TIMING_SAMPLES, TIMING_CALLS = 3, 5, 8
+
+
 def call_ms(call) -> list[float]:
     """ms per call of `call`, TIMING_SAMPLES samples of TIMING_CALLS back-to-back calls each
     (host time shows where the calls are host-bound), after a warm-up call."""

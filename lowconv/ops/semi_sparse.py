@@ -131,8 +131,9 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
         return semi_sparse_linear(x, self.dense(), self.bias)
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cuda() / .half() move or cast the buffers; cuSPARSELt's copy is rebuilt from them.
-        self.sparse = None
+        # .to() / .cuda() / .half() move or cast the buffers; cuSPARSELt's copy is rebuilt from them,
+        # and the backend is chosen again for the new dtype and device (the timings are cached).
+        self.sparse, self.choice = None, None
         return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
@@ -176,7 +177,7 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         return semi_sparse_linear(x, self.weight * self.mask, self.bias)
 
     def _apply(self, fn, recurse=True):
-        self.gemms = None  # plans belong to a device and dtype
+        self.gemms, self.choice = None, None  # plans and the backend choice belong to a device and dtype
         return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
