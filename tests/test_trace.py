@@ -113,3 +113,27 @@ def test_an_attribute_the_example_value_lacks_is_missing_on_the_proxy_too():
     (region,) = trace.regions
     assert "jax" not in [n.target for n in region.graph.graph.nodes]
     torch.testing.assert_close(region.graph(x), model(x))
+
+
+class KeywordsFromADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def combine(self, a, b):
+        return a - b
+
+    def forward(self, x, parts):
+        return self.proj(x) + self.combine(**parts)
+
+
+def test_the_keys_of_a_mapping_unpacked_with_two_stars_are_guarded():
+    """`f(**parts)` with the example's keys: other keys at run time fail loudly, naming them."""
+    import pytest
+
+    model, x = KeywordsFromADict(), torch.randn(2, 8)
+    parts = {"a": torch.randn(2, 8), "b": torch.randn(2, 8)}
+    (region,) = trace_model(model, (x, parts)).regions
+    torch.testing.assert_close(region.graph(x, parts), model(x, parts))
+    with pytest.raises(AssertionError, match=r"keys \['a', 'b'\] were fixed"):
+        region.graph(x, {"a": parts["a"], "b": parts["b"], "c": parts["a"]})

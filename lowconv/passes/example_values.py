@@ -50,8 +50,16 @@ def decided_length(value, expected: int, where: str) -> None:
                              f"these inputs have length {len(value)}: convert with inputs like them")
 
 
+def decided_keys(value, expected: tuple, where: str) -> None:
+    """The guard of a `**mapping` whose keys were fixed at trace time."""
+    if tuple(value) != expected:
+        raise AssertionError(f"{where}: the keys {list(expected)} were fixed by the example inputs at conversion; "
+                             f"these inputs have {list(value)}: convert with inputs like them")
+
+
 torch.fx.wrap("decided")  # stays one call in a retrace of the converted graph
 torch.fx.wrap("decided_length")
+torch.fx.wrap("decided_keys")
 
 
 @dataclass

@@ -46,7 +46,9 @@ from torch.fx.proxy import TraceError
 
 from lowconv.compat import sptr, sptr_install
 from lowconv.errors import LowconvError
-from lowconv.passes.example_values import MISSING, ExampleValues, code_location, decided, decided_length
+from lowconv.passes.example_values import (
+    MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
+)
 
 # timm's (1.0.x) non-fused attention adds its mask through these: `scores if mask is None else
 # scores + mask`, with a mask resolved from flags. Plain Python: they trace.
@@ -193,6 +195,7 @@ class SiteTracer(fx.Tracer):
         if not isinstance(value, dict):
             return super().keys(obj)
         where = code_location()  # `**obj`: its keys are fixed as the example's
+        self.create_proxy("call_function", decided_keys, (obj, tuple(value), where), {})
         self.example.decisions.append(f"{where}: keys {', '.join(map(str, value))}")
         return list(value)
 
