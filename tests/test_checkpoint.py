@@ -218,3 +218,16 @@ def test_model_signature():
     assert signature != model_signature({"fc.weight": torch.randn(8, 5), "fc.bias": torch.randn(8)})
     assert signature != model_signature({"fc.weight": torch.randn(8, 4).half(), "fc.bias": torch.randn(8)})
     assert signature != model_signature({"fc2.weight": torch.randn(8, 4), "fc.bias": torch.randn(8)})
+
+
+def test_a_plan_written_before_notes_constants_and_decisions_existed_still_loads():
+    """Checkpoints of earlier versions hold plans without Decision.note, constant_args, decided."""
+    import json
+
+    from lowconv.plan import Plan
+
+    old = {"recipe": "r", "recipe_text": "", "regions": [""], "none_args": {}, "untraced": [],
+           "decisions": [{"site": {"fqn": "fc"}, "op": "fp8", "options": {}, "rule": 1, "reason": "matched"}]}
+    plan = Plan.from_json(json.dumps(old))
+    assert plan.decisions[0].note == "" and plan.constant_args == {} and plan.decided == {}
+    assert Plan.from_json(plan.to_json()) == plan

@@ -38,6 +38,7 @@ import functools
 import glob
 import os
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -327,6 +328,9 @@ class SparseGemm:
         self.out_features, self.in_features, self.dtype, self.device = out_features, in_features, dtype, device
         self.handle = self.lib.handle(device)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
+        # One call at a time: ctypes lets go of the GIL in cusparseLtMatmul, and a plan evicted
+        # (and destroyed) by another thread's call must not be the one running.
+        self.lock = threading.Lock()
 
     def compress(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight (N, K) in cuSPARSELt's layout (kept values and metadata in one uint8 buffer).
@@ -393,8 +397,9 @@ class SparseGemm:
             return x.new_empty(*x.shape[:-1], n)
         x2, x_row_major = dense_operand(x.reshape(rows, self.in_features))
         out = torch.empty(n, x2.shape[0], dtype=self.dtype, device=self.device)
-        plan = self.plan(x2, x_row_major, None if bias is None else bias.contiguous(), tuned, compressed, out)
-        plan.run("cusparseLtMatmul", compressed, x2, out)
+        with self.lock:
+            plan = self.plan(x2, x_row_major, None if bias is None else bias.contiguous(), tuned, compressed, out)
+            plan.run("cusparseLtMatmul", compressed, x2, out)
         return out[:, :rows].t().reshape(*x.shape[:-1], n)
 
 

@@ -147,9 +147,12 @@ class SiteTracer(fx.Tracer):
         if self.example is not None and kind != "output":
             # fx's patches of nn.Module stay on while the node runs on real values: getattr and
             # call_module below let the run through instead of recording it.
+            # Without autograd, as in an eval run; the trace itself keeps the caller's grad mode,
+            # so code reading torch.is_grad_enabled() is traced as the caller runs it.
             self.running_example = True
             try:
-                self.example.evaluate(proxy.node, self.root)
+                with torch.no_grad():
+                    self.example.evaluate(proxy.node, self.root)
             finally:
                 self.running_example = False
         return proxy
@@ -221,7 +224,8 @@ class SiteTracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         # Functions a library made opaque with torch.fx.wrap that hide an attention's scores: fx
-        # would record one call for them; traced into, the attention pass sees the ops.
+        # would record one call for them; traced into, the attention pass sees the ops. The table
+        # is torch's, process-wide: an fx trace in another thread meanwhile would not see them wrapped.
         hidden = {key: frame for key, frame in torch.fx._symbolic_trace._wrapped_fns_to_patch.items()
                   if qualified_name(frame.get(key[1])) in TRACED_INTO}
         for key in hidden:
@@ -262,8 +266,8 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
     arguments = None if call is None or call.arguments is None else fresh_inputs((), call.arguments)[1]
     tracer = SiteTracer(None if arguments is None else list(arguments.values()), bound_forward(module, arguments))
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:  # the example values are computed as in an eval run: no autograd, the global RNG as it was
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+    try:  # the global RNG as it was after the example values' run (autograd: see create_proxy)
+        with torch.random.fork_rng(devices=cuda):
             graph = tracer.trace(module, concrete_args=fixed or None)
     finally:
         for m, mode in modes.items():
