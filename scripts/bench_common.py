@@ -160,6 +160,23 @@ class BudgetedRun:
         self.context_lost = self.context_lost or cuda_context_error(self.device)
         return first_line(error)
 
+    def unit(self, result, work, describe):
+        """Fill `result` (a dataclass with status and error) from work(), a dict of its fields,
+        unless the run is blocked; append it to self.results, log describe(result), rewrite the
+        report (self.write())."""
+        blocked = self.blocked()
+        if blocked:
+            result.status, result.error = "skipped", blocked
+        else:
+            try:
+                for name, value in work().items():
+                    setattr(result, name, value)
+            except Exception as error:  # noqa: BLE001 - a peer's failure is a result
+                result.status, result.error = "fails", self.failed(error)
+        self.results.append(result)
+        self.log(f"{result.section} {result.case} {result.peer}: {describe(result)}")
+        self.write()
+
 
 def no_grad_call(fn):
     def run():

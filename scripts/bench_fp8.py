@@ -285,19 +285,7 @@ class Run(BudgetedRun):
         self.memory = WeightMemory()
 
     def unit(self, result, work):
-        """Fill `result` from work() (a dict of its fields) unless the run is blocked; record, report."""
-        blocked = self.blocked()
-        if blocked:
-            result.status, result.error = "skipped", blocked
-        else:
-            try:
-                for name, value in work().items():
-                    setattr(result, name, value)
-            except Exception as error:  # noqa: BLE001 - a peer's failure is a result
-                result.status, result.error = "fails", self.failed(error)
-        self.results.append(result)
-        self.log(f"{result.section} {result.case} {result.peer}: {result_line(result)}")
-        self.write()
+        super().unit(result, work, result_line)
 
     def write(self, final=False):
         return write_report(self, final)

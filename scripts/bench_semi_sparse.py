@@ -341,18 +341,7 @@ class Run(BudgetedRun):
         self.checks: dict = {}
 
     def unit(self, result, work):
-        blocked = self.blocked()
-        if blocked:
-            result.status, result.error = "skipped", blocked
-        else:
-            try:
-                for name, value in work().items():
-                    setattr(result, name, value)
-            except Exception as error:  # noqa: BLE001 - a peer's failure is a result
-                result.status, result.error = "fails", self.failed(error)
-        self.results.append(result)
-        self.log(f"{result.section} {result.case} {result.peer}: {result_line(result)}")
-        self.write()
+        super().unit(result, work, result_line)
 
     def write(self, final=False):
         return write_report(self, final)
