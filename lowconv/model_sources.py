@@ -113,7 +113,9 @@ def hf_model(directory: str, spec: str):
             model = (named[0] if named else transformers.AutoModel).from_pretrained(path, local_files_only=True)
         else:  # a config alone: random weights, drawn under the seed
             model = named[0](config) if named else transformers.AutoModel.from_config(config)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, ImportError, AttributeError) as err:
+        # ImportError: a model class whose extra dependency is missing; AttributeError: a config
+        # naming something this transformers version lacks.
         raise LowconvError(f"model {spec!r}: transformers cannot build it: {type(err).__name__}: {err}") from None
     return model, hf_inputs(model, config, spec), None
 
@@ -131,6 +133,10 @@ def hf_inputs(model: nn.Module, config, spec: str) -> dict:
             mask[1, TOKENS - PADDING:] = 0
             inputs["attention_mask"] = mask
     elif main == "pixel_values":
+        if getattr(config, "image_size", None) is None:
+            raise LowconvError(f"model {spec!r}: config.json has no image_size, so lowconv cannot make example "
+                               f"images: write a model file with build_model() and example_inputs() instead "
+                               f"(README: The model file)")
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         inputs = {"pixel_values": images(getattr(config, "num_channels", 3), size, size)}
     else:

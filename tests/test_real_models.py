@@ -4,6 +4,7 @@ the model sources, the tracer's example-value branches, the passes and the three
 (timm and torchvision: tests/test_real_models_gpu.py.)"""
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -152,3 +153,12 @@ def test_a_missing_library_names_its_pip_package(spec, package, monkeypatch):
     monkeypatch.setitem(sys.modules, spec.partition(":")[0].replace("hf", "transformers"), None)
     with pytest.raises(LowconvError, match=package):
         load_model(spec)
+
+
+def test_an_image_config_without_image_size_says_to_write_a_model_file(transformers, tmp_path):
+    from lowconv.model_sources import hf_inputs
+
+    config = types.SimpleNamespace(image_size=None)
+    model = types.SimpleNamespace(main_input_name="pixel_values", forward=lambda pixel_values: None)
+    with pytest.raises(LowconvError, match="config.json has no image_size.*model file"):
+        hf_inputs(model, config, "hf:somewhere")
