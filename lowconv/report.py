@@ -14,6 +14,8 @@ from typing import Any, Mapping
 import torch
 from tabulate import tabulate
 
+from lowconv.kernels.cuda_timing import cuda_ms_per_call
+
 
 @dataclass
 class TensorMetrics:
@@ -305,15 +307,7 @@ def measure_perf(model: torch.nn.Module, args: tuple, kwargs: dict, device: torc
 
         return float(do_bench(forward, return_mode="median")), peak_mb
     except ImportError:
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times), peak_mb
+        return statistics.median(cuda_ms_per_call(forward, samples=20, calls=1)), peak_mb
 
 
 def _unique_storages(model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:

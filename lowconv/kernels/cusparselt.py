@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from lowconv.errors import LowconvError
+from lowconv.kernels.cuda_timing import cuda_ms_per_call
 
 STRUCT_BYTES = 16384
 STRUCT_ALIGN = 64
@@ -253,16 +254,8 @@ class Plan:
 
     def ms(self, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> float:
         """Median ms per call of this plan's product, timed with CUDA events after a warm-up."""
-        self.run("cusparseLtMatmul", compressed, x, out)
-        times = []
-        for _ in range(TUNING_SAMPLES):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(TUNING_CALLS):
-                self.run("cusparseLtMatmul", compressed, x, out)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / TUNING_CALLS)
+        times = cuda_ms_per_call(lambda: self.run("cusparseLtMatmul", compressed, x, out), TUNING_SAMPLES,
+                                 TUNING_CALLS)
         return sorted(times)[len(times) // 2]
 
     def run(self, function: str, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt
+from lowconv.kernels.cuda_timing import cuda_ms_per_call
 
 
 def mask_24(x: torch.Tensor) -> torch.Tensor:
@@ -246,6 +247,9 @@ def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
     return BackendChoice("masked-dense", f"2:4 not faster: {measured}", case.rows, sparse_ms, dense_ms)
 
 
+TIMING_ROUNDS, TIMING_SAMPLES, TIMING_CALLS = 3, 5, 8  # backends alternate over rounds of samples of calls
+
+
 @functools.cache  # unbounded: the cases are bounded by a model's sites, and an evicted one could choose anew
 def time_backends(case: GemmCase) -> tuple[float, float]:
     """(cuSPARSELt ms, masked-dense ms) on random data, each as the 2:4 modules call them. Once
@@ -274,7 +278,7 @@ def measure_backends(case: GemmCase) -> tuple[float, float]:
     samples = {name: [] for name in calls}
     for _ in range(TIMING_ROUNDS):  # alternated, so that clock and thermal drift hit both alike
         for name, call in calls.items():
-            samples[name] += call_ms(call)
+            samples[name] += cuda_ms_per_call(call, TIMING_SAMPLES, TIMING_CALLS)
     return statistics.median(samples["sparse"]), statistics.median(samples["dense"])
 
 
@@ -293,23 +297,3 @@ def training_calls(x, w, bias, transposable: bool, grad_out) -> dict:
 
     return {"sparse": step(lambda: SparseLinearFunction.apply(x, weight, mask, bias, gemms)),
             "dense": step(lambda: F.linear(x, weight * mask, bias))}
-
-
-TIMING_ROUNDS, TIMING_SAMPLES, TIMING_CALLS = 3, 5, 8
-
-
-def call_ms(call) -> list[float]:
-    """ms per call of `call`, TIMING_SAMPLES samples of TIMING_CALLS back-to-back calls each
-    (host time shows where the calls are host-bound), after a warm-up call."""
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(TIMING_SAMPLES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(TIMING_CALLS):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / TIMING_CALLS)
-    return times
