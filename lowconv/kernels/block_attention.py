@@ -1,21 +1,41 @@
-"""Attention with a chosen compute dtype: softmax(q k^T * scale + mask) v.
+"""Attention with a chosen compute dtype: softmax(q k^T * scale + mask) v, dense or block-sparse.
 
-The numerics every backend of this file follows (the Triton kernels to come, and the torch
-reference below, which is what runs on the CPU):
+The numerics every backend of this file follows (the Triton kernels, and the torch reference,
+which is what runs on the CPU):
 - q, k, v are rounded to the compute dtype;
 - q k^T is accumulated in float32 (float64 when the compute dtype is float64), then scaled;
 - masks and causality are applied and the softmax is taken in that accumulation dtype;
 - the probabilities are rounded to the compute dtype, P V is accumulated like q k^T, and the
   output is rounded to the compute dtype, which is what is returned.
-A query row with every key masked out gives zeros (as SDPA does), not NaN.
+A query row with every key masked out gives zeros (as SDPA does), not NaN, and passes no
+gradient. (An additive mask's -inf masks a key out; a finite value, however negative, does not.)
+
+`block_attention` (below `attention`) runs flash-attention Triton kernels on CUDA, forward and
+backward, over (batch, heads, seq, head_dim) inputs, skipping the (BLOCK_M, BLOCK_N) tiles of the
+score matrix that its layout rules out. Where the Triton numerics differ from the above:
+- fp32 operands multiply in 3-pass tf32 (about fp32 accuracy);
+- the online softmax rounds exp(s - running max) to the compute dtype before P V (flash
+  attention's rounding; the normalizer sums the unrounded values), where the reference rounds
+  the normalized probabilities: the same error, not the same bits;
+- backward (flash style): P = exp(s - m) / l in fp32 from each row's max m and sum l saved by
+  the forward (not lse = m + log l: against a finite mask value such as torch.finfo.min, m + log l
+  rounds to m), rounded to the compute dtype for dv; dS = P (dP - delta) in fp32 with
+  delta_i = <dO_i, O_i>, rounded to the compute dtype for dq, dk.
 """
-from __future__ import annotations
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from lowconv.kernels.window_attention import _dot
 
 MASK_KINDS = ("none", "additive", "keep", "drop")  # keep: True attends; drop: True is masked out
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+LAYOUTS = ("dense", "causal", "local", "causal_local")
+BACKENDS = ("auto", "triton", "reference")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def attention(q, k, v, mask=None, *, mask_kind="none", causal=False, scale=None, dropout=0.0,
@@ -128,3 +148,493 @@ def check_mask(mask, mask_kind, scores_shape):
     if not fits:
         raise ValueError(f"attention: mask of shape {tuple(mask.shape)} does not broadcast to "
                          f"the scores' shape {tuple(scores_shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-sparse attention: layouts, the block layout, the entry point and its reference.
+#
+# A layout is a band of allowed offsets i - j (query i, key j), lower <= i - j <= upper:
+#   dense          no band
+#   causal         0 <= i - j                  (top-left aligned, as SDPA's is_causal)
+#   local          -W < i - j < W              (W keys on each side, the query's own included)
+#   causal_local   0 <= i - j < W              (the query and the W - 1 keys before it)
+# A model's mask (bool: True attends; float: added to the scores, -inf masks out) and a key
+# padding mask (bool (batch, seq_k): True is padding, as nn.MultiheadAttention's) narrow it
+# further. Tiles outside the band are never visited (the kernels loop over the band's span);
+# with a mask or padding, the tiles left are listed per row of tiles (BlockLayout) and those
+# that the mask or padding rules out entirely are skipped as well.
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+# One tile shape for the forward and both backward kernels, so that they share a BlockLayout.
+# Not tuned yet (no GPU run): FlashAttention-2's usual 64 x 64 with 4 warps.
+TILES = Tiles(64, 64, 4)
+
+
+def pipeline_stages(dtype):
+    """Software-pipelining depth: Triton's default 3, but 1 for fp32, whose tiles take twice the
+    bytes (at head_dim 128, 2 stages of the backward key kernel need 289 KB of shared memory,
+    beyond the H100's 227 KB; 1 stage needs 224 KB)."""
+    return 1 if dtype == torch.float32 else 3
+
+
+class BlockLayout(NamedTuple):
+    """Which (BLOCK_M, BLOCK_N) tiles of the scores hold an allowed entry, listed both ways.
+    Each is (batch or 1, heads or 1, rows of tiles, columns of tiles) int32: for tile row m,
+    `count[..., m]` live tiles, their column indices first in `index[..., m, :]` (ascending);
+    `count_t`, `index_t` the same for tile columns (the key tiles' live query tiles)."""
+    count: torch.Tensor
+    index: torch.Tensor
+    count_t: torch.Tensor
+    index_t: torch.Tensor
+
+
+def band(layout, window, seq_q, seq_k):
+    """(lower, upper): the layout's allowed offsets i - j; seq_k and seq_q stand for no bound."""
+    lower = 0 if layout in ("causal", "causal_local") else -seq_k
+    upper = window - 1 if layout in ("local", "causal_local") else seq_q
+    if layout == "local":
+        lower = 1 - window
+    return lower, upper
+
+
+def block_layout(seq_q, seq_k, *, layout="dense", window=None, mask=None, key_padding_mask=None):
+    """The BlockLayout of a layout, a mask and key padding (see above), a few torch ops over the
+    mask: compute it once per mask and pass it to block_attention's `blocks`."""
+    if mask is None and key_padding_mask is None:
+        raise ValueError("block_layout: give a mask or a key_padding_mask (a layout alone needs "
+                         "no BlockLayout: the kernels loop over its band)")
+    block_m, block_n = TILES.block_m, TILES.block_n
+    rows_of_tiles, cols_of_tiles = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
+    device = (mask if mask is not None else key_padding_mask).device
+    # The band: a tile is live when its range of offsets i - j meets [lower, upper].
+    lower, upper = band(layout, window, seq_q, seq_k)
+    first_row = torch.arange(rows_of_tiles, device=device)[:, None] * block_m
+    first_col = torch.arange(cols_of_tiles, device=device)[None, :] * block_n
+    last_row = (first_row + block_m).clamp(max=seq_q) - 1
+    last_col = (first_col + block_n).clamp(max=seq_k) - 1
+    live = (first_row - last_col <= upper) & (last_row - first_col >= lower)
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
+        while allowed.dim() < 4:
+            allowed = allowed[None]
+        allowed = allowed.expand(*allowed.shape[:2], seq_q, seq_k)
+        live = live & tile_any(allowed, block_m, block_n)
+    if key_padding_mask is not None:
+        keys = ~key_padding_mask[:, None, None, :].expand(-1, 1, block_m, -1)
+        live = live & tile_any(keys, block_m, block_n)
+    while live.dim() < 4:
+        live = live[None]
+    return BlockLayout(*listed(live), *listed(live.transpose(-2, -1)))
+
+
+def tile_any(allowed, block_m, block_n):
+    """(..., rows of tiles, columns of tiles): whether each tile of `allowed` (..., Lq, Lk)
+    (padded with False to whole tiles) holds a True."""
+    *lead, seq_q, seq_k = allowed.shape
+    rows, cols = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
+    padded = F.pad(allowed, (0, cols * block_n - seq_k, 0, rows * block_m - seq_q))
+    return padded.view(*lead, rows, block_m, cols, block_n).any(-1).any(-2)
+
+
+def listed(live):
+    """(count, index) of each row of `live`: how many True, and their columns first, ascending."""
+    count = live.sum(-1, dtype=torch.int32).contiguous()
+    index = torch.argsort((~live).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
+    return count, index
+
+
+def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padding_mask=None,
+                    scale=None, dtype=None, blocks=None, backend="auto"):
+    """softmax(q k^T * scale + mask) v over q (batch, heads, seq_q, head_dim) and k, v (batch,
+    kv_heads, seq_k, head_dim), kv_heads dividing heads (GQA, MQA), differentiable for q, k, v.
+
+    `layout` is one of LAYOUTS (see above) and `window` W >= 1 goes with the local ones. `mask`
+    broadcasts to (batch, heads, seq_q, seq_k): bool (True attends) or float (added; no gradient
+    on the Triton path). `key_padding_mask` (batch, seq_k) bool marks padding keys True.
+    `scale` None is head_dim^-0.5; `dtype` None computes in q's dtype; the output is in q's
+    dtype. `blocks` is block_layout(...) of the same layout, mask and padding, made once per mask
+    (None: made here when there is a mask or padding). `backend` "auto" runs Triton on CUDA and
+    the torch reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
+    import. A query row with no allowed key gives zeros.
+    """
+    check_block_inputs(q, k, v, layout, window, mask, key_padding_mask, scale, dtype, backend)
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if not use_triton:
+        return block_attention_reference(q, k, v, layout=layout, window=window, mask=mask,
+                                         key_padding_mask=key_padding_mask, scale=scale,
+                                         dtype=dtype)
+    check_triton_inputs(q, dtype)
+    out_dtype, dtype = q.dtype, dtype or q.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if blocks is None and (mask is not None or key_padding_mask is not None):
+        blocks = block_layout(q.shape[-2], k.shape[-2], layout=layout, window=window, mask=mask,
+                              key_padding_mask=key_padding_mask)
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    masks = kernel_masks(mask, key_padding_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    lower, upper = band(layout, window, q.shape[2], k.shape[2])
+    out = BlockAttention.apply(q, k, v, masks, blocks, (lower, upper, layout != "dense"), scale)
+    return out.to(out_dtype)
+
+
+def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None,
+                              key_padding_mask=None, scale=None, dtype=None):
+    """The torch reference of `block_attention` (same arguments, no checks): `attention_reference`
+    with the layout and padding folded into the mask. Memory O(batch heads seq_q seq_k)."""
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    lower, upper = band(layout, window, seq_q, seq_k)
+    offset = (torch.arange(seq_q, device=q.device)[:, None]
+              - torch.arange(seq_k, device=q.device)[None, :])
+    allowed = (offset >= lower) & (offset <= upper)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    if mask is None or mask.dtype == torch.bool:
+        if mask is not None:
+            allowed = allowed & mask
+        out = attention_reference(q, k, v, allowed, mask_kind="keep", scale=scale, dtype=dtype)
+    else:
+        additive = mask.masked_fill(~allowed, float("-inf"))
+        out = attention_reference(q, k, v, additive, mask_kind="additive", scale=scale,
+                                  dtype=dtype)
+    return out.to(q.dtype)
+
+
+def check_block_inputs(q, k, v, layout, window, mask, key_padding_mask, scale, dtype, backend):
+    """Raise ValueError naming what is wrong with block_attention's arguments."""
+    mask_kind = "none" if mask is None else "keep" if mask.dtype == torch.bool else "additive"
+    check_inputs(q, k, v, mask, mask_kind, False, scale, 0.0, dtype)
+    if q.dim() != 4:
+        raise ValueError(f"block_attention: q, k, v must be (batch, heads, seq, head_dim), got "
+                         f"q of shape {tuple(q.shape)}")
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"block_attention: v's head_dim {v.shape[-1]} differs from q's and k's "
+                         f"{q.shape[-1]}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"block_attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    local = layout in ("local", "causal_local")
+    if local and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"block_attention: layout {layout!r} needs a window >= 1, got {window!r}")
+    if not local and window is not None:
+        raise ValueError(f"block_attention: window goes with the local layouts, not {layout!r}")
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or
+                                         key_padding_mask.shape != (q.shape[0], k.shape[-2])):
+        raise ValueError(f"block_attention: key_padding_mask must be bool (batch, seq_k) = "
+                         f"{(q.shape[0], k.shape[-2])}, got {key_padding_mask.dtype} of shape "
+                         f"{tuple(key_padding_mask.shape)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"block_attention: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_triton_inputs(q, dtype):
+    d = q.shape[-1]
+    if d < 16 or d > 128 or d & (d - 1):
+        raise ValueError(f"block_attention: the Triton kernels take head_dim 16, 32, 64 or 128, "
+                         f"got {d}")
+    if (dtype or q.dtype) not in TRITON_DTYPES:
+        raise ValueError(f"block_attention: the Triton kernels compute in {TRITON_DTYPES}, got "
+                         f"{dtype or q.dtype}")
+
+
+class KernelMasks(NamedTuple):
+    """The masks as the kernels read them: the model's mask as a (batch, heads, seq_q, seq_k)
+    view (broadcast dimensions have stride 0; bool as uint8), "none", "bool" or "additive", and
+    the key padding mask as uint8 (batch, seq_k)."""
+    mask: torch.Tensor | None
+    kind: str
+    padding: torch.Tensor | None
+
+
+def kernel_masks(mask, key_padding_mask, batch, heads, seq_q, seq_k):
+    if mask is None:
+        view, kind = None, "none"
+    else:
+        while mask.dim() < 4:
+            mask = mask[None]
+        view = mask.expand(batch, heads, seq_q, seq_k)
+        kind = "bool" if mask.dtype == torch.bool else "additive"
+        if kind == "bool":
+            view = view.view(torch.uint8)
+    padding = None if key_padding_mask is None else key_padding_mask.contiguous().view(torch.uint8)
+    return KernelMasks(view, kind, padding)
+
+
+class BlockAttention(torch.autograd.Function):
+    """The Triton kernels; q, k, v already in the compute dtype and contiguous."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, masks, blocks, bounds, scale):
+        out = torch.empty_like(q)
+        # Each row's softmax: the max its exp() was taken against, and 1 / the sum.
+        row_max, row_inv_sum = (torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+                                for _ in range(2))
+        launch = Launch(q, k, masks, blocks, bounds, scale)
+        launch.run(_forward_kernel, q, k, v, out, row_max, row_inv_sum, transposed=False)
+        ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum)
+        ctx.launch = launch
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, row_max, row_inv_sum = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype).contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        stats = (row_max, row_inv_sum, delta)
+        ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, *stats, dq, transposed=False)
+        ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, *stats, dk, dv, transposed=True)
+        return dq, dk, dv, None, None, None, None
+
+
+class Launch:
+    """The arguments and tile sizes every kernel of this family shares."""
+
+    def __init__(self, q, k, masks, blocks, bounds, scale):
+        """bounds: the band's (lower, upper) and whether it bounds anything (not dense)."""
+        self.batch, self.heads, self.seq_q, self.head_dim = q.shape
+        self.kv_heads, self.seq_k = k.shape[1], k.shape[2]
+        self.masks, self.blocks = masks, blocks
+        self.lower, self.upper, self.banded = bounds
+        self.scale = scale
+        # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands); the
+        # interpreter's bf16 dot is wrong, see _dot.
+        self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
+                          torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
+        self.num_stages = pipeline_stages(q.dtype)
+
+    def run(self, kernel, *tensors, transposed):
+        """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the
+        batch and its heads (kv heads when transposed: a program sums over its group)."""
+        if min(self.batch, self.heads, self.seq_q, self.seq_k) == 0:
+            return
+        if transposed:
+            grid = (triton.cdiv(self.seq_k, TILES.block_n), self.batch * self.kv_heads)
+        else:
+            grid = (triton.cdiv(self.seq_q, TILES.block_m), self.batch * self.heads)
+        mask, padding = self.masks.mask, self.masks.padding
+        mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+        if self.blocks is None:
+            count = index = None
+            list_strides = (0, 0)
+        else:
+            count, index = self.blocks[2:] if transposed else self.blocks[:2]
+            list_strides = tuple(0 if size == 1 else stride
+                                 for size, stride in zip(count.shape[:2], count.stride()[:2]))
+        kernel[grid](*tensors, mask, padding, count, index,
+                     self.heads, self.heads // self.kv_heads, self.seq_q, self.seq_k,
+                     self.lower, self.upper, self.scale, *mask_strides, *list_strides,
+                     D=self.head_dim, BANDED=self.banded, MASK=self.masks.kind,
+                     PADDING=padding is not None, LISTED=count is not None,
+                     PRECISION=self.precision, BLOCK_M=TILES.block_m, BLOCK_N=TILES.block_n,
+                     num_warps=TILES.num_warps, num_stages=self.num_stages)
+
+
+@triton.jit
+def _load_rows(ptr, base, rows, n, D: tl.constexpr):
+    """Rows `rows` (zeros at n and past) of the (seq, D) matrix of one head at ptr + base."""
+    offs = base + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    return tl.load(ptr + offs, mask=(rows < n)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, base, rows, n, D: tl.constexpr, block):
+    offs = base + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(ptr + offs, block.to(ptr.dtype.element_ty), mask=(rows < n)[:, None])
+
+
+@triton.jit
+def _span(first, last, n, lo_offset, hi_offset, BLOCK: tl.constexpr):
+    """The partners p of rows first..last with lo_offset <= p - row <= hi_offset, below n: the
+    first (rounded down to a whole BLOCK, for aligned loads) and the number of BLOCKs."""
+    lo = tl.maximum(first + lo_offset, 0) // BLOCK * BLOCK
+    hi = tl.minimum(last + hi_offset + 1, n)
+    return lo, tl.maximum(tl.cdiv(hi - lo, BLOCK), 0)
+
+
+@triton.jit
+def _partner_tiles(tile, first, last, n, lo_offset, hi_offset, count, list_row,
+                   LISTED: tl.constexpr, BLOCK: tl.constexpr):
+    """Where the partner tiles of a tile start and how many there are: the band's span, or
+    with LISTED the live tiles of its BlockLayout row (list_row: the row's offset in count)."""
+    lo, n_tiles = _span(first, last, n, lo_offset, hi_offset, BLOCK)
+    if LISTED:
+        n_tiles = tl.load(count + list_row + tile)
+    return lo, n_tiles
+
+
+@triton.jit
+def _partner_start(i, lo, index, list_row, tile, TILES_PER_ROW, LISTED: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """The first partner of the i-th partner tile."""
+    if LISTED:
+        return tl.load(index + (list_row + tile) * TILES_PER_ROW + i) * BLOCK
+    return lo + i * BLOCK
+
+
+@triton.jit
+def _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
+                   mask_sb, mask_sh, mask_sq, mask_sk,
+                   BANDED: tl.constexpr, MASK: tl.constexpr, PADDING: tl.constexpr):
+    """Scores s (rows, cols) with the model's additive mask added and -inf where a key is not
+    allowed: past the ends, outside the band, padding, or False in a bool mask."""
+    allowed = (rows[:, None] < Lq) & (cols[None, :] < Lk)
+    if BANDED:
+        offset = rows[:, None] - cols[None, :]
+        allowed = allowed & (offset >= lower) & (offset <= upper)
+    if PADDING:
+        is_padding = tl.load(padding + b.to(tl.int64) * Lk + cols, mask=cols < Lk, other=1)
+        allowed = allowed & (is_padding == 0)[None, :]
+    if MASK != "none":
+        offs = (b.to(tl.int64) * mask_sb + h.to(tl.int64) * mask_sh
+                + rows.to(tl.int64)[:, None] * mask_sq + cols.to(tl.int64)[None, :] * mask_sk)
+        if MASK == "bool":
+            allowed = allowed & (tl.load(mask + offs, mask=allowed, other=0) != 0)
+        else:
+            s += tl.load(mask + offs, mask=allowed, other=0.0).to(tl.float32)
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
+def _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq):
+    """The rows' softmax max, 1 / sum (0 past Lq: no probability there) and delta."""
+    offs = bh.to(tl.int64) * Lq + rows
+    ok = rows < Lq
+    return (tl.load(row_max + offs, mask=ok, other=0.0),
+            tl.load(row_inv_sum + offs, mask=ok, other=0.0),
+            tl.load(delta + offs, mask=ok, other=0.0))
+
+
+@triton.jit
+def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, index,
+                    H, GROUP, Lq, Lk, lower, upper, scale,
+                    mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
+                    D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
+                    PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile of BLOCK_M queries of one (batch, head): online softmax over its key tiles."""
+    dtype = q.dtype.element_ty
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    q_base = bh.to(tl.int64) * Lq * D
+    kv_base = (b * (H // GROUP) + h // GROUP).to(tl.int64) * Lk * D
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qb = _load_rows(q, q_base, rows, Lq, D)
+    list_row = b * list_sb + h * list_sh
+    # Keys j of the band: i - upper <= j <= i - lower.
+    lo, n_tiles = _partner_tiles(tile, tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, Lk, -upper,
+                                 -lower, count, list_row, LISTED, BLOCK_N)
+    # m starts at -inf and exp() is taken against 0 while a row has seen nothing but -inf, so
+    # a row whose keys are all masked so far keeps l = 0 (and a finite mask value still counts).
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for i in range(n_tiles):
+        first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lk, BLOCK_N), LISTED, BLOCK_N)
+        cols = first + tl.arange(0, BLOCK_N)
+        kb = _load_rows(k, kv_base, cols, Lk, D)
+        vb = _load_rows(v, kv_base, cols, Lk, D)
+        s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq, Lk,
+                           lower, upper, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                           BANDED, MASK, PADDING)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        p = tl.exp(s - shift[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(dtype), vb, PRECISION)
+        m = m_new
+    # A row with no allowed key: output 0, and 1 / sum = 0 so that backward's P is 0 there.
+    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
+    _store_rows(out, q_base, rows, Lq, D, acc * inv_l[:, None])
+    stats = bh.to(tl.int64) * Lq + rows
+    tl.store(row_max + stats, tl.where(m == float("-inf"), 0.0, m), mask=rows < Lq)
+    tl.store(row_inv_sum + stats, inv_l, mask=rows < Lq)
+
+
+@triton.jit
+def _backward_query_kernel(q, k, v, do, row_max, row_inv_sum, delta, dq, mask, padding, count, index,
+                           H, GROUP, Lq, Lk, lower, upper, scale,
+                           mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
+                           D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
+                           PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq for one tile of BLOCK_M queries of one (batch, head), over the forward's key tiles."""
+    dtype = q.dtype.element_ty
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    q_base = bh.to(tl.int64) * Lq * D
+    kv_base = (b * (H // GROUP) + h // GROUP).to(tl.int64) * Lk * D
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qb = _load_rows(q, q_base, rows, Lq, D)
+    dob = _load_rows(do, q_base, rows, Lq, D)
+    m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
+    list_row = b * list_sb + h * list_sh
+    lo, n_tiles = _partner_tiles(tile, tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, Lk, -upper,
+                                 -lower, count, list_row, LISTED, BLOCK_N)
+    dqb = tl.zeros([BLOCK_M, D], tl.float32)
+    for i in range(n_tiles):
+        first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lk, BLOCK_N), LISTED, BLOCK_N)
+        cols = first + tl.arange(0, BLOCK_N)
+        kb = _load_rows(k, kv_base, cols, Lk, D)
+        vb = _load_rows(v, kv_base, cols, Lk, D)
+        s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq, Lk,
+                           lower, upper, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                           BANDED, MASK, PADDING)
+        p = tl.exp(s - m[:, None]) * inv_l[:, None]
+        dp = _dot(dob, tl.trans(vb), PRECISION)
+        ds = (p * (dp - row_delta[:, None])).to(dtype)
+        dqb += _dot(ds, kb, PRECISION)
+    _store_rows(dq, q_base, rows, Lq, D, dqb * scale)
+
+
+@triton.jit
+def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask, padding, count, index,
+                         H, GROUP, Lq, Lk, lower, upper, scale,
+                         mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
+                         D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
+                         PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk, dv for one tile of BLOCK_N keys of one (batch, kv head): the sum over the GROUP query
+    heads it serves (in one program, so no atomics) of each head's live query tiles (`count`,
+    `index`: the BlockLayout's transposed lists)."""
+    dtype = q.dtype.element_ty
+    tile = tl.program_id(0)
+    bkv = tl.program_id(1)
+    b = bkv // (H // GROUP)
+    kv_base = bkv.to(tl.int64) * Lk * D
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = _load_rows(k, kv_base, cols, Lk, D)
+    vb = _load_rows(v, kv_base, cols, Lk, D)
+    dkb = tl.zeros([BLOCK_N, D], tl.float32)
+    dvb = tl.zeros([BLOCK_N, D], tl.float32)
+    for g in range(GROUP):
+        h = bkv % (H // GROUP) * GROUP + g
+        bh = b * H + h
+        q_base = bh.to(tl.int64) * Lq * D
+        list_row = b * list_sb + h * list_sh
+        # Queries i of the band: j + lower <= i <= j + upper.
+        lo, n_tiles = _partner_tiles(tile, tile * BLOCK_N, tile * BLOCK_N + BLOCK_N - 1, Lq,
+                                     lower, upper, count, list_row, LISTED, BLOCK_M)
+        for i in range(n_tiles):
+            first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lq, BLOCK_M), LISTED,
+                                   BLOCK_M)
+            rows = first + tl.arange(0, BLOCK_M)
+            qb = _load_rows(q, q_base, rows, Lq, D)
+            dob = _load_rows(do, q_base, rows, Lq, D)
+            m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
+            s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq,
+                               Lk, lower, upper, mask, padding, mask_sb, mask_sh, mask_sq,
+                               mask_sk, BANDED, MASK, PADDING)
+            p = tl.exp(s - m[:, None]) * inv_l[:, None]
+            dvb += _dot(tl.trans(p.to(dtype)), dob, PRECISION)
+            dp = _dot(dob, tl.trans(vb), PRECISION)
+            ds = (p * (dp - row_delta[:, None])).to(dtype)
+            dkb += _dot(tl.trans(ds), qb, PRECISION)
+    _store_rows(dk, kv_base, cols, Lk, D, dkb * scale)
+    _store_rows(dv, kv_base, cols, Lk, D, dvb)
