@@ -509,6 +509,39 @@ def _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq):
 
 
 @triton.jit
+def _query_tile(H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D: tl.constexpr,
+                LISTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's query tile of one (batch, head): (tile, bh, b, h, q_base, kv_base (its kv
+    head's), rows, list_row, and lo, n_tiles of the key tiles of the band i - upper <= j <= i - lower)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    q_base = bh.to(tl.int64) * Lq * D
+    kv_base = (b * (H // GROUP) + h // GROUP).to(tl.int64) * Lk * D
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    list_row = b * list_sb + h * list_sh
+    lo, n_tiles = _partner_tiles(tile, tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, Lk, -upper,
+                                 -lower, count, list_row, LISTED, BLOCK_N)
+    return tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles
+
+
+@triton.jit
+def _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk, lower, upper,
+                     scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk, D: tl.constexpr,
+                     BANDED: tl.constexpr, MASK: tl.constexpr, PADDING: tl.constexpr,
+                     LISTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query tile's i-th key tile: its k and v rows and the masked, scaled scores."""
+    first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lk, BLOCK_N), LISTED, BLOCK_N)
+    cols = first + tl.arange(0, BLOCK_N)
+    kb = _load_rows(k, kv_base, cols, Lk, D)
+    vb = _load_rows(v, kv_base, cols, Lk, D)
+    s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq, Lk,
+                       lower, upper, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                       BANDED, MASK, PADDING)
+    return kb, vb, s
+
+
+@triton.jit
 def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, index,
                     H, GROUP, Lq, Lk, lower, upper, scale,
                     mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
@@ -517,30 +550,18 @@ def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, in
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile of BLOCK_M queries of one (batch, head): online softmax over its key tiles."""
     dtype = q.dtype.element_ty
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    q_base = bh.to(tl.int64) * Lq * D
-    kv_base = (b * (H // GROUP) + h // GROUP).to(tl.int64) * Lk * D
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
+        H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
     qb = _load_rows(q, q_base, rows, Lq, D)
-    list_row = b * list_sb + h * list_sh
-    # Keys j of the band: i - upper <= j <= i - lower.
-    lo, n_tiles = _partner_tiles(tile, tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, Lk, -upper,
-                                 -lower, count, list_row, LISTED, BLOCK_N)
     # m starts at -inf and exp() is taken against 0 while a row has seen nothing but -inf, so
     # a row whose keys are all masked so far keeps l = 0 (and a finite mask value still counts).
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for i in range(n_tiles):
-        first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lk, BLOCK_N), LISTED, BLOCK_N)
-        cols = first + tl.arange(0, BLOCK_N)
-        kb = _load_rows(k, kv_base, cols, Lk, D)
-        vb = _load_rows(v, kv_base, cols, Lk, D)
-        s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq, Lk,
-                           lower, upper, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
-                           BANDED, MASK, PADDING)
+        kb, vb, s = _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk,
+                                     lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                                     D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N)
         m_new = tl.maximum(m, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - shift)
@@ -565,27 +586,16 @@ def _backward_query_kernel(q, k, v, do, row_max, row_inv_sum, delta, dq, mask, p
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one tile of BLOCK_M queries of one (batch, head), over the forward's key tiles."""
     dtype = q.dtype.element_ty
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    q_base = bh.to(tl.int64) * Lq * D
-    kv_base = (b * (H // GROUP) + h // GROUP).to(tl.int64) * Lk * D
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
+        H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
     qb = _load_rows(q, q_base, rows, Lq, D)
     dob = _load_rows(do, q_base, rows, Lq, D)
     m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
-    list_row = b * list_sb + h * list_sh
-    lo, n_tiles = _partner_tiles(tile, tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, Lk, -upper,
-                                 -lower, count, list_row, LISTED, BLOCK_N)
     dqb = tl.zeros([BLOCK_M, D], tl.float32)
     for i in range(n_tiles):
-        first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lk, BLOCK_N), LISTED, BLOCK_N)
-        cols = first + tl.arange(0, BLOCK_N)
-        kb = _load_rows(k, kv_base, cols, Lk, D)
-        vb = _load_rows(v, kv_base, cols, Lk, D)
-        s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq, Lk,
-                           lower, upper, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
-                           BANDED, MASK, PADDING)
+        kb, vb, s = _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk,
+                                     lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                                     D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N)
         p = tl.exp(s - m[:, None]) * inv_l[:, None]
         dp = _dot(dob, tl.trans(vb), PRECISION)
         ds = (p * (dp - row_delta[:, None])).to(dtype)
