@@ -236,13 +236,20 @@ def test_a_modules_plan_note_is_kept_in_the_plan_through_save_and_load(monkeypat
     assert [d.note for d in plan_of(loaded).decisions if d.converted] == [decision.note]
 
 
-def test_a_dtype_or_device_change_drops_the_backend_choice():
-    """The CUDA backend was timed for one dtype and device: .float() / .to() choose again (a bf16
-    choice of cuSPARSELt would fail on float32)."""
-    from lowconv.kernels.sparse24 import BackendChoice
+def test_the_backend_is_chosen_again_for_another_dtype_or_device_only():
+    """The CUDA backend was timed for one dtype and device: a bf16 choice of cuSPARSELt would fail
+    on float32, so another dtype or device chooses again; .to() the same device keeps the choice
+    (conversion moves the module after choosing)."""
+    from lowconv.kernels import sparse24
 
-    for module in (CompressedSemiSparseLinear(16, 8, True, torch.bfloat16, SemiSparseOptions()),
-                   MaskedSemiSparseLinear(16, 8, True, torch.bfloat16, SemiSparseOptions(training=True))):
-        module.choice = BackendChoice("cusparselt", "faster")
-        module.float()
-        assert module.choice is None
+    cuda = torch.device("cuda", 0)
+    for module in (CompressedSemiSparseLinear(16, 8, True, torch.bfloat16, SemiSparseOptions(backend="masked-dense")),
+                   MaskedSemiSparseLinear(16, 8, True, torch.bfloat16,
+                                          SemiSparseOptions(training=True, backend="masked-dense"))):
+        first = module.decide(cuda, 16, torch.bfloat16)
+        module.to(torch.bfloat16)
+        assert module.decide(cuda, 16, torch.bfloat16) is first
+        again = module.decide(cuda, 16, torch.float32)
+        assert again is not first and module.chosen_for == (cuda, torch.float32)
+        assert module.decide(torch.device("cuda", 1), 16, torch.float32) is not again
+        assert isinstance(first, sparse24.BackendChoice)

@@ -61,12 +61,15 @@ class FixedMaskLinear(nn.Module):
         self.in_features, self.out_features, self.options = in_features, out_features, options
         self.rows = rows  # M of the site's traced input: the GEMM "auto" times
         self.choice: BackendChoice | None = None  # the CUDA backend, decided on the first GPU seen
+        self.chosen_for: tuple[torch.device, torch.dtype] | None = None
 
     def decide(self, device: torch.device, rows: int, dtype: torch.dtype) -> BackendChoice:
-        if self.choice is None:
+        """The backend for this device and dtype: chosen again after .to() / .float() changed them
+        (a bf16 choice of cuSPARSELt would fail on float32), kept while they stay the same."""
+        if self.choice is None or self.chosen_for != (device, dtype):
             case = GemmCase(self.rows or rows, self.out_features, self.in_features, dtype, self.bias is not None,
                             device, training=self.options.training, transposable=self.options.transposable)
-            self.choice = choose_backend(self.options.backend, case)
+            self.choice, self.chosen_for = choose_backend(self.options.backend, case), (device, dtype)
         return self.choice
 
     def runs_cusparselt(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -131,9 +134,7 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
         return semi_sparse_linear(x, self.dense(), self.bias)
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cuda() / .half() move or cast the buffers; cuSPARSELt's copy is rebuilt from them,
-        # and the backend is chosen again for the new dtype and device (the timings are cached).
-        self.sparse, self.choice = None, None
+        self.sparse = None  # .to() / .cuda() / .half() move or cast the buffers: rebuilt from them
         return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
@@ -177,7 +178,7 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         return semi_sparse_linear(x, self.weight * self.mask, self.bias)
 
     def _apply(self, fn, recurse=True):
-        self.gemms, self.choice = None, None  # plans and the backend choice belong to a device and dtype
+        self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
         return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
