@@ -29,9 +29,10 @@ MISSING = object()  # a node whose value is not known (it failed to evaluate, or
 
 # What reads a tensor's metadata, not its data: a branch on these may be decided.
 METADATA_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "layout", "requires_grad",
-                       "is_floating_point", "is_complex", "is_meta"}
+                       "is_floating_point", "is_complex", "is_meta", "is_nested", "is_quantized"}
 METADATA_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
                     "is_complex", "is_contiguous", "get_device", "stride"}
+METADATA_FUNCTIONS = {torch.is_floating_point, torch.is_complex, torch.numel}  # torch.nn.functional's mask checks
 # Frames of these files are tracing machinery, not the model's code that branched.
 MACHINERY = (os.path.dirname(fx.__file__), os.path.dirname(os.path.dirname(__file__)))
 
@@ -135,6 +136,8 @@ def holds_tensors(value) -> bool:
 def reads_metadata(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is builtins.getattr:
         return node.args[1] in METADATA_ATTRIBUTES
+    if node.op == "call_function":
+        return node.target in METADATA_FUNCTIONS
     return node.op == "call_method" and node.target in METADATA_METHODS
 
 

@@ -4,7 +4,8 @@ A site that is a whole module (nn.Linear, nn.MultiheadAttention) is swapped for 
 at the same FQN. A site that is a piece of graph (F.linear, addmm, SDPA, hand-written attention)
 becomes one call_module of the op module, registered at the site's FQN; the old nodes and the
 parameters only they used are removed, and the region's GraphModule takes the place of the
-region's module in the model (a region with swaps only keeps its own module and class). SpTr's
+region's module in the model (a region with swaps only keeps its own module and class, unless a
+module in it has a fused inference path that reads the swapped modules' weights). SpTr's
 pair layout that only converted window attention reads is then dropped (window_rows.py).
 The model passed in is changed: callers pass their own copy.
 """
@@ -14,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lowconv.passes.trace import Region, Trace
+from lowconv.passes.trace import FUSED_INFERENCE_PATHS, Region, Trace
 from lowconv.passes.window_rows import drop_pair_layouts
 from lowconv.site import Site
 
@@ -88,7 +89,8 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
             continue
         for site in todo:
             modules[site.fqn].train(region.module.training)
-        if all(s.module_backed for s in todo):  # swaps only: the model keeps its own classes
+        if all(s.module_backed for s in todo) and not has_fused_path(region.module):
+            # swaps only: the model keeps its own classes
             for site in todo:
                 model = set_module(model, site.fqn, modules[site.fqn])
             continue
@@ -102,7 +104,16 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         gm.train(region.module.training)
         keep_buffers_out_of_state_dict(gm, region.module)
         model = set_module(model, region.fqn, gm)
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder):  # its layers below were converted, or it was
+            module.use_nested_tensor = False  # its fast path would hand them nested tensors
     return model
+
+
+def has_fused_path(module: nn.Module) -> bool:
+    """Whether a module in `module` may read a swapped module's weight instead of calling it: a
+    converted FP8 or 2:4 weight would break its fused kernel, so the region's graph replaces it."""
+    return any(isinstance(m, FUSED_INFERENCE_PATHS) for m in module.modules())
 
 
 def keep_buffers_out_of_state_dict(gm: fx.GraphModule, original: nn.Module) -> None:
@@ -151,4 +162,7 @@ def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.M
         gm.recompile()
         gm.train(region.module.training)
         model = set_module(model, region.fqn, gm)
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder):  # its layers below were converted, or it was
+            module.use_nested_tensor = False  # its fast path would hand them nested tensors
     return model

@@ -55,6 +55,11 @@ from lowconv.passes.example_values import (
 TRACED_INTO = {"timm.layers.attention.maybe_add_mask", "timm.layers.attention.resolve_self_attn_mask"}
 # Modules that are sites by themselves: traced as calls, never into.
 SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
+# torch.nn modules whose forward, in inference, may skip their submodules' forward and read their
+# weights directly (torch's "fast path": a fused C++ encoder layer, nested tensors). fx keeps
+# torch.nn modules as calls; these are traced into, so that their sites are found in the plain path
+# the graph records, and their converted region runs that graph instead of the fast path.
+FUSED_INFERENCE_PATHS = (nn.TransformerEncoder, nn.TransformerEncoderLayer)
 
 
 def is_site_module(module: nn.Module) -> bool:
@@ -236,6 +241,8 @@ class SiteTracer(fx.Tracer):
             torch.fx._symbolic_trace._wrapped_fns_to_patch.update(hidden)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, FUSED_INFERENCE_PATHS):
+            return False
         return is_site_module(m) or super().is_leaf_module(m, qualname)
 
 
@@ -272,9 +279,11 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
     finally:
         for m, mode in modes.items():
             m.training = mode
-    for node in graph.nodes:  # fx names a fixed argument's parameter `name_1`: keep it callable by keyword
+    for node in list(graph.nodes):
         if node.op == "placeholder" and node.target.removesuffix("_1") in (fixed or {}):
-            node.target = node.target.removesuffix("_1")
+            node.target = node.target.removesuffix("_1")  # fx named it `name_1`: keep it callable by keyword
+        elif node.op == "get_attr" and not node.users:
+            graph.erase_node(node)  # read by a branch not taken (a fast path's checks): no site's weight use
     traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
     traced.meta["decided"] = tracer.example.decisions if tracer.example is not None else []
     return traced
@@ -441,14 +450,19 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
 @contextmanager
 def evaluating(model: nn.Module):
     """The model in eval mode (no BatchNorm statistics updated, no dropout), modes restored after;
-    the global RNG is left as it was."""
+    the global RNG is left as it was. torch's fused attention fast paths are off meanwhile (a
+    process-wide switch, restored after): the runs take the plain path that tracing records, so
+    an encoder's layers see padded tensors, not nested ones, as they will in the converted model."""
     modes = {m: m.training for m in model.modules()}
+    fast_path = torch.backends.mha.get_fastpath_enabled()
     model.eval()
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
+        torch.backends.mha.set_fastpath_enabled(False)
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             yield model
     finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
         for m, mode in modes.items():
             m.training = mode
 
