@@ -16,10 +16,11 @@
    Before timing, every peer's output (and gradients) is checked against float64 on the same
    inputs: SQNR over the first REFERENCE_ROWS rows of each output (the float64 reference is
    computed once per shape, on those rows only, to bound its time and memory).
-2. Activation quantization alone on a (13008, 4096) bf16 x -> e4m3: lowconv.kernels.fp8's
-   quantize_tensorwise and quantize_rowwise, with the bandwidth they achieve (bytes of x read once
-   plus bytes of x_fp8 and scales written once, over the median time) next to a device-to-device
-   copy of the same x measured in the same run.
+2. Activation quantization alone on the ViT-L fc2 and fc1 inputs, (13008, 4096) and (13008, 1024)
+   bf16 x -> e4m3: lowconv.kernels.fp8's quantize_tensorwise, quantize_rowwise and
+   quantize_with_scale, with the bandwidth they achieve (bytes of x read once plus bytes of x_fp8
+   and scales written once, over the median time) next to a device-to-device copy of the same x
+   measured in the same run.
 3. Weight memory of a ViT-L-sized MLP stack (4 blocks of Linear(1024, 4096), GELU,
    Linear(4096, 1024), bf16) converted with the built-in fp8-dynamic recipe: memory_allocated,
    the bytes of its parameters and buffers, and its lowconv.save checkpoint against the bf16
@@ -67,7 +68,9 @@ LLAMA_SHAPES = [Shape(f"Llama-8B {name}{suffix}", m, k, n)
                 for name, k, n in (("gate/up", 4096, 14336), ("down", 14336, 4096),
                                    ("gate+up fused", 4096, 28672))]
 TRAINING_SHAPE_NAMES = ("ViT-L fc1", "ViT-L fc2", "square")
-QUANT_ROWS, QUANT_COLS = 13008, 4096
+# The ViT-L fc2 input (106 MB in bf16: more than the H100's 50 MB L2, so the per-tensor quantizer's
+# second read of x comes from HBM) and the fc1 input (27 MB: its second read can hit L2).
+QUANT_SHAPES = [(13008, 4096), (13008, 1024)]
 MLP_WIDTH, MLP_HIDDEN, MLP_BLOCKS = 1024, 4096, 4
 MLP_BATCH, MLP_TOKENS = 16, 813  # 13008 tokens, as the ViT-L GEMM shapes
 TINY_DIVISOR = 64  # --tiny divides every size by this (multiples of 16, at least 16)
@@ -346,7 +349,7 @@ class Run(BudgetedRun):
             def work():
                 sqnr = {} if estimate is None else {"x": sqnr_db(x64, estimate(call()))}
                 return {"sqnr_db": sqnr, "bytes_moved": moved, **self.timed(call)}
-            self.unit(Result("quantize", f"{rows}x{cols} bf16 -> e4m3", peer, (rows, cols)), work)
+            self.unit(Result("quantize", quant_case((rows, cols)), peer, (rows, cols)), work)
 
     def weight_memory(self, width, hidden, blocks, inputs_shape):
         memory = self.memory
@@ -445,9 +448,9 @@ def speed_verdict(run, peer, dims, min_speedup, max_ms):
     return target, measured, "met" if speedup >= min_speedup and ours.ms <= max_ms else "NOT met"
 
 
-def quant_verdict(run, peer):
-    target = f"{peer} of a ({QUANT_ROWS}, {QUANT_COLS}) bf16 x: >= {QUANT_TARGET:.0%} of copy bandwidth"
-    ours, copy = (find(run, "quantize", p, dims=(QUANT_ROWS, QUANT_COLS)) for p in (peer, "copy"))
+def quant_verdict(run, peer, dims):
+    target = f"{peer} of a {dims} bf16 x: >= {QUANT_TARGET:.0%} of copy bandwidth"
+    ours, copy = (find(run, "quantize", p, dims=dims) for p in (peer, "copy"))
     if ours is None or copy is None:
         return target, "", "not measured (shape not in this run)"
     if ours.status != "ok" or copy.status != "ok":
@@ -467,6 +470,10 @@ def memory_verdict(run):
     ratios = memory.ratios()
     measured = ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items())
     return target, measured, "met" if all(r <= MEMORY_TARGET for r in ratios.values()) else "NOT met"
+
+
+def quant_case(dims):
+    return f"{dims[0]}x{dims[1]} bf16 -> e4m3"
 
 
 def bandwidth(result):
@@ -508,7 +515,8 @@ def markdown_report(run, header):
     lines += [f"- lowconv SQNR gate: {gate_line(run)}", ""]
 
     verdicts = [speed_verdict(run, peer, *t) for t in SPEED_TARGETS for peer in ("lowconv tensor", "lowconv row")]
-    verdicts += [quant_verdict(run, p) for p in ("quantize_tensorwise", "quantize_rowwise", "quantize_with_scale")]
+    verdicts += [quant_verdict(run, p, dims) for dims in settings["quant"]
+                 for p in ("quantize_tensorwise", "quantize_rowwise", "quantize_with_scale")]
     verdicts += [memory_verdict(run)]
     lines += ["## Targets (issue 4)", "",
               tabulate([[f"[{'x' if v == 'met' else ' '}] {t}", m, v] for t, m, v in verdicts],
@@ -570,19 +578,19 @@ def markdown_report(run, header):
               tabulate(rows, headers=headers, tablefmt="github"), ""]
 
     rows = []
-    copy = next((r for r in run.results if r.section == "quantize" and r.peer == "copy"), None)
-    for peer in QUANT_PEERS:
-        result = next((r for r in run.results if r.section == "quantize" and r.peer == peer), None)
-        cell = status_cell(result, notes)
-        if cell is not None:
-            rows.append([peer, cell, "", "", "", "", ""])
-            continue
-        share = f"{bandwidth(result) / bandwidth(copy):.0%}" if copy and copy.status == "ok" else ""
-        rows.append([peer, format_ms(result.ms), f"{result.bytes_moved / 1e6:.3g}", f"{bandwidth(result):.0f}",
-                     share, workspace_cell(result, notes),
-                     f"{result.sqnr_db['x']:.1f}" if "x" in result.sqnr_db else "exact"])
-    case = run.settings["quant_case"]
-    lines += [f"## 2. Activation quantization alone: {case}", "",
+    for dims in settings["quant"]:
+        copy = find(run, "quantize", "copy", dims)
+        for peer in QUANT_PEERS:
+            result = find(run, "quantize", peer, dims)
+            cell = status_cell(result, notes)
+            if cell is not None:
+                rows.append([quant_case(dims), peer, cell, "", "", "", "", ""])
+                continue
+            share = f"{bandwidth(result) / bandwidth(copy):.0%}" if copy and copy.status == "ok" else ""
+            rows.append([quant_case(dims), peer, format_ms(result.ms), f"{result.bytes_moved / 1e6:.3g}",
+                         f"{bandwidth(result):.0f}", share, workspace_cell(result, notes),
+                         f"{result.sqnr_db['x']:.1f}" if "x" in result.sqnr_db else "exact"])
+    lines += ["## 2. Activation quantization alone", "",
               "copy: y.copy_(x) into a preallocated bf16 y. cast alone: x.to(float8_e4m3fn) without a "
               "scale (one elementwise torch kernel; a reference point, not a quantizer). "
               "eager quantize: amax, divide, saturating cast in torch ops. quantize_tensorwise / quantize_rowwise / "
@@ -591,7 +599,7 @@ def markdown_report(run, header):
               "Bytes: x read once plus the e4m3 output and its scales written once (copy: read and write "
               "x's bytes); the bandwidth is those bytes over the median time, whatever the kernels "
               "really move. SQNR: the dequantized x vs x in float64.", "",
-              tabulate(rows, headers=["call", "median", "MB moved", "GB/s", "of copy", "workspace MB",
+              tabulate(rows, headers=["x", "call", "median", "MB moved", "GB/s", "of copy", "workspace MB",
                                       "SQNR dB"], tablefmt="github"), ""]
 
     memory = run.memory
@@ -657,14 +665,12 @@ def parse_args():
 def resolve_settings(args):
     tiny = args.tiny
     shapes = [scaled(s, tiny) for s in ISSUE_SHAPES + ([] if args.quick else LLAMA_SHAPES)]
-    quant_rows, quant_cols = size(QUANT_ROWS, tiny), size(QUANT_COLS, tiny)
     width = size(MLP_WIDTH, tiny)
     return {
         "tiny": tiny,
         "forward_shapes": shapes,
         "training_shapes": [s for s in shapes if s.name in TRAINING_SHAPE_NAMES],
-        "quant": (quant_rows, quant_cols),
-        "quant_case": f"{quant_rows}x{quant_cols} bf16 -> e4m3",
+        "quant": [(size(rows, tiny), size(cols, tiny)) for rows, cols in QUANT_SHAPES],
         "mlp": (width, size(MLP_HIDDEN, tiny), MLP_BLOCKS,
                 (2 if tiny else MLP_BATCH, size(MLP_TOKENS, tiny), width)),
     }
@@ -676,7 +682,8 @@ def main():
     settings = resolve_settings(args)
     run = Run(args, device, run_header(args, device, lowconv=lowconv.__version__), settings)
     # Cheapest first, and the parts the targets need before the long tail of shapes.
-    run.quantization(*settings["quant"])
+    for rows, cols in settings["quant"]:
+        run.quantization(rows, cols)
     run.weight_memory(*settings["mlp"])
     for shape in settings["forward_shapes"]:
         run.forward_shape(shape)
