@@ -6,7 +6,7 @@ y = x W^T (no bias), fp16 x (M, K) and W (N, K), both N(0, 1), fixed seed, at gp
 shape (M=1, N=4096, K=14336) and the squares 1024, 2048, 4096, 8192. Peers, per shape:
   cuBLAS fp32-acc        F.linear (cuBLAS fp16 GEMM, fp32 accumulation: the baseline)
   cuBLAS fp16-acc        F.linear with torch.backends.cuda.matmul.allow_fp16_accumulation on
-  lowconv auto           lowconv.kernels.fp16acc's Triton kernel, splits = auto_splits(K), fp32 combine
+  lowconv auto           lowconv.kernels.fp16acc's Triton kernel, splits = auto_splits(K, M), fp32 combine
   lowconv S=1 .. S=32    the same with S chunks of K, each its own fp16 accumulator
   lowconv auto, fp16 combine   gpu_poor v0.2's combine
   lowconv cublas auto    the op's backend = "cublas": one cuBLAS fp16-acc matmul per chunk
@@ -134,7 +134,7 @@ def peer_call(peer, x, w, device):
     scope = cublas_fp16_accumulation() if peer.fp16_accumulation else contextlib.nullcontext()
     if not peer.lowconv:
         return (lambda: F.linear(x, w)), scope
-    splits = auto_splits(x.shape[1]) if peer.splits == "auto" else peer.splits
+    splits = auto_splits(x.shape[1], x.shape[0]) if peer.splits == "auto" else peer.splits
     backend = peer.backend if device.type == "cuda" else "reference"
     return (lambda: fp16acc_matmul(x, w, None, splits, peer.combine, backend)), scope
 
@@ -166,7 +166,7 @@ class Run(BudgetedRun):
         exact_rows_cpu = None if exact is None else exact[:rows].cpu()
         for peer in PEERS:
             result = Result(shape.label(), shape.dims, peer.name,
-                            auto_splits(shape.k) if peer.splits == "auto" else peer.splits)
+                            auto_splits(shape.k, shape.m) if peer.splits == "auto" else peer.splits)
             blocked = self.blocked()
             if blocked:
                 result.status, result.error = "skipped", blocked
@@ -314,7 +314,7 @@ def markdown_report(run, header):
                   "(lowconv runs its CPU reference, cuBLAS fp16-acc is torch's CPU matmul).", ""]
     lines += ["## Relative error vs float64 (||y - exact|| / ||exact||)", "",
               "x and W N(0, 1) fp16, no bias; the exact product in float64 from the same fp16 inputs. "
-              "S: chunks of K, each summed in its own fp16 accumulator; auto = auto_splits(K) (in "
+              "S: chunks of K, each summed in its own fp16 accumulator; auto = auto_splits(K, M) (in "
               "parentheses, per shape); combine fp32 unless named.", "",
               table(run, notes, lambda r: f"{r.rel_error:.2e}"), "",
               "## Median / max over output elements of |y - exact| / rms(exact)", "",

@@ -191,7 +191,7 @@ def test_cublas_backward_chunks_each_gradient_by_its_own_reduced_dim(chunk_calls
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     grad = torch.randn(m, n, generator=torch.Generator().manual_seed(7)).half()
     Fp16AccMatmul.apply(*leaves, 2, "fp32", "cublas").backward(grad)
-    forward, grad_x, grad_w = 2, chunks(n, auto_splits(n))[1], chunks(m, auto_splits(m))[1]
+    forward, grad_x, grad_w = 2, chunks(n, auto_splits(n, m))[1], chunks(m, auto_splits(m, n))[1]
     assert len(chunk_calls) == forward + grad_x + grad_w and all(on for _, on in chunk_calls)
     assert fp16_accumulation_flag.allow_fp16_accumulation is False
     x64, w64, g64 = x.double(), w.double(), grad.double()
@@ -265,7 +265,7 @@ def test_tuned_configs_compile_for_sm90():
 def test_cpu_emulation_predicts_the_gpu_error(m, k, n, splits, combine):
     """The issue's test: on the same inputs the reference run on the CPU has an error vs float64
     within 2x of the GPU kernel's, either way (shapes large enough for the autotuned configs)."""
-    splits = auto_splits(k) if splits == "auto" else splits
+    splits = auto_splits(k, m) if splits == "auto" else splits
     x, w, b = operands(m, k, n, seed=8, device="cpu")
     exact = x.double() @ w.double().t() + b.double()
     cpu = rel_error(fp16acc_matmul_reference(x, w, b, splits, combine), exact)

@@ -71,7 +71,7 @@ def test_splits_reduce_error_vs_float64():
     x, w = torch.randn(M, K).half(), torch.randn(N, K).half()
     ref = x.double() @ w.double().t()
     one_chain = relative_error(fp16acc_matmul(x, w, None, 1), ref)
-    split = relative_error(fp16acc_matmul(x, w, None, auto_splits(K)), ref)
+    split = relative_error(fp16acc_matmul(x, w, None, auto_splits(K, x.shape[0])), ref)
     fp32_accumulated = relative_error((x.float() @ w.float().t()).half(), ref)
     assert 1e-3 < one_chain < 1e-2  # what fp16 accumulation costs over K=4096 (cuBLAS: 2.4e-3)
     assert one_chain > 2 * split
@@ -97,8 +97,24 @@ def test_tails_vs_float64():
 
 
 def test_auto_splits():
-    """32 chunks, none narrower than 64 (see auto_splits)."""
-    assert [auto_splits(K) for K in (1, 16, 64, 65, 512, 1024, 2048, 4096, 14336)] == [1, 1, 1, 2, 8, 16, 32, 32, 32]
+    """32 chunks (64 for at most SMALL_M rows), none narrower than 64 (see auto_splits)."""
+    widths = (1, 16, 64, 65, 512, 1024, 2048, 4096, 14336)
+    assert [auto_splits(K, 65) for K in widths] == [1, 1, 1, 2, 8, 16, 32, 32, 32]
+    assert [auto_splits(K, 1) for K in widths] == [1, 1, 1, 2, 8, 16, 32, 64, 64]
+    assert auto_splits(14336, 64) == 64 and auto_splits(14336, 65) == 32
+
+
+def test_module_auto_splits_follow_the_rows_of_each_call(monkeypatch):
+    """One layer serves prefill and decode: "auto" is resolved per call from x's rows."""
+    import lowconv.ops.fp16acc as op
+
+    seen = []
+    monkeypatch.setattr(op, "fp16acc_matmul", lambda x, w, b, splits, *rest: seen.append(splits) or x[..., :1])
+    module = from_site(linear_site(4096, 16), Fp16AccOptions(), {"weight": torch.zeros(16, 4096).half(),
+                                                                 "bias": torch.zeros(16).half()})
+    module(torch.zeros(1, 4096).half())
+    module(torch.zeros(3, 100, 4096).half())
+    assert seen == [64, 32]
 
 
 def test_module_vs_float64_and_grads():

@@ -38,6 +38,7 @@ import triton.testing
 
 BLOCK_K = 16
 AUTO_MAX_SPLITS = 32
+AUTO_MAX_SPLITS_SMALL_M = 64  # up to SMALL_M rows (decode): see auto_splits
 AUTO_MIN_CHUNK_K = 64
 SMALL_M = 64  # up to this many rows: 16- or 64-row tiles, their own configs
 NARROW_TILE_N = 16
@@ -46,8 +47,9 @@ GROUP_M = tl.constexpr(8)  # tile rows per band in the launch order, so bands of
 SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one fixed config
 
 
-def auto_splits(K: int) -> int:
-    """S = min(32, ceil(K / 64)): 32 chunks, or fewer when that would make them narrower than 64.
+def auto_splits(K: int, rows: int) -> int:
+    """S = min(32, ceil(K / 64)) for a GEMM of `rows` rows: 32 chunks, or fewer when that would
+    make them narrower than 64; up to 64 chunks when rows <= SMALL_M (decode, small batches).
 
     Why: an fp16 running sum loses ~2^-11 of its magnitude at every add, so on random data its
     error grows as the square root of the chain's length. cuBLAS's fp16 accumulation behaves as one
@@ -60,11 +62,15 @@ def auto_splits(K: int) -> int:
     (S = 32 takes 9-17% more time than S = 1 at 4096^3 and 8192^3). Chunks narrower than 64 would
     leave the kernel's 64-wide k-tiles partly empty, so small K gets fewer of them (K = 1024: S = 16,
     3.9e-4, 0.33x cuBLAS fp16-acc's). For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
-    at K = 14336, one chain: 4.28e-3), so there S = 32 (8.2e-4) is 0.32x of it. Combining in fp16
-    adds one fp16 rounding per chunk (about 2x the error): this rule assumes the default fp32
-    combine. BENCHMARKS.md has the measurements.
+    at K = 14336, one chain: 4.28e-3), so there S = 32 (8.2e-4) is 0.32x of it; such GEMMs read
+    W once and are bound by memory, where a fold per chunk costs little, so small M takes up to 64
+    chunks (K = 14336: 224 wide, 6.0e-4, 0.24x cuBLAS's; H100 kernel time at M = 1, N = 4096 in a
+    CUDA graph: 43.5 us at S = 1, 45.4 at 32, 46.6 at 64, 58 at 128, cuBLAS 43.6).
+    Combining in fp16 adds one fp16 rounding per chunk (about 2x the error): this rule assumes the
+    default fp32 combine. BENCHMARKS.md has the measurements.
     """
-    return max(1, min(AUTO_MAX_SPLITS, math.ceil(K / AUTO_MIN_CHUNK_K)))
+    most = AUTO_MAX_SPLITS_SMALL_M if rows <= SMALL_M else AUTO_MAX_SPLITS
+    return max(1, min(most, math.ceil(K / AUTO_MIN_CHUNK_K)))
 
 
 def chunks(k: int, splits: int) -> tuple[int, int]:
@@ -112,7 +118,7 @@ def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str 
     """The entry point: checks its inputs and runs the Triton kernel (backend "auto" on CUDA, or
     "triton", which on CPU tensors needs TRITON_INTERPRET=1), cuBLAS per chunk ("cublas", CUDA
     only) or the reference. Differentiable: the Triton and cuBLAS backwards compute dX and dW the
-    same way as the forward, each GEMM split by auto_splits of its own reduced dim.
+    same way as the forward, each GEMM split by auto_splits of its own reduced dim and rows.
     x (..., K) fp16, w (N, K) fp16, bias (N,) fp16 or None."""
     if x.dtype != torch.float16 or w.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
         raise TypeError(f"fp16acc_matmul takes float16 tensors, got x {x.dtype}, w {w.dtype}"
@@ -158,9 +164,9 @@ class Fp16AccMatmul(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:  # (M, K) = g (M, N) @ w (N, K): "w" is w^T, (K, N)
-            grad_x = gemm(g, w.t(), None, auto_splits(g.shape[1]), ctx.combine).reshape(x.shape)
+            grad_x = gemm(g, w.t(), None, auto_splits(g.shape[1], g.shape[0]), ctx.combine).reshape(x.shape)
         if ctx.needs_input_grad[1]:  # (N, K) = g^T (N, M) @ x (M, K): "w" is x^T, (K, M)
-            grad_w = gemm(g.t(), x2.t(), None, auto_splits(g.shape[0]), ctx.combine)
+            grad_w = gemm(g.t(), x2.t(), None, auto_splits(g.shape[0], g.shape[1]), ctx.combine)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.float().sum(0).half()
         return grad_x, grad_w, grad_bias, None, None, None

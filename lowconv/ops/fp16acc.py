@@ -30,7 +30,6 @@ class Fp16AccLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, options: Fp16AccOptions):
         super().__init__()
         self.in_features, self.out_features, self.options = in_features, out_features, options
-        self.splits = auto_splits(in_features) if options.splits == "auto" else options.splits
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float16))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=torch.float16)) if bias else None
 
@@ -42,14 +41,20 @@ class Fp16AccLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.options.backend if x.is_cuda else "reference"
-        return fp16acc_matmul(x, self.weight, self.bias, self.splits, self.options.combine, backend)
+        return fp16acc_matmul(x, self.weight, self.bias, self.splits_for(x), self.options.combine, backend)
+
+    def splits_for(self, x: torch.Tensor) -> int:
+        """The chunks of K for this input: "auto" depends on its rows (decode takes more)."""
+        if self.options.splits == "auto":
+            return auto_splits(self.in_features, x.numel() // self.in_features)
+        return self.options.splits
 
     def linear_weight(self) -> torch.Tensor:
         return self.weight
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"splits={self.splits}, combine={self.options.combine}, backend={self.options.backend}")
+                f"splits={self.options.splits}, combine={self.options.combine}, backend={self.options.backend}")
 
 
 def check(site, options: Fp16AccOptions) -> str | None:
