@@ -93,8 +93,10 @@ def measure(row: Row, device: str) -> dict:
         report = lowconv.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
         decisions = converted.lowconv_plan.decisions
         found = {kind: [d for d in decisions if d.site["kind"] == kind] for kind in ("linear", "attention")}
-        result["found linears"] = len(linears & {site_owner(d) for d in found["linear"]})
-        result["found attention"] = len(attentions & {site_owner(d) for d in found["attention"]})
+        owners = {site_owner(d) for d in decisions}
+        result["found linears"] = len(linears & owners)
+        result["found attention"] = len(attentions & owners)
+        result["not found"] = sorted((linears | attentions) - owners)
         result["attention sites"] = len(found["attention"])
         result["recipes"][recipe] = {
             "linear": sum(d.converted for d in found["linear"]),
@@ -134,9 +136,11 @@ def table(results: dict[str, dict | str]) -> str:
             for reason, fqn in c["kept"]:
                 kept.setdefault(reason, []).append(fqn)
         notes += [f"- {label}: {sites(fqns)}: {reason}" for reason, fqns in kept.items()]
+        if r["not found"]:
+            notes.append(f"- {label}: {sites(r['not found'])}: no site found in it")
         lines.append(f"| {label} | {r['found linears']} / {r['linears']} | "
                      f"{r['found attention']} / {r['attention modules']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + ("\n\nKept, and why (sites that no rule of the recipe matched are not listed):\n"
+    return "\n".join(lines) + ("\n\nKept, and why (sites that no rule of the recipe matched are not listed), and not found:\n"
                                + "\n".join(notes) if notes else "")
 
 

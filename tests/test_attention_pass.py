@@ -143,6 +143,18 @@ class SDPAGQA(Attention):
         return F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], scale=0.2, enable_gqa=True)
 
 
+class SDPARepeatKV(Attention):  # Hugging Face's repeat_kv, and a read of the repeated k's shape
+    def core(self, q, k, v, mask):
+        k, v = (x[:, :1][:, :, None, :, :].expand(B, 1, H, T, D).reshape(B, H, T, D) for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v)[:, :, :k.shape[2]]
+
+
+class TwoMasks(Attention):  # they fold into one additive mask
+    def core(self, q, k, v, mask):
+        scores = (q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf"))
+        return (scores + mask.float()).softmax(-1) @ v
+
+
 def x_only():
     return (torch.randn(B, T, C),)
 
@@ -192,6 +204,8 @@ CASES = {
                              dict(SDPA_INFO, mask="keep"), nargs=4),
     "sdpa_causal": Case(SDPACausal, x_only, dict(SDPA_INFO, scale=0.3, causal=True)),
     "sdpa_gqa": Case(SDPAGQA, x_only, dict(SDPA_INFO, scale=0.2), kv_heads=1),
+    "sdpa_repeat_kv": Case(SDPARepeatKV, x_only, SDPA_INFO, kv_heads=1),
+    "two_masks": Case(TwoMasks, with_drop_mask, dict(HANDWRITTEN, scale=1.0, mask="additive"), nargs=4),
 }
 
 
@@ -431,9 +445,9 @@ class InPlaceMask(Attention):
         return scores.softmax(-1) @ v
 
 
-class TwoMasks(Attention):
+class TwoMasksScaledBetween(Attention):  # masks around a scaling are not folded
     def core(self, q, k, v, mask):
-        scores = (q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf"))
+        scores = (q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf")) * self.scale
         return (scores + mask.float()).softmax(-1) @ v
 
 
@@ -449,7 +463,7 @@ def test_a_softmax_that_is_not_attention_is_no_site():
 @pytest.mark.parametrize("model, inputs, reason", [
     (TensorScale, x_only, "scaled by a tensor"),
     (InPlaceMask, with_drop_mask, "in-place"),
-    (TwoMasks, with_drop_mask, "more than one attention mask"),
+    (TwoMasksScaledBetween, with_drop_mask, "more than one attention mask"),
     (ScaledAdditiveMask, with_additive_mask, "scaled with the scores"),
 ])
 def test_attention_that_cannot_be_converted_is_listed_with_why(model, inputs, reason):
@@ -493,3 +507,97 @@ def test_scale_from_the_head_dim_needs_shapes_unless_it_is_the_default():
     assert with_shapes.unsupported is None
     assert with_shapes.info.scale == pytest.approx(0.5 / math.sqrt(D))
     assert len(with_shapes.args) == 3
+
+
+# ---- masks on reshaped scores (timm's Swin) ----
+
+WINDOWS = 2  # B is (batch 1) x (2 windows)
+
+
+class ShiftedWindows(Attention):
+    """timm's Swin with fused attention off: a relative position bias, then each window's shift
+    mask added to the scores viewed as (batch, windows, heads, T, T), and viewed back."""
+
+    def __init__(self, back=True):
+        super().__init__()
+        self.bias_table = nn.Parameter(torch.randn(1, H, T, T))
+        shift = torch.zeros(WINDOWS, T, T)
+        shift[1, :T // 2, T // 2:] = shift[1, T // 2:, :T // 2] = -100.0
+        self.register_buffer("shift", shift)
+        self.back = back
+
+    def core(self, q, k, v, mask):
+        attn = (q * self.scale) @ k.transpose(-2, -1) + self.bias_table
+        windows = self.shift.shape[0]
+        attn = attn.view(-1, windows, H, T, T) + self.shift.unsqueeze(1).unsqueeze(0)
+        if self.back:
+            return attn.view(-1, H, T, T).softmax(-1) @ v
+        return (attn.view(-1, T, T).softmax(-1) @ v.reshape(-1, T, D)).view(B, H, T, D)
+
+
+def test_masks_on_reshaped_scores_fold_into_one_mask():
+    torch.manual_seed(0)
+    model, inputs = ShiftedWindows().eval(), x_only()
+    expected, _, _ = float64_run(model, inputs)
+    region = region_of(model, inputs, shapes=True)
+    [site] = find_attention_sites(region)
+    assert site.unsupported is None and len(site.args) == 4
+    assert (site.info.mask, site.info.scale, site.info.heads) == ("additive", D ** -0.5, H)
+    with torch.no_grad():  # the graph the pass left computes what the model computes
+        assert rel_error(region.graph(*inputs), model(*inputs)) < 1e-6
+    error = rel_error(replace_sites(region, [site], "float32")(*inputs), expected)
+    without_shift = ShiftedWindows().eval()
+    without_shift.load_state_dict(model.state_dict())
+    without_shift.shift.zero_()
+    assert error < 2e-6 < rel_error(without_shift(*inputs), expected)
+
+
+@pytest.mark.parametrize("back, shapes, reason", [
+    (True, False, "trace with example inputs"),
+    (False, True, "the softmax gets them in shape (4, 6, 6), not q @ k^T's (2, 2, 6, 6)"),
+])
+def test_masks_on_reshaped_scores_that_cannot_fold_say_why(back, shapes, reason):
+    model = ShiftedWindows(back).eval()
+    [site] = find_attention_sites(region_of(model, x_only(), shapes))
+    assert "the scores are reshaped (view" in site.unsupported and reason in site.unsupported
+
+
+# ---- Hugging Face's causal & padding mask ----
+
+class SDPACausalPadding(Attention):
+    """Hugging Face's sdpa_mask without a KV cache: (kv_idx <= q_idx) & padding[batch_idx, kv_idx],
+    index ranges offset by `q_offset` and 0, expanded to the scores; mask: (B, T) bool, True attends."""
+
+    def __init__(self, q_offset=0):
+        super().__init__()
+        self.q_offset = q_offset
+
+    def core(self, q, k, v, mask):
+        b, _, t, _ = q.shape
+        q_idx = (torch.arange(t) + self.q_offset)[None, None, :, None]
+        kv_idx = torch.arange(k.shape[2])[None, None, None, :]
+        batch_idx = torch.arange(b)[:, None, None, None]
+        allowed = q_idx.new_ones((), dtype=torch.bool) & (kv_idx <= q_idx).to(q.device)
+        allowed = allowed & mask[batch_idx, kv_idx].to(q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.expand(b, -1, t, k.shape[2]))
+
+
+def with_padding():
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, T - 2:] = False
+    return torch.randn(B, T, C), keep
+
+
+@pytest.mark.parametrize("q_offset, shapes, causal", [(0, True, True), (0, False, False), (1, True, False)],
+                         ids=["causal", "no_shapes", "offset"])
+def test_a_causal_and_padding_mask_becomes_causal_and_the_padding(q_offset, shapes, causal):
+    """Causal when the ranges start alike and shapes show they span the scores; else the mask as it is."""
+    torch.manual_seed(0)
+    model, inputs = SDPACausalPadding(q_offset).eval(), with_padding()
+    expected, _, _ = float64_run(model, inputs)
+    region = region_of(model, inputs, shapes)
+    [site] = find_attention_sites(region)
+    assert (site.unsupported, site.info.causal, site.info.mask, len(site.args)) == (None, causal, "keep", 4)
+    padding_only = site.args[3].op == "call_method" and site.args[3].target == "to"  # padding[...].to(q.device)
+    assert padding_only == causal
+    assert rel_error(replace_sites(region, [site], "float32")(*inputs), expected) < 2e-6

@@ -65,7 +65,10 @@ def test_llama_padding_mask_gqa_and_rotary_trace_whole(transformers):
     assert plan.constant_args[""] == {"use_cache": False, "logits_to_keep": 0}
     assert any("sdpa_attention.py" in d for d in plan.decided[""])
     info = plan.converted()[0].site["info"]
-    assert info["form"] == "sdpa" and info["mask"] == "keep" and info["heads"] == 4
+    assert (info["form"], info["mask"], info["causal"]) == ("sdpa", "keep", True)  # causal=True, and the padding
+    assert (info["heads"], info["kv_heads"]) == (4, 2)  # repeat_kv is taken back: the op gets the 2 kv heads
+    repeats = [n for n in converted.graph.nodes if n.target == "expand" and len(n.args) == 6]  # (b, h, n, s, d)
+    assert repeats == []
     # Other lengths and batches take the same branches and convert as well; the output type stays.
     inputs = {"input_ids": torch.randint(0, 128, (3, 9)), "attention_mask": torch.ones(3, 9, dtype=torch.long),
               "use_cache": False}

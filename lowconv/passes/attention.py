@@ -4,14 +4,27 @@ Three forms:
 - `F.scaled_dot_product_attention(q, k, v, ...)` calls;
 - hand-written `softmax(q @ k^T * scale [+ mask], dim=-1) [dropout] @ v`, read from the softmax
   up to `q @ k^T` and down to `@ v`, through dtype casts, constant scalings (of the scores, or of
-  q or k before the matmul), one mask (`+ m`, `masked_fill(m, -inf)`, `where(m, s, -inf)`) and a
-  dropout;
+  q or k before the matmul), masks (`+ m`, `masked_fill(m, -inf)`, `where(m, s, -inf)`), views
+  and reshapes of the scores, and a dropout;
 - nn.MultiheadAttention modules: call_module nodes, or lone regions of their own (see
   lowconv.passes.mha).
 
 Matching reads node targets and constant arguments only. Shapes, when shape propagation left
 them, fill in heads/head_dim/dtypes. Masks, their kinds and causal masks are read as
 lowconv.passes.attention_masks describes.
+
+Two edits of the region's graph, each computing what it computed before, let a site take what
+its op takes:
+- Scores that get several masks, or get a mask while reshaped (timm's Swin adds its shift mask
+  to `scores.view(batch, windows, heads, N, N)` and views them back), are given one mask instead:
+  the steps between q @ k^T and the softmax, masks and reshapes only, are replayed on zeros of
+  the scores' shape, and the softmax takes `q @ k^T + that`. A site kept unconverted then adds
+  its masks in another order (roundings differ where masks add up, e.g. the shift mask's -100).
+  Reshapes must bring the scores back to their shape (checked on the propagated shapes); where
+  lowconv cannot fold the steps, the site says why.
+- Grouped-query k and v that the model repeats up to q's heads (Hugging Face's repeat_kv) are
+  taken before the repeat (the op repeats them itself), also where the model reads the
+  repeated tensor's shape: those reads are given the shape the repeat's reshape names.
 """
 from __future__ import annotations
 
@@ -24,7 +37,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from lowconv.passes.attention_masks import Mask, causal_chain, is_mask_fill, looks_boolean
+from lowconv.passes.attention_masks import (
+    Mask, causal_chain, causal_part, is_mask_fill, looks_boolean, zero_scores,
+)
 from lowconv.passes.fx_nodes import (
     ADDS, MATMULS, all_ints, call_args, is_cast, is_number, is_slice, mutates, op_is, submodule,
 )
@@ -59,6 +74,8 @@ class Match:
     dropout: float = 0.0
     masks: list[Mask] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    scores: fx.Node | None = None  # hand-written: the q @ k^T matmul
+    steps: list[Step] = field(default_factory=list)  # hand-written: from the softmax up to `scores`
 
 
 @dataclass
@@ -70,6 +87,7 @@ class Step:
     scaled_at_run_time: bool = False  # it multiplies the scores by a computed value
     mask: fx.Node | None = None
     kind: str | None = None
+    reshape: bool = False  # it views or reshapes the scores
     problem: str | None = None
 
 
@@ -90,6 +108,8 @@ def find_attention_sites(region: Region, names: dict[str, set[str]] | None = Non
                 sites.append(mha_site(region, node.target))
             continue
         match = match_sdpa(region, node) or match_handwritten(region, node)
+        if match is not None and fold_masks(region, match):
+            match = match_handwritten(region, node)  # the scores now get one mask: read them again
         if match is not None:
             unrepeat_kv(match)
             sites.append(functional_site(region, match, names))
@@ -146,7 +166,7 @@ def match_handwritten(region: Region, softmax: fx.Node) -> Match | None:
     nodes = [*q_nodes, *kt_nodes, *([kt] if k is not None else []), *k_nodes, scores_matmul,
              *(s.node for s in steps), softmax, *prob_nodes, pv_matmul]
     match = Match("handwritten", q, k, pv_matmul.args[1], output=pv_matmul, nodes=nodes,
-                  scale=q_factor * kt_factor * k_factor)
+                  scale=q_factor * kt_factor * k_factor, scores=scores_matmul, steps=steps)
     match.dropout = constant(match, "the dropout probability", dropout, 0.0)
     if k is None:
         match.problems.append(f"k^T ({kt.name}) is not k.transpose(-2, -1) of a "
@@ -265,6 +285,9 @@ def score_steps(node: fx.Node) -> list[tuple[fx.Node, Step]]:
         return []
     if is_cast(node):
         return [(node.args[0], Step(node))]
+    if op_is(node, (torch.reshape,), ("view", "reshape")) and not any(
+            isinstance(a, torch.dtype) for a in node.args[1:]):  # x.view(dtype) reinterprets bits
+        return [(node.args[0], Step(node, reshape=True))]
     scalings = scale_operands(node)
     if scalings:
         return [(x, Step(node, factor=c) if is_number(c) else Step(node, scaled_at_run_time=True))
@@ -357,17 +380,87 @@ def untranspose(kt: fx.Node) -> fx.Node | None:
     return kt.args[0] if swapped else None
 
 
+# ---- several masks, or masks on reshaped scores: one mask ----
+
+def fold_masks(region: Region, match: Match) -> bool:
+    """Give the scores one mask where a hand-written match adds several (causal ones aside), or
+    reshapes the scores (see the module docstring); True when the graph was changed. Where the
+    scores are reshaped and cannot be folded, the match says why."""
+    reshapes = [s.node.name for s in match.steps if s.reshape]
+    # On reshaped scores every mask is folded: a causal one may not be causal in the scores' shape.
+    masks = match.masks if reshapes else [m for m in match.masks
+                                          if causal_chain(region, m, scores_shape(match)) is None]
+    if not reshapes and len(masks) < 2:
+        return False
+    why = why_not_foldable(match, reshapes)
+    if why is not None:
+        if reshapes:  # several masks alone: functional_site says so
+            match.problems.append(f"the scores are reshaped ({', '.join(reshapes)}) between q @ k^T and "
+                                  f"the softmax, and {why}")
+        return False
+    if not masks:  # reshaped back with nothing added: the reshapes go with the site
+        return False
+    replace_by_one_mask(region.graph.graph, match)
+    return True
+
+
+def why_not_foldable(match: Match, reshapes: list[str]) -> str | None:
+    """Why the steps of `match` cannot be replayed as one mask, or None when they can."""
+    if match.k is None or match.problems:
+        return "the attention has other problems"
+    others = [s.node.name for s in match.steps if not (s.reshape or s.mask is not None)]
+    if others:
+        return f"steps other than masks and reshapes come between them ({', '.join(others)})"
+    shared = [s.node.name for s in match.steps[1:] if len(s.node.users) > 1]
+    if shared:
+        return f"scores on the way ({', '.join(shared)}) are read outside the attention"
+    before, after, q = (tensor_meta(x) for x in (match.scores, match.steps[0].node, match.q))
+    if reshapes and (before is None or after is None):
+        return "lowconv cannot check that they are reshaped back: trace with example inputs"
+    if reshapes and before.shape != after.shape:
+        return f"the softmax gets them in shape {after.shape}, not q @ k^T's {before.shape}"
+    if before is not None and q is not None and before.shape[:-1] != q.shape[:-1]:
+        return f"q {q.shape} is broadcast to the scores' {before.shape}"  # zero_scores takes q's
+    return None
+
+
+def replace_by_one_mask(graph: fx.Graph, match: Match) -> None:
+    """Make the softmax take `q @ k^T + mask`, the mask being the match's steps replayed on zeros
+    (masks and reshapes: adding the scores commutes with them), and drop the steps."""
+    last = match.steps[0].node
+    with graph.inserting_before(last.next):
+        kv, _ = repeated_heads(match.k)  # not the repeated k: its single use marks it as GQA's
+        zeros = graph.call_function(zero_scores, (match.q, kv))
+        zeros.meta = dict(match.scores.meta)
+        replayed = {match.scores: zeros}
+        for step in reversed(match.steps):
+            replayed[step.node] = graph.node_copy(step.node, lambda n: replayed.get(n, n))
+        masked = graph.call_function(operator.add, (match.scores, replayed[last]))
+        masked.meta = dict(last.meta)
+    last.replace_all_uses_with(masked)
+    for step in match.steps:  # softmax side first: each has no user left
+        graph.erase_node(step.node)
+
+
+def scores_shape(match: Match) -> tuple | None:
+    q_meta, k_meta = tensor_meta(match.q), tensor_meta(match.k)
+    return (*q_meta.shape[:-1], k_meta.shape[-2]) if q_meta and k_meta else None
+
+
 # ---- grouped-query attention ----
 
 def unrepeat_kv(match: Match) -> None:
     """Take k and v as the model's own kv heads when both were repeated up to q's heads (GQA)
-    and nothing else reads the repeated tensors: the op repeats them itself (kernel-side), and the
-    copies go away with the site."""
+    and nothing else reads the repeated tensors but their shape: the op repeats them itself
+    (kernel-side), and the copies go away with the site. The shape reads are given the shape
+    the repeat names."""
     if match.k is None:
         return
     k, k_nodes = repeated_heads(match.k)
     v, v_nodes = repeated_heads(match.v)
     if k_nodes and v_nodes:
+        for repeated in (match.k, match.v):
+            read_shape_from_arguments(repeated)
         match.k, match.v = k, v
         match.nodes.extend([*k_nodes, *v_nodes])
 
@@ -375,17 +468,15 @@ def unrepeat_kv(match: Match) -> None:
 def repeated_heads(x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """(kv, the nodes that repeat it) when `x` is kv with each of its heads repeated n times in a
     row, as Hugging Face's repeat_kv writes it (`kv[:, :, None, :, :].expand(b, h, n, s, d)
-    .reshape(b, h * n, s, d)`) or as `kv.repeat_interleave(n, dim=1)`, used by the attention
-    only; else (x, [])."""
-    if len(x.users) != 1:
-        return x, []
-    if op_is(x, (torch.repeat_interleave,), ("repeat_interleave",)):
+    .reshape(b, h * n, s, d)`, whose shape may be read too) or as
+    `kv.repeat_interleave(n, dim=1)`, used by the attention only; else (x, [])."""
+    if op_is(x, (torch.repeat_interleave,), ("repeat_interleave",)) and len(x.users) == 1:
         args = call_args(x, ("input", "repeats", "dim"))
         if args.get("dim") == 1 and isinstance(args.get("repeats"), int):
             return args["input"], [x]
-    if op_is(x, (torch.reshape,), ("reshape",)):
+    if op_is(x, (torch.reshape,), ("reshape",)) and len(x.users) - len(shape_reads(x)) == 1:
         expand = x.args[0]
-        if op_is(expand, (), ("expand",)) and len(expand.users) == 1:
+        if op_is(expand, (), ("expand",)) and len(expand.users) == 1 and reshaped_to(x) is not None:
             index = expand.args[0]
             new_axis = (slice(None),) * 2 + (None,) + (slice(None),) * 2
             if is_slice(index) and index.args[1] == new_axis and len(index.users) == 1:
@@ -393,19 +484,43 @@ def repeated_heads(x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return x, []
 
 
+def shape_reads(x: fx.Node) -> list[fx.Node]:
+    """The users of `x` that read its shape: `x.shape`, `x.size()`."""
+    return [u for u in x.users if op_is(u, (getattr,)) and u.args[1:] == ("shape",)
+            or op_is(u, (), ("size",)) and u.args == (x,) and not u.kwargs]
+
+
+def reshaped_to(x: fx.Node) -> list | None:
+    """The sizes a reshape names (ints and nodes), or None when one is -1 (then only the
+    reshape knows its shape)."""
+    sizes = x.args[1] if len(x.args) == 2 and isinstance(x.args[1], (tuple, list)) else x.args[1:]
+    return None if any(is_number(size) and size < 0 for size in sizes) else list(sizes)
+
+
+def read_shape_from_arguments(x: fx.Node) -> None:
+    """Give x's shape reads the shape its reshape names, so that x goes away with the site."""
+    for read in shape_reads(x):
+        with x.graph.inserting_before(read):
+            shape = x.graph.call_function(torch.Size, (reshaped_to(x),))
+        read.replace_all_uses_with(shape)
+        x.graph.erase_node(read)
+
+
 # ---- the Site ----
 
 def functional_site(region: Region, match: Match, names: dict[str, set[str]]) -> Site:
     """The Site of an SDPA or hand-written match; causal masks become causal=True."""
     q_meta, k_meta = tensor_meta(match.q), tensor_meta(match.k)
-    scores_shape = (*q_meta.shape[:-1], k_meta.shape[-2]) if q_meta and k_meta else None
     mask = None
     for m in match.masks:
-        chain = causal_chain(region, m, scores_shape)
-        if chain is not None:
+        causal = causal_part(region, m, scores_shape(match))
+        if causal is not None:
             match.causal = True
-            match.nodes.extend(chain)
-        elif mask is not None:
+            m, nodes = causal
+            match.nodes.extend(nodes)
+            if m is None:
+                continue
+        if mask is not None:
             match.problems.append("more than one attention mask")
         elif m.scaled and m.kind == "additive":
             match.problems.append(f"the additive mask {m.node.name} is scaled with the scores")

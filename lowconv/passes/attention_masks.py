@@ -10,6 +10,12 @@ A mask that is a top-left slice of a lower-triangular constant (nanoGPT's
 `self.bias[:, :, :T, :T] == 0`) is recognized from the constant's value and becomes
 causal=True. That the slice covers the whole score matrix is checked on the shapes; without
 shapes it is assumed when rows and columns are sliced to the same length.
+
+A bool mask that ANDs a causal comparison of index ranges with other masks (Hugging Face's
+sdpa_mask: `kv_idx <= q_idx` with q_idx, kv_idx `arange(n) + offset` along the scores' rows and
+columns, and the padding mask) becomes causal=True and the other mask, when the offsets are the
+same constant (no KV cache: top-left aligned, as causal=True is) and the comparison has the
+scores' rows and columns (checked on the shapes; without shapes it is left a mask).
 """
 from __future__ import annotations
 
@@ -90,6 +96,89 @@ def causal_chain(region: Region, mask: Mask, scores_shape) -> list[fx.Node] | No
     return [*chain, node] if covers else None
 
 
+def causal_part(region: Region, mask: Mask, scores_shape) -> tuple[Mask | None, list[fx.Node]] | None:
+    """(what is left of `mask` once causal=True says its causal part, None when nothing is; the
+    nodes only that part needs) when it has one, else None."""
+    chain = causal_chain(region, mask, scores_shape)
+    if chain is not None:
+        return None, chain
+    return causal_conjunct(mask, scores_shape)
+
+
+def causal_conjunct(mask: Mask, scores_shape) -> tuple[Mask | None, list[fx.Node]] | None:
+    """A keep mask `[expand(] causal & [other] [)]` (see the module docstring): (the other mask,
+    the nodes of the rest), or None."""
+    if mask.kind != "keep" or scores_shape is None:
+        return None
+    node, nodes = mask.node, []
+    if op_is(node, (), ("expand",)):  # only broadcasts: the other mask broadcasts as well
+        nodes.append(node)
+        node = node.args[0]
+    terms, ands = conjuncts(node)
+    causal = [t for t in terms if is_causal_comparison(device_moved(t), scores_shape)]
+    rest = [t for t in terms if t not in causal and not is_all_true(t)]
+    if len(causal) != 1 or len(rest) > 1:
+        return None
+    nodes += [*ands, *(t for t in terms if t not in rest), device_moved(causal[0])]
+    return (Mask(rest[0], "keep") if rest else None), nodes
+
+
+def conjuncts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(the terms of `a & b & ...`, the and nodes)."""
+    if op_is(node, (operator.and_, torch.logical_and), ("logical_and",)) and len(node.args) == 2:
+        (left, left_ands), (right, right_ands) = (conjuncts(a) for a in node.args)
+        return [*left, *right], [node, *left_ands, *right_ands]
+    return [node], []
+
+
+def device_moved(node: fx.Node) -> fx.Node:
+    """x when `node` is x.to(y.device), else node."""
+    if op_is(node, (), ("to",)) and not node.kwargs and len(node.args) == 2:
+        device = node.args[1]
+        if isinstance(device, fx.Node) and op_is(device, (getattr,)) and device.args[1] == "device":
+            return node.args[0]
+    return node
+
+
+def is_all_true(node: fx.Node) -> bool:
+    """`x.new_ones((), dtype=torch.bool)`: and_masks' start."""
+    return (op_is(node, (), ("new_ones",)) and node.args[1:] in (((),), ([],))
+            and node.kwargs == {"dtype": torch.bool})
+
+
+def is_causal_comparison(node: fx.Node, scores_shape) -> bool:
+    """`kv_idx <= q_idx` (or `q_idx >= kv_idx`) of index ranges along the scores' columns and
+    rows with the same constant offset, over the scores' rows and columns."""
+    if op_is(node, (operator.le, torch.le), ("le",)) and len(node.args) == 2:
+        kv, q = node.args
+    elif op_is(node, (operator.ge, torch.ge), ("ge",)) and len(node.args) == 2:
+        q, kv = node.args
+    else:
+        return False
+    meta = tensor_meta(node)
+    offsets = index_range_offset(q, -2), index_range_offset(kv, -1)
+    return (None not in offsets and offsets[0] == offsets[1]
+            and meta is not None and meta.shape[-2:] == tuple(scores_shape[-2:]))
+
+
+def index_range_offset(node, dim: int) -> int | None:
+    """c when `node` is `(arange(n) + c)` laid along `dim` (`[None, None, :, None]` for -2), with
+    c a constant (0 when not added), else None."""
+    if not (isinstance(node, fx.Node) and is_slice(node) and isinstance(node.args[1], tuple)):
+        return None
+    index = node.args[1]
+    along = [i for i, s in enumerate(index) if s is not None]
+    if along != [len(index) + dim] or index[along[0]] != slice(None):
+        return None
+    values, offset = node.args[0], 0
+    if op_is(values, (operator.add,)) and isinstance(values.args[1], int) and not isinstance(values.args[1], bool):
+        values, offset = values.args
+    is_range = (isinstance(values, fx.Node) and values.op == "call_function" and values.target is torch.arange
+                and (len(values.args) == 1 or len(values.args) == 2 and values.args[0] == 0)
+                and set(values.kwargs) <= {"device"})
+    return offset if is_range else None
+
+
 def allowed_by(value: torch.Tensor, kind: str) -> torch.Tensor | None:
     """Where a mask of `kind` with this value lets a query attend (None: not a plain mask)."""
     if kind in ("keep", "drop") and value.dtype == torch.bool:
@@ -130,7 +219,7 @@ def looks_boolean(region: Region, node) -> bool:
         return isinstance(value, torch.Tensor) and value.dtype == torch.bool
     if op_is(node, BOOL_OPS, BOOL_METHODS):
         return True
-    if op_is(node, FACTORIES, ("to", "type")):
+    if op_is(node, FACTORIES, ("to", "type", "new_ones", "new_zeros", "new_full", "new_empty")):
         return any(a is torch.bool for a in (*node.args[1:], *node.kwargs.values()))
     if op_is(node, SAME_DTYPE_OPS, SAME_DTYPE_METHODS):
         return looks_boolean(region, node.args[0])
@@ -144,3 +233,11 @@ def is_mask_fill(value) -> bool:
             torch.full, torch.tensor):
         value = value.args[-1] if value.target is torch.full else value.args[0]
     return is_number(value) and value <= LARGE_NEGATIVE
+
+
+def zero_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Zeros of q @ k^T's shape, in q's dtype: what the attention pass replays a hand-written
+    attention's masks and reshapes on, to compute the one mask they add (k may have fewer heads:
+    GQA's k before its repeat)."""
+    batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    return q.new_zeros((*batch, *q.shape[-3:-1], k.shape[-2]))
