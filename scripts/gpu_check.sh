@@ -3,11 +3,11 @@
 # the GPU tests, the benchmarks and the example conversions on CUDA; everything lands under $OUT.
 #
 #   bash scripts/gpu_check.sh                     # every part (more than one 10-minute device call)
-#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train sparse fp16acc examples real
+#   bash scripts/gpu_check.sh tests examples      # some parts: tests attention fp8 train sparse fp16acc examples real blockattn
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
-PARTS=${*:-tests attention fp8 train sparse fp16acc examples real}
+PARTS=${*:-tests attention fp8 train sparse fp16acc examples real blockattn}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -51,8 +51,16 @@ for part in $PARTS; do
       python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_real_models_gpu.py 2>&1 | tee "$OUT/pytest_real_models.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 scripts/coverage_real_models.py --device cuda --out "$OUT" > "$OUT/coverage_real_models.txt" 2>&1 || status=1 ;;
+    blockattn)
+      # Block attention (issue 7): its GPU tests, its kernel tests compiled, then the benchmark
+      # (BLOCKATTN_BENCH_ARGS picks cases, e.g. "--seqs 16384 --layouts causal local-256").
+      python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_block_attention_gpu.py \
+        tests/test_block_attention.py 2>&1 | tee "$OUT/pytest_block_attention.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      python3 scripts/bench_block_attention.py --out "$OUT" --budget-s "${BLOCKATTN_BENCH_BUDGET_S:-420}" \
+        ${BLOCKATTN_BENCH_ARGS:-} > "$OUT/bench_block_attention.txt" 2>&1 || status=1 ;;
     *)
-      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train sparse fp16acc examples real)" >&2
+      echo "gpu_check.sh: unknown part '$part' (parts: tests attention fp8 train sparse fp16acc examples real blockattn)" >&2
       exit 2 ;;
   esac
 done

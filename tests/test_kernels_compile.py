@@ -22,11 +22,14 @@ FP8_CASES = ([("partial_amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide 
                 for mode in ("dynamic", "given")]
              + [("rowwise", fp8, 0, block_k) for fp8 in ("e4m3", "e5m2") for block_k in (1024, 2048)])
 BLOCK_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
-# Block attention: every dtype at head_dim 128 (the most registers), dense and unlisted; the
-# model-mask variants (listed tiles, band, key padding) at smaller head dims.
-BLOCK_CASES = ([(kernel, dtype, 128, "none", False) for kernel in BLOCK_KERNELS for dtype in ("fp16", "bf16", "fp32")]
-               + [(kernel, "fp16", 64, "bool", True) for kernel in BLOCK_KERNELS]
-               + [(kernel, "bf16", 16, "additive", True) for kernel in BLOCK_KERNELS])
+# Block attention: every dtype at head_dim 128 (the most registers), dense and unlisted, and the
+# half-precision band tiles (BAND_TILES) at head_dim 64 too; the model-mask variants (listed
+# tiles, band, key padding) at smaller head dims.
+BLOCK_CASES = ([(kernel, dtype, 128, "none", "dense") for kernel in BLOCK_KERNELS for dtype in ("fp16", "bf16", "fp32")]
+               + [(kernel, dtype, d, "none", "band") for kernel in BLOCK_KERNELS for dtype in ("fp16", "bf16")
+                  for d in (64, 128)]
+               + [(kernel, "fp16", 64, "bool", "listed") for kernel in BLOCK_KERNELS]
+               + [(kernel, "bf16", 16, "additive", "listed") for kernel in BLOCK_KERNELS])
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 
@@ -66,27 +69,29 @@ def window_case(kernel_name, dtype, rel, g):
     return compile_for_sm90(kernel, types, constexprs, tiles.num_warps)
 
 
-def block_case(kernel_name, dtype, d, mask, banded_listed_padded):
-    """A block-attention kernel with its TILES and pipeline stages: no mask, a bool or an
-    additive (fp32) one."""
+def block_case(kernel_name, dtype, d, mask, variant):
+    """A block-attention kernel on the tiles it launches with (kernel_tiles): no mask, a bool or
+    an additive (fp32) one; variant "dense" (no band), "band" (a band alone, as causal and local
+    run) or "listed" (a band, listed tiles and key padding)."""
     import torch
     import lowconv.kernels.block_attention as ba
 
     kernel = getattr(ba, kernel_name)
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    listed = variant == "listed"
+    tiles = ba.kernel_tiles(kernel_name, d, torch_dtype, listed=listed)
     optional = {"mask": {"none": None, "bool": "*u8", "additive": "*fp32"}[mask],
-                **{name: "*i32" if banded_listed_padded else None for name in ("count", "index")},
-                "padding": "*u8" if banded_listed_padded else None}
-    constexprs = dict(D=d, BANDED=banded_listed_padded, MASK=mask, PADDING=banded_listed_padded,
-                      LISTED=banded_listed_padded, PRECISION="tf32x3" if dtype == "fp32" else "tf32",
-                      BLOCK_M=ba.TILES.block_m, BLOCK_N=ba.TILES.block_n,
+                **{name: "*i32" if listed else None for name in ("count", "index")},
+                "padding": "*u8" if listed else None}
+    constexprs = dict(D=d, BANDED=variant != "dense", MASK=mask, PADDING=listed, LISTED=listed, PRECISION="tf32x3" if dtype == "fp32" else "tf32",
+                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                       **{name: None for name, pointer in optional.items() if pointer is None})
     types = {"*": POINTER[dtype], "scale": "fp32",
              **{name: pointer for name, pointer in optional.items() if pointer is not None},
              **{name: "*fp32" for name in ("row_max", "row_inv_sum", "delta")},
              **{name: "i32" for name in kernel.arg_names if name[0].isupper() or name in ("lower", "upper")
                 or name.startswith(("mask_s", "list_s"))}}
-    stages = ba.pipeline_stages({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
-    return compile_for_sm90(kernel, types, constexprs, ba.TILES.num_warps, stages)
+    return compile_for_sm90(kernel, types, constexprs, tiles.num_warps, tiles.num_stages)
 
 
 def fp16acc_case(has_bias, combine_fp32, block_m):
@@ -143,8 +148,8 @@ def test_kernels_compile_for_sm90():
 
 if __name__ == "__main__":
     results = {f"window {k} {d} rel={r} G={g}": window_case(k, d, r, g) for k, d, r, g in WINDOW_CASES}
-    results.update({f"block {k} {t} d={d} mask={m} listed={b}": block_case(k, t, d, m, b)
-                    for k, t, d, m, b in BLOCK_CASES})
+    results.update({f"block {k} {t} d={d} mask={m} {v}": block_case(k, t, d, m, v)
+                    for k, t, d, m, v in BLOCK_CASES})
     results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})
     results.update({f"fp8 {k} {f} mul={m} {v}": fp8_case(k, f, m, v) for k, f, m, v in FP8_CASES})
     print(json.dumps(results))

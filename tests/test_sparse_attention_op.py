@@ -3,11 +3,15 @@ import typing
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import lowconv
 import lowconv.ops.sparse_attention as sa
-from lowconv.kernels.block_attention import attention, attention_reference
+from lowconv.errors import LowconvError
+from lowconv.kernels.block_attention import attention, attention_reference, block_layout
 from lowconv.passes.mha import mha_info
+from lowconv.recipe import parse_recipe
 from lowconv.ops.registry import OPS
 from lowconv.site import AttentionInfo, Site, TensorMeta
 
@@ -312,3 +316,228 @@ def test_window_module_names_tables_shorter_than_rel_idx_needs():
     assert out.dtype == torch.float32  # q's dtype: window_attention returns it
     assert torch.equal(out, op(q, k, v, index_0_offsets, index_1, xyz[sort_idx], 0.3, 0.05, 6, False,
                                *(t[:11] for t in tables)))
+
+
+# ---- layouts: which tiles the kernels visit (kernels/block_attention.py) ----
+
+def parse_options(options: str):
+    recipe = parse_recipe(f'[[rules]]\nop = "sparse_attention"\noptions = {{ {options} }}', "r.toml")
+    return recipe.rules[0].options
+
+
+def test_layout_options_parse_with_their_defaults():
+    assert (sa.SparseAttentionOptions().layout, sa.SparseAttentionOptions().window) == ("auto", None)
+    options = parse_options('layout = "local", window = 256, dtype = "bfloat16"')
+    assert (options.layout, options.window, options.dtype) == ("local", 256, "bfloat16")
+    assert parse_options('layout = "mask"').layout == "mask"
+
+
+@pytest.mark.parametrize("options, message", [
+    ('layout = "sliding"', r"r.toml: rule 1: options.layout: got 'sliding'; expected one of 'auto', "
+                           r"'dense', 'causal', 'local', 'mask'"),
+    ('layout = "local"', r"options.window: is required with layout = \"local\""),
+    ('layout = "local", window = 0', r"options.window: must be a whole number >= 1 \(got 0\)"),
+    ('layout = "causal", window = 8', r"options.window: goes with layout = \"local\" only \(layout is 'causal'\)"),
+    ('window = 8', r"options.window: goes with layout = \"local\" only \(layout is 'auto'\)"),
+    ('layout = "local", window = 2.5', r"options.window: got 2.5; expected one of an int, a NoneType"),
+])
+def test_bad_layout_options_name_the_option_and_the_choices(options, message):
+    with pytest.raises(LowconvError, match=message):
+        parse_options(options)
+
+
+def test_check_keeps_sites_whose_semantics_a_layout_cannot_keep():
+    def reason(layout, **info):
+        return sa.check(functional_site(**info), sa.SparseAttentionOptions(layout=layout))
+
+    assert "attend to later keys" in reason("dense", causal=True)
+    assert "needs a site that takes a mask" in reason("mask", causal=True)
+    assert reason("mask", mask="keep") is None and reason("dense", mask="additive") is None
+    assert reason("causal") is None  # made causal on purpose, as "local" makes it local
+    window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
+    assert "SpTr window chain" in sa.check(window, sa.SparseAttentionOptions(layout="causal"))
+    with pytest.raises(ValueError, match="attend to later keys"):
+        sa.SparseAttention(causal=True, layout="dense")
+
+
+def allowed_by_layout(layout, window, causal, seq_q, seq_k):
+    """The keys the op's layouts let query i see, pair by pair (the module doc's definitions)."""
+    def rule(i, j):
+        if layout == "local":
+            return 0 <= i - j < window if causal else abs(i - j) < window
+        return j <= i if causal or layout == "causal" else True
+    return torch.tensor([[rule(i, j) for j in range(seq_k)] for i in range(seq_q)])
+
+
+def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0):
+    """A functional site's module, its (q, k, v, mask) and the float64 bias of what it computes."""
+    torch.manual_seed(seed)
+    window = 3 if layout == "local" else None
+    q, k, v = (torch.randn(2, 2, seq, d, dtype=torch.float64) for _ in range(3))
+    keep = random_masks(2, seq, seq)
+    keep[..., :, :] |= torch.eye(seq, dtype=torch.bool)  # every row keeps a key in any layout
+    mask = {"none": None, "keep": keep, "drop": ~keep,
+            "additive": torch.randn(2, 1, seq, seq, dtype=torch.float64).masked_fill(~keep, float("-inf"))}[mask_kind]
+    bias = {"none": torch.zeros(()), "additive": mask}.get(mask_kind, as_bias(keep))
+    bias = bias + as_bias(allowed_by_layout(layout, window, causal, seq, seq))
+    module = sa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window)
+    return module.eval(), (q, k, v, mask), bias
+
+
+LAYOUT_CASES = [("auto", False, "none"), ("auto", True, "none"), ("auto", True, "drop"),
+                ("auto", False, "additive"), ("dense", False, "keep"), ("causal", False, "none"),
+                ("causal", True, "additive"), ("local", False, "none"), ("local", True, "drop"),
+                ("mask", False, "keep"), ("mask", True, "additive")]
+
+
+@pytest.mark.parametrize("layout, causal, mask_kind", LAYOUT_CASES)
+def test_each_layout_computes_what_it_says_in_float64(layout, causal, mask_kind):
+    module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind)
+    assert rel_error(module(q, k, v, mask), softmax_attention64(q, k, v, bias, 0.4)) < 1e-12
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The op's Triton path on CPU tensors: Triton's interpreter (conftest) runs the kernels."""
+    if torch.cuda.is_available():
+        pytest.skip("no interpreter where CUDA is: tests/test_block_attention_gpu.py runs the op's kernels")
+    monkeypatch.setattr(sa, "runs_on_kernel_device", lambda q: True)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+@pytest.mark.parametrize("layout, causal, mask_kind", [("auto", True, "none"), ("mask", False, "drop"),
+                                                       ("local", True, "additive"), ("dense", False, "keep")])
+def test_each_layout_on_the_kernels_matches_float64_with_gradients(kernels_on_cpu, layout, causal, mask_kind):
+    module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind, seq=70, d=16)
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
+    assert sa.kernel_runs(q, torch.float32, 0.0)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(q.shape)
+    outs = [module(q, k, v, mask), softmax_attention64(q64, k64, v64, bias, 0.4)]
+    for out, inputs in zip(outs, ((q, k, v), (q64, k64, v64))):
+        out.backward(grad_out.to(out.dtype))
+    assert rel_error(outs[0], outs[1]) < 1e-5
+    for t, t64 in zip((q, k, v), (q64, k64, v64)):
+        assert rel_error(t.grad, t64.grad) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+@pytest.mark.parametrize("layout", ["auto", "dense"])
+def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_cpu, layout):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
+    site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
+                info=mha_info(mha), input=TensorMeta((2, 70, 32), "float32"), module_backed=True)
+    ours = sa.from_site(site, sa.SparseAttentionOptions(layout=layout), mha.state_dict()).float().eval()
+    x = torch.randn(2, 70, 32, dtype=torch.float64)
+    padding = torch.arange(70)[None, :] >= torch.tensor([70, 20])[:, None]
+    banned = torch.rand(70, 70) > 0.8
+    banned.fill_diagonal_(False)
+    expected = mha(x, x, x, key_padding_mask=padding, attn_mask=banned, need_weights=False)[0]
+    assert sa.kernel_runs(torch.randn(1, 2, 70, 16), torch.float32, 0.0)
+    assert rel_error(ours(x.float(), x.float(), x.float(), key_padding_mask=padding, attn_mask=banned)[0],
+                     expected) < 1e-5
+
+
+def test_the_kernels_run_where_they_can_and_the_reference_elsewhere(kernels_on_cpu):
+    q = torch.randn(1, 2, 4, 16)
+    assert sa.kernel_runs(q, torch.bfloat16, 0.0)
+    assert not sa.kernel_runs(q, torch.float64, 0.0)
+    assert not sa.kernel_runs(torch.randn(1, 2, 4, 24), torch.float32, 0.0)  # head_dim
+    assert not sa.kernel_runs(q, torch.float32, 0.1)  # dropout in training: the reference draws it
+    assert not sa.kernel_runs(q[0], torch.float32, 0.0)  # (heads, seq, head_dim)
+    bias = torch.zeros(4, 4, requires_grad=True)  # a learned bias as the mask: its gradient
+    assert not sa.kernel_runs(q, torch.float32, 0.0, (None, bias))
+    with torch.no_grad():
+        assert sa.kernel_runs(q, torch.float32, 0.0, (bias,))
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+def test_a_mask_layout_is_made_once_per_mask(kernels_on_cpu, monkeypatch):
+    made = []
+    monkeypatch.setattr(sa, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
+    module = sa.SparseAttention(mask="additive", layout="mask").eval()
+    q = torch.randn(1, 2, 8, 16)
+    buffer = torch.zeros(1, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+
+    def call(mask):
+        return module(q, q, q, mask)
+
+    first = call(buffer[:, :, :8, :8])
+    call(buffer[:, :, :8, :8])  # a new view of the same memory, unwritten: the same mask
+    assert len(made) == 1
+    buffer[..., 0, 1] = 0.0  # written in place: made again, and the output follows
+    assert not torch.equal(call(buffer[:, :, :8, :8]), first) and len(made) == 2
+    call(buffer[:, :, 1:9, 1:9])  # another part of it
+    call(buffer[:, :, :8, :8].clone())  # another tensor
+    assert len(made) == 4
+    with torch.inference_mode():  # no version counter to trust: made on every call
+        mask = buffer[:, :, :8, :8].clone()
+        call(mask), call(mask)
+    assert len(made) == 6
+
+
+# ---- layouts through lowconv.convert ----
+
+class CausalBlock(nn.Module):
+    """A GPT-like block: qkv projection, SDPA with is_causal=True, output projection."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+def attention_recipe(options: str):
+    return parse_recipe(f'[[rules]]\nkind = "attention"\nop = "sparse_attention"\noptions = {{ {options} }}')
+
+
+@pytest.mark.parametrize("options, window", [("", None), ('layout = "local", window = 3', 3)])
+def test_converted_causal_block_keeps_or_narrows_its_attention(options, window):
+    torch.manual_seed(0)
+    model = CausalBlock().double().eval()
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    converted = lowconv.convert(model, attention_recipe(options), (x,))
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.op == "sparse_attention" and decision.options["window"] == window
+    keys = allowed_by_layout("local" if window else "causal", window, True, 10, 10)
+    q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in model.qkv(x).chunk(3, -1))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keys)
+    expected = model.proj(expected.transpose(1, 2).flatten(2))
+    assert rel_error(converted(x), expected) < 1e-12
+    if window:  # the window changes what the model computes: visibly
+        assert rel_error(converted(x), model(x)) > 1e-3
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(E, HEADS, batch_first=True)
+
+    def forward(self, x, padding):
+        return self.mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("layout", ["auto", "mask", "dense", "causal"])
+def test_converted_multihead_attention_with_key_padding(layout):
+    torch.manual_seed(0)
+    model = PaddedEncoder().double().eval()
+    x = torch.randn(N, S, E, dtype=torch.float64)
+    padding = torch.arange(S)[None, :] >= torch.tensor([S, 4, 2])[:, None]  # ragged lengths
+    converted = lowconv.convert(model, attention_recipe(f'layout = "{layout}"'), (x, padding))
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.op == "sparse_attention"
+    out = converted(x, padding)
+    if layout == "causal":  # causal on top of the padding, on purpose
+        causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+        expected = model.mha(x, x, x, key_padding_mask=padding, attn_mask=causal, need_weights=False)[0]
+        assert rel_error(out, model(x, padding)) > 1e-3
+    else:
+        expected = model(x, padding)
+    assert rel_error(out, expected) < 1e-12

@@ -166,21 +166,41 @@ def check_mask(mask, mask_kind, scores_shape):
 
 
 class Tiles(NamedTuple):
-    block_m: int
-    block_n: int
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
     num_warps: int
+    num_stages: int = 3  # software-pipelining depth (Triton's default)
 
 
-# One tile shape for the forward and both backward kernels, so that they share a BlockLayout.
-# Not tuned yet (no GPU run): FlashAttention-2's usual 64 x 64 with 4 warps.
+# The tiles of a BlockLayout (a mask or key padding): one shape for the forward and both
+# backward kernels, so that they share it. FlashAttention-2's usual 64 x 64 with 4 warps.
 TILES = Tiles(64, 64, 4)
+
+# Launches without a BlockLayout (a band alone: dense, causal, local) may run each kernel on its
+# own tiles, by head_dim, for fp16 and bf16. Measured on the H100 (scripts/tune_block_attention.py,
+# 8 x 16 x 4096, causal and local W = 256): 64 x 64 with 4 warps was the fastest or within noise
+# for every kernel, 128-query tiles 10-100% slower; at head_dim 128 the backward kernels gain
+# about 11% from 2 pipeline stages instead of 3.
+BAND_TILES = {
+    "_forward_kernel": {d: TILES for d in (16, 32, 64, 128)},
+    "_backward_query_kernel": {16: TILES, 32: TILES, 64: TILES, 128: TILES._replace(num_stages=2)},
+    "_backward_key_kernel": {16: TILES, 32: TILES, 64: TILES, 128: TILES._replace(num_stages=2)},
+}
 
 
 def pipeline_stages(dtype):
-    """Software-pipelining depth: Triton's default 3, but 1 for fp32, whose tiles take twice the
-    bytes (at head_dim 128, 2 stages of the backward key kernel need 289 KB of shared memory,
-    beyond the H100's 227 KB; 1 stage needs 224 KB)."""
+    """Software-pipelining depth on TILES: Triton's default 3, but 1 for fp32, whose tiles take
+    twice the bytes (at head_dim 128, 2 stages of the backward key kernel need 289 KB of shared
+    memory, beyond the H100's 227 KB; 1 stage needs 224 KB)."""
     return 1 if dtype == torch.float32 else 3
+
+
+def kernel_tiles(kernel_name, head_dim, dtype, listed):
+    """The tiles `kernel_name` runs on: TILES with a BlockLayout (listed) and for fp32, else
+    its BAND_TILES."""
+    if listed or dtype == torch.float32:
+        return TILES._replace(num_stages=pipeline_stages(dtype))
+    return BAND_TILES[kernel_name][head_dim]
 
 
 class BlockLayout(NamedTuple):
@@ -250,7 +270,7 @@ def listed(live):
 
 
 def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padding_mask=None,
-                    scale=None, dtype=None, blocks=None, backend="auto"):
+                    scale=None, dtype=None, blocks=None, skip_masked_tiles=True, backend="auto"):
     """softmax(q k^T * scale + mask) v over q (batch, heads, seq_q, head_dim) and k, v (batch,
     kv_heads, seq_k, head_dim), kv_heads dividing heads (GQA, MQA), differentiable for q, k, v.
 
@@ -259,7 +279,9 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
     on the Triton path). `key_padding_mask` (batch, seq_k) bool marks padding keys True.
     `scale` None is head_dim^-0.5; `dtype` None computes in q's dtype; the output is in q's
     dtype. `blocks` is block_layout(...) of the same layout, mask and padding, made once per mask
-    (None: made here when there is a mask or padding). `backend` "auto" runs Triton on CUDA and
+    (None: made here when there is a mask or padding, unless `skip_masked_tiles` is False: then
+    every tile of the layout's band is visited and the mask and padding apply elementwise, with
+    no pass over the mask). `backend` "auto" runs Triton on CUDA and
     the torch reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
     import. A query row with no allowed key gives zeros.
     """
@@ -272,7 +294,7 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
     check_triton_inputs(q, dtype)
     out_dtype, dtype = q.dtype, dtype or q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if blocks is None and (mask is not None or key_padding_mask is not None):
+    if blocks is None and skip_masked_tiles and (mask is not None or key_padding_mask is not None):
         blocks = block_layout(q.shape[-2], k.shape[-2], layout=layout, window=window, mask=mask,
                               key_padding_mask=key_padding_mask)
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
@@ -283,9 +305,11 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
 
 
 def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None,
-                              key_padding_mask=None, scale=None, dtype=None):
+                              key_padding_mask=None, scale=None, dtype=None, dropout=0.0):
     """The torch reference of `block_attention` (same arguments, no checks): `attention_reference`
-    with the layout and padding folded into the mask. Memory O(batch heads seq_q seq_k)."""
+    with the layout and padding folded into the mask. Memory O(batch heads seq_q seq_k). Also
+    takes what the kernels do not: leading dims other than (batch, heads) without key padding,
+    and `dropout` on the probabilities (pass 0 outside training)."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     lower, upper = band(layout, window, seq_q, seq_k)
     offset = (torch.arange(seq_q, device=q.device)[:, None]
@@ -296,11 +320,12 @@ def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None
     if mask is None or mask.dtype == torch.bool:
         if mask is not None:
             allowed = allowed & mask
-        out = attention_reference(q, k, v, allowed, mask_kind="keep", scale=scale, dtype=dtype)
+        out = attention_reference(q, k, v, allowed, mask_kind="keep", scale=scale,
+                                  dropout=dropout, dtype=dtype)
     else:
         additive = mask.masked_fill(~allowed, float("-inf"))
         out = attention_reference(q, k, v, additive, mask_kind="additive", scale=scale,
-                                  dtype=dtype)
+                                  dropout=dropout, dtype=dtype)
     return out.to(q.dtype)
 
 
@@ -382,10 +407,12 @@ class BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, row_max, row_inv_sum = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype).contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1)
+        # delta_i = <dO_i, O_i>: the query kernel writes it (from the tiles it loads anyway) and
+        # the key kernel, launched after it, reads it.
+        delta = torch.empty_like(row_max)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         stats = (row_max, row_inv_sum, delta)
-        ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, *stats, dq, transposed=False)
+        ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, out, *stats, dq, transposed=False)
         ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, *stats, dk, dv, transposed=True)
         return dq, dk, dv, None, None, None, None
 
@@ -404,17 +431,18 @@ class Launch:
         # interpreter's bf16 dot is wrong, see _dot.
         self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
                           torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
-        self.num_stages = pipeline_stages(q.dtype)
+        self.dtype = q.dtype
 
     def run(self, kernel, *tensors, transposed):
         """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the
         batch and its heads (kv heads when transposed: a program sums over its group)."""
         if min(self.batch, self.heads, self.seq_q, self.seq_k) == 0:
             return
+        tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.blocks is not None)
         if transposed:
-            grid = (triton.cdiv(self.seq_k, TILES.block_n), self.batch * self.kv_heads)
+            grid = (triton.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
         else:
-            grid = (triton.cdiv(self.seq_q, TILES.block_m), self.batch * self.heads)
+            grid = (triton.cdiv(self.seq_q, tiles.block_m), self.batch * self.heads)
         mask, padding = self.masks.mask, self.masks.padding
         mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
         if self.blocks is None:
@@ -429,8 +457,13 @@ class Launch:
                      self.lower, self.upper, self.scale, *mask_strides, *list_strides,
                      D=self.head_dim, BANDED=self.banded, MASK=self.masks.kind,
                      PADDING=padding is not None, LISTED=count is not None,
-                     PRECISION=self.precision, BLOCK_M=TILES.block_m, BLOCK_N=TILES.block_n,
-                     num_warps=TILES.num_warps, num_stages=self.num_stages)
+                     PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+# The band's bounds change with the window and the sequence: one compile for all of them (Triton
+# would otherwise compile again for a bound that is 1 or a multiple of 16).
+BAND_ARGS = ("lower", "upper")
 
 
 @triton.jit
@@ -499,13 +532,18 @@ def _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
 
 
 @triton.jit
-def _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq):
-    """The rows' softmax max, 1 / sum (0 past Lq: no probability there) and delta."""
+def _row_softmax(row_max, row_inv_sum, bh, rows, Lq):
+    """The rows' softmax max and 1 / sum (0 past Lq: no probability there)."""
     offs = bh.to(tl.int64) * Lq + rows
     ok = rows < Lq
-    return (tl.load(row_max + offs, mask=ok, other=0.0),
-            tl.load(row_inv_sum + offs, mask=ok, other=0.0),
-            tl.load(delta + offs, mask=ok, other=0.0))
+    return tl.load(row_max + offs, mask=ok, other=0.0), tl.load(row_inv_sum + offs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq):
+    """The rows' softmax max, 1 / sum and delta (0 past Lq)."""
+    m, inv_l = _row_softmax(row_max, row_inv_sum, bh, rows, Lq)
+    return m, inv_l, tl.load(delta + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
 
 
 @triton.jit
@@ -513,7 +551,9 @@ def _query_tile(H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D: tl.c
                 LISTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's query tile of one (batch, head): (tile, bh, b, h, q_base, kv_base (its kv
     head's), rows, list_row, and lo, n_tiles of the key tiles of the band i - upper <= j <= i - lower)."""
-    tile = tl.program_id(0)
+    # Last tiles first: under a causal band they have the most keys, and the short ones then
+    # fill the machine at the end of the launch.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     q_base = bh.to(tl.int64) * Lq * D
@@ -526,49 +566,93 @@ def _query_tile(H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D: tl.c
 
 
 @triton.jit
+def _interior(first, last, lo, n_tiles, n, lo_offset, hi_offset, BANDED: tl.constexpr,
+              MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """The partner tiles [start, end) (of the n_tiles from lo, see _span) that need no masking:
+    each of their pairs in the band, each partner below n. The tiles before and after are the
+    band's edges. With MASKED (a model mask or padding: masking everywhere) there are none."""
+    if MASKED:
+        return n_tiles, n_tiles
+    end = tl.minimum(tl.maximum(n - lo, 0) // BLOCK, n_tiles)
+    if BANDED:
+        # partner - row >= lo_offset for the last row, <= hi_offset for the first.
+        start = tl.cdiv(tl.maximum(last + lo_offset - lo, 0), BLOCK)
+        end = tl.minimum(end, tl.maximum(first + hi_offset - lo + 1, 0) // BLOCK)
+        return tl.minimum(start, end), end
+    return 0, end
+
+
+@triton.jit
 def _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk, lower, upper,
                      scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk, D: tl.constexpr,
                      BANDED: tl.constexpr, MASK: tl.constexpr, PADDING: tl.constexpr,
-                     LISTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The query tile's i-th key tile: its k and v rows and the masked, scaled scores."""
+                     LISTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EDGE: tl.constexpr):
+    """The query tile's i-th key tile: its k and v rows and the scaled scores, masked on an EDGE
+    tile (interior ones need none)."""
     first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lk, BLOCK_N), LISTED, BLOCK_N)
     cols = first + tl.arange(0, BLOCK_N)
     kb = _load_rows(k, kv_base, cols, Lk, D)
     vb = _load_rows(v, kv_base, cols, Lk, D)
-    s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq, Lk,
-                       lower, upper, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
-                       BANDED, MASK, PADDING)
+    s = _dot(qb, tl.trans(kb), PRECISION) * scale
+    if EDGE:
+        s = _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
+                           mask_sb, mask_sh, mask_sq, mask_sk, BANDED, MASK, PADDING)
     return kb, vb, s
 
 
 @triton.jit
+def _forward_tiles(start, end, m, l, acc, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+                   Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                   D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
+                   PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr, EDGE: tl.constexpr):
+    """The online softmax (m, l, acc) over key tiles start..end-1."""
+    dtype = qb.dtype
+    for i in range(start, end):
+        kb, vb, s = _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk,
+                                     lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                                     D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, EDGE)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        shift = m_new
+        if EDGE:  # a row can still be all -inf here
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        p = tl.exp(s - shift[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(dtype), vb, PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=BAND_ARGS)
 def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, index,
                     H, GROUP, Lq, Lk, lower, upper, scale,
                     mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                     D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
                     PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One tile of BLOCK_M queries of one (batch, head): online softmax over its key tiles."""
-    dtype = q.dtype.element_ty
+    """One tile of BLOCK_M queries of one (batch, head): online softmax over its key tiles, the
+    band's edge tiles masked, the interior ones not."""
     tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
         H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
+    start, end = _interior(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, lo, n_tiles, Lk, -upper, -lower,
+                           BANDED, MASK != "none" or PADDING, BLOCK_N)
     qb = _load_rows(q, q_base, rows, Lq, D)
     # m starts at -inf and exp() is taken against 0 while a row has seen nothing but -inf, so
     # a row whose keys are all masked so far keeps l = 0 (and a finite mask value still counts).
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for i in range(n_tiles):
-        kb, vb, s = _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk,
-                                     lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
-                                     D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - shift)
-        p = tl.exp(s - shift[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(dtype), vb, PRECISION)
-        m = m_new
+    m, l, acc = _forward_tiles(0, start, m, l, acc, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+        Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+        D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, True)
+    m, l, acc = _forward_tiles(start, end, m, l, acc, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+        Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+        D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, False)
+    m, l, acc = _forward_tiles(end, n_tiles, m, l, acc, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+        Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+        D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, True)
     # A row with no allowed key: output 0, and 1 / sum = 0 so that backward's P is 0 there.
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
     _store_rows(out, q_base, rows, Lq, D, acc * inv_l[:, None])
@@ -578,32 +662,82 @@ def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, in
 
 
 @triton.jit
-def _backward_query_kernel(q, k, v, do, row_max, row_inv_sum, delta, dq, mask, padding, count, index,
+def _dq_tiles(start, end, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, index, list_row, tile,
+              rows, b, h, Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+              D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr, PADDING: tl.constexpr,
+              LISTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+              EDGE: tl.constexpr):
+    """dq accumulated over key tiles start..end-1."""
+    dtype = qb.dtype
+    for i in range(start, end):
+        kb, vb, s = _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk,
+                                     lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+                                     D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, EDGE)
+        p = tl.exp(s - m[:, None]) * inv_l[:, None]
+        dp = _dot(dob, tl.trans(vb), PRECISION)
+        ds = (p * (dp - row_delta[:, None])).to(dtype)
+        dqb += _dot(ds, kb, PRECISION)
+    return dqb
+
+
+@triton.jit(do_not_specialize=BAND_ARGS)
+def _backward_query_kernel(q, k, v, do, out, row_max, row_inv_sum, delta, dq, mask, padding, count, index,
                            H, GROUP, Lq, Lk, lower, upper, scale,
                            mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                            D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
                            PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq for one tile of BLOCK_M queries of one (batch, head), over the forward's key tiles."""
-    dtype = q.dtype.element_ty
+    """dq for one tile of BLOCK_M queries of one (batch, head), over the forward's key tiles; and
+    the tile's delta (<dO_i, O_i>, fp32), which the key kernel reads."""
     tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
         H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
+    start, end = _interior(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, lo, n_tiles, Lk, -upper, -lower,
+                           BANDED, MASK != "none" or PADDING, BLOCK_N)
     qb = _load_rows(q, q_base, rows, Lq, D)
     dob = _load_rows(do, q_base, rows, Lq, D)
-    m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
+    m, inv_l = _row_softmax(row_max, row_inv_sum, bh, rows, Lq)
+    row_delta = tl.sum(dob.to(tl.float32) * _load_rows(out, q_base, rows, Lq, D).to(tl.float32), 1)
+    tl.store(delta + bh.to(tl.int64) * Lq + rows, row_delta, mask=rows < Lq)
     dqb = tl.zeros([BLOCK_M, D], tl.float32)
-    for i in range(n_tiles):
-        kb, vb, s = _key_tile_scores(qb, k, v, kv_base, i, lo, index, list_row, tile, rows, b, h, Lq, Lk,
-                                     lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
-                                     D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N)
-        p = tl.exp(s - m[:, None]) * inv_l[:, None]
-        dp = _dot(dob, tl.trans(vb), PRECISION)
-        ds = (p * (dp - row_delta[:, None])).to(dtype)
-        dqb += _dot(ds, kb, PRECISION)
+    dqb = _dq_tiles(0, start, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+        Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+        D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, True)
+    dqb = _dq_tiles(start, end, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+        Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+        D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, False)
+    dqb = _dq_tiles(end, n_tiles, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
+        Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
+        D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_N, True)
     _store_rows(dq, q_base, rows, Lq, D, dqb * scale)
 
 
 @triton.jit
+def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta, q_base, bh, lo,
+                index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
+                mask_sb, mask_sh, mask_sq, mask_sk, D: tl.constexpr, BANDED: tl.constexpr,
+                MASK: tl.constexpr, PADDING: tl.constexpr, LISTED: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, EDGE: tl.constexpr):
+    """dk, dv of a key tile accumulated over one query head's query tiles start..end-1."""
+    dtype = kb.dtype
+    for i in range(start, end):
+        first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lq, BLOCK_M), LISTED, BLOCK_M)
+        rows = first + tl.arange(0, BLOCK_M)
+        qb = _load_rows(q, q_base, rows, Lq, D)
+        dob = _load_rows(do, q_base, rows, Lq, D)
+        m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
+        s = _dot(qb, tl.trans(kb), PRECISION) * scale
+        if EDGE:
+            s = _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
+                               mask_sb, mask_sh, mask_sq, mask_sk, BANDED, MASK, PADDING)
+        p = tl.exp(s - m[:, None]) * inv_l[:, None]
+        dvb += _dot(tl.trans(p.to(dtype)), dob, PRECISION)
+        dp = _dot(dob, tl.trans(vb), PRECISION)
+        ds = (p * (dp - row_delta[:, None])).to(dtype)
+        dkb += _dot(tl.trans(ds), qb, PRECISION)
+    return dkb, dvb
+
+
+@triton.jit(do_not_specialize=BAND_ARGS)
 def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask, padding, count, index,
                          H, GROUP, Lq, Lk, lower, upper, scale,
                          mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
@@ -613,7 +747,6 @@ def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask,
     """dk, dv for one tile of BLOCK_N keys of one (batch, kv head): the sum over the GROUP query
     heads it serves (in one program, so no atomics) of each head's live query tiles (`count`,
     `index`: the BlockLayout's transposed lists)."""
-    dtype = q.dtype.element_ty
     tile = tl.program_id(0)
     bkv = tl.program_id(1)
     b = bkv // (H // GROUP)
@@ -631,20 +764,19 @@ def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask,
         # Queries i of the band: j + lower <= i <= j + upper.
         lo, n_tiles = _partner_tiles(tile, tile * BLOCK_N, tile * BLOCK_N + BLOCK_N - 1, Lq,
                                      lower, upper, count, list_row, LISTED, BLOCK_M)
-        for i in range(n_tiles):
-            first = _partner_start(i, lo, index, list_row, tile, tl.cdiv(Lq, BLOCK_M), LISTED,
-                                   BLOCK_M)
-            rows = first + tl.arange(0, BLOCK_M)
-            qb = _load_rows(q, q_base, rows, Lq, D)
-            dob = _load_rows(do, q_base, rows, Lq, D)
-            m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
-            s = _masked_scores(_dot(qb, tl.trans(kb), PRECISION) * scale, rows, cols, b, h, Lq,
-                               Lk, lower, upper, mask, padding, mask_sb, mask_sh, mask_sq,
-                               mask_sk, BANDED, MASK, PADDING)
-            p = tl.exp(s - m[:, None]) * inv_l[:, None]
-            dvb += _dot(tl.trans(p.to(dtype)), dob, PRECISION)
-            dp = _dot(dob, tl.trans(vb), PRECISION)
-            ds = (p * (dp - row_delta[:, None])).to(dtype)
-            dkb += _dot(tl.trans(ds), qb, PRECISION)
+        start, end = _interior(tile * BLOCK_N, tile * BLOCK_N + BLOCK_N - 1, lo, n_tiles, Lq, lower, upper,
+                               BANDED, MASK != "none" or PADDING, BLOCK_M)
+        dkb, dvb = _dkdv_tiles(0, start, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta,
+            q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
+            mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
+            True)
+        dkb, dvb = _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta,
+            q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
+            mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
+            False)
+        dkb, dvb = _dkdv_tiles(end, n_tiles, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta,
+            q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
+            mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
+            True)
     _store_rows(dk, kv_base, cols, Lk, D, dkb * scale)
     _store_rows(dv, kv_base, cols, Lk, D, dvb)

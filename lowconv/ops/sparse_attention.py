@@ -3,8 +3,24 @@
 Functional sites (SDPA, hand-written softmax(q k^T) v) become a `SparseAttention` called with
 the site's (q, k, v[, mask]); an nn.MultiheadAttention becomes a `SparseMultiheadAttention`
 with the same parameters and state-dict names. Both compute the core attention with
-`kernels.block_attention.attention`: q, k, v rounded to the compute dtype, fp32 accumulation
-and softmax, probabilities and output rounded to the compute dtype, then cast back to q's dtype.
+`kernels.block_attention`: on CUDA its flash-style Triton kernels (forward and backward), which
+skip the tiles of the scores that the layout rules out; elsewhere, and where the kernels cannot
+run (head_dim other than 16, 32, 64, 128; a float64 compute dtype; dropout in training; q with
+other than 4 dims; a mask that needs a gradient), its torch reference, with the same numerics: q, k, v rounded to the compute
+dtype, fp32 accumulation and softmax, probabilities and output rounded to the compute dtype, then
+cast back to q's dtype.
+
+The `layout` option says which tiles the kernel visits. The model's mask is always applied and a
+causal site stays causal; only "local" and "causal" (on a site that is not causal) change what
+the model computes, on purpose:
+  auto    the site's own semantics, exactly: "mask" when a mask comes, else the site's band
+  dense   every tile (the mask applied elementwise); refused on a causal site
+  causal  the causal band (tiles above the diagonal never visited); the mask elementwise
+  local   a window band of `window` W: on a causal site the query and the W - 1 keys before it,
+          elsewhere the keys less than W away on either side; the mask elementwise
+  mask    the site's band, less the tiles that the mask (and key padding) rule out entirely,
+          listed once per mask (see PreparedMasks); refused on a site that takes no mask
+nn.MultiheadAttention's causality is known per call (its is_causal hint, as it reads it).
 
 An SpTr window-attention chain (passes/window_attention.py) becomes a `SparseWindowAttention`, no
 parameters, called with q, k, v, the windows and, with relative position, the model's tables and
@@ -16,8 +32,8 @@ dtype) when the site's model is on CUDA.
 from __future__ import annotations
 
 import itertools
+import typing
 from dataclasses import dataclass
-from functools import reduce
 from typing import Literal
 
 import torch
@@ -25,21 +41,143 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.compat import sptr
-from lowconv.kernels.block_attention import attention
+from lowconv.kernels.block_attention import TRITON_DTYPES as BLOCK_KERNEL_DTYPES
+from lowconv.kernels.block_attention import (block_attention, block_attention_reference,
+                                             block_layout)
+from lowconv.kernels.block_attention import check_inputs as check_attention_inputs
 from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
 from lowconv.ops.registry import Op, register
 from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site, dtype_name
 
 
 
+Layout = Literal["auto", "dense", "causal", "local", "mask"]
+LAYOUT_CHOICES = typing.get_args(Layout)
+BLOCK_KERNEL_HEAD_DIMS = (16, 32, 64, 128)
+
+
 @dataclass
 class SparseAttentionOptions:
     # "auto": the dtype q arrives in (the site's input dtype when the model runs as traced).
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    layout: Layout = "auto"  # which tiles of the scores the kernel visits: see the module doc
+    window: int | None = None  # W, the local layout's window (required with it, refused otherwise)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUT_CHOICES:
+            raise ValueError(f"must be one of {', '.join(map(repr, LAYOUT_CHOICES))} "
+                             f"(got {self.layout!r})", "layout")
+        if self.layout != "local":
+            if self.window is not None:
+                raise ValueError(f'goes with layout = "local" only (layout is {self.layout!r})',
+                                 "window")
+        elif self.window is None:
+            raise ValueError('is required with layout = "local": how many keys a query sees',
+                             "window")
+        elif isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"must be a whole number >= 1 (got {self.window!r})", "window")
 
 
 def compute_dtype(options: SparseAttentionOptions) -> torch.dtype | None:
     return FLOAT_DTYPES.get(options.dtype)
+
+
+def layout_problem(layout: str, causal: bool, has_mask: bool) -> str | None:
+    """Why `layout` cannot keep a functional site's semantics where it promises to, or None."""
+    if layout == "dense" and causal:
+        return ('layout "dense" would let a causal site attend to later keys: '
+                'use "auto" or "causal"')
+    if layout == "mask" and not has_mask:
+        return 'layout "mask" needs a site that takes a mask; this one takes none'
+    return None
+
+
+def kernel_band(layout: str, window: int | None, causal: bool) -> tuple[str, bool]:
+    """The op's layout at a call (causal or not) as the kernel's band (block_attention's
+    layouts) and whether the tiles that the mask rules out are listed and skipped."""
+    if layout == "local":
+        return ("causal_local" if causal else "local"), False
+    if layout == "causal":
+        return "causal", False
+    return ("causal" if causal else "dense"), layout in ("auto", "mask")
+
+
+def block_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | None:
+    """Why the block-attention Triton kernels cannot run attention of this head_dim and compute
+    dtype (None: they can; an unknown head_dim is left to the call)."""
+    if head_dim is not None and head_dim not in BLOCK_KERNEL_HEAD_DIMS:
+        return f"the block-attention kernels take head_dim 16, 32, 64 or 128 (got {head_dim})"
+    if dtype not in BLOCK_KERNEL_DTYPES:
+        return (f"the block-attention kernels compute in float32, float16 or bfloat16, not "
+                f"{dtype_name(dtype)}")
+    return None
+
+
+def runs_on_kernel_device(q) -> bool:
+    """Whether q is where the Triton kernels run (CUDA; tests set it for the interpreter)."""
+    return q.is_cuda
+
+
+def kernel_runs(q, dtype, dropout, masks=()) -> bool:
+    """Whether this call runs the Triton kernels; otherwise the torch reference: the kernels
+    have no dropout, take (batch, heads, seq, head_dim) only, and pass no gradient to a mask (a
+    learned bias given as the mask gets its gradient from the reference's autograd)."""
+    learned = torch.is_grad_enabled() and any(m is not None and m.requires_grad for m in masks)
+    return (runs_on_kernel_device(q) and q.dim() == 4 and dropout == 0.0 and not learned
+            and block_kernel_problem(q.shape[-1], dtype) is None)
+
+
+class PreparedMasks:
+    """What a module makes from its masks (the kernel's form, the BlockLayout) for the last masks
+    it was called with, kept while the same masks come back: made once per mask, not per call.
+
+    A mask is "the same" when it is the same tensor, or a view at the same place of the same
+    tensor, unwritten since: the key is the id of the tensor that owns the memory (a view's
+    `_base`), the view's offset, shape and strides, and the version counter that torch bumps on
+    every in-place write (shared by views and detach()), with what else the result depends on.
+    The masks are held while their key is, so that a freed mask's id cannot come back as another
+    tensor's. Not seen: writes that torch does not count (through .data, numpy, DLPack). Inference
+    tensors have no version counter: theirs are prepared on every call.
+    """
+
+    def __init__(self):
+        self.key = self.masks = self.value = None
+
+    def get(self, masks: tuple, context: tuple, prepare):
+        if any(m is not None and m.is_inference() for m in masks):
+            return prepare()
+        key = (context, *map(mask_key, masks))
+        if key != self.key:
+            self.value = prepare()
+            self.key, self.masks = key, masks
+        return self.value
+
+
+def mask_key(mask):
+    if mask is None:
+        return None
+    owner = mask if mask._base is None else mask._base
+    return id(owner), mask.storage_offset(), mask.shape, mask.stride(), mask._version
+
+
+def attend(q, k, v, *, band, window, listed, mask, key_padding_mask, blocks, scale, dropout,
+           dtype, kernel):
+    """block_attention on the kernels or the reference, as kernel_runs decided; q's dtype out."""
+    if kernel:
+        return block_attention(q, k, v, layout=band, window=window, mask=mask,
+                               key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
+                               blocks=blocks, skip_masked_tiles=listed, backend="triton")
+    return block_attention_reference(q, k, v, layout=band, window=window, mask=mask,
+                                     key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
+                                     dropout=dropout)
+
+
+def listed_blocks(q, k, band, window, mask, key_padding_mask, wanted):
+    """The BlockLayout of the masks when the kernel lists tiles (`wanted`) and there are masks."""
+    if not wanted or (mask is None and key_padding_mask is None):
+        return None
+    return block_layout(q.shape[-2], k.shape[-2], layout=band, window=window, mask=mask,
+                        key_padding_mask=key_padding_mask)
 
 
 class SparseAttention(nn.Module):
@@ -47,8 +185,12 @@ class SparseAttention(nn.Module):
 
     def __init__(self, mask: str = "none", causal: bool = False, scale: float | None = None,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
-                 mask_kind_from_dtype: bool = False):
+                 mask_kind_from_dtype: bool = False, layout: str = "auto",
+                 window: int | None = None):
         super().__init__()
+        problem = layout_problem(layout, causal, mask != "none")
+        if problem:
+            raise ValueError(f"SparseAttention: {problem}")
         self.mask = mask  # the kind of the forward's mask argument, see AttentionInfo.mask
         # SDPA's rule, for SDPA sites: a bool mask keeps, any other is added, decided per call.
         self.mask_kind_from_dtype = mask_kind_from_dtype
@@ -56,6 +198,8 @@ class SparseAttention(nn.Module):
         self.scale = scale
         self.dropout = dropout
         self.compute_dtype = compute_dtype  # None: q's dtype
+        self.layout, self.window = layout, window
+        self.prepared = PreparedMasks()
 
     def forward(self, q, k, v, mask=None):
         if mask is None:
@@ -64,15 +208,27 @@ class SparseAttention(nn.Module):
             kind = "keep" if mask.dtype == torch.bool else "additive"
         else:
             kind = self.mask
-        out = attention(q, k, v, mask, mask_kind=kind,
-                        causal=self.causal, scale=self.scale,
-                        dropout=self.dropout if self.training else 0.0,
-                        dtype=self.compute_dtype or q.dtype)
-        return out.to(q.dtype)
+        dtype = self.compute_dtype or q.dtype
+        dropout = self.dropout if self.training else 0.0
+        check_attention_inputs(q, k, v, mask, kind, self.causal, self.scale, dropout, dtype)
+        band, listed = kernel_band(self.layout, self.window, self.causal)
+        kernel = kernel_runs(q, dtype, dropout, (mask,))
+
+        def prepare():
+            kernel_mask = ~mask if kind == "drop" else mask  # block_attention's: True attends
+            return kernel_mask, listed_blocks(q, k, band, self.window, kernel_mask, None,
+                                              kernel and listed)
+
+        kernel_mask, blocks = self.prepared.get(
+            (mask,), (kind, band, self.window, listed, kernel, q.shape[-2], k.shape[-2]), prepare)
+        return attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
+                      key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
+                      dtype=dtype, kernel=kernel)
 
     def extra_repr(self) -> str:
         return (f"mask={self.mask}, causal={self.causal}, scale={self.scale}, "
-                f"dropout={self.dropout}, compute_dtype={self.compute_dtype}")
+                f"dropout={self.dropout}, compute_dtype={self.compute_dtype}, "
+                f"layout={self.layout}, window={self.window}")
 
 
 class SparseMultiheadAttention(nn.Module):
@@ -83,7 +239,7 @@ class SparseMultiheadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
                  vdim: int | None = None, bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
-                 device=None, dtype=None):
+                 layout: str = "auto", window: int | None = None, device=None, dtype=None):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not a multiple of num_heads {num_heads}")
@@ -91,6 +247,8 @@ class SparseMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         self.batch_first, self.dropout, self.compute_dtype = batch_first, dropout, compute_dtype
+        self.layout, self.window = layout, window
+        self.prepared = PreparedMasks()
         # Read by nn.TransformerEncoderLayer; False also keeps it off its fused fast path,
         # which would bypass this module.
         self._qkv_same_embed_dim = False
@@ -124,14 +282,29 @@ class SparseMultiheadAttention(nn.Module):
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
         q, k, v = (x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
                    for x in (q, k, v))
-        # As nn.MultiheadAttention: with no key padding, the is_causal hint replaces attn_mask.
-        causal = is_causal and key_padding_mask is None
-        mask, mask_kind = merge_masks(None if causal else attn_mask, key_padding_mask,
-                                      n, self.num_heads, seq_q, seq_k, q.dtype)
-        out = attention(q, k, v, mask, mask_kind=mask_kind, causal=causal,
-                        dropout=self.dropout if self.training else 0.0,
-                        dtype=self.compute_dtype or q.dtype)
-        out = self.out_proj(out.to(q.dtype).transpose(1, 2).flatten(2))
+        # As nn.MultiheadAttention: with no key padding, the is_causal hint replaces attn_mask
+        # (layout "dense" applies attn_mask instead: the same keys, as the hint promises).
+        causal = is_causal and key_padding_mask is None and self.layout != "dense"
+        if causal:
+            attn_mask = None
+        dtype = self.compute_dtype or q.dtype
+        dropout = self.dropout if self.training else 0.0
+        band, listed = kernel_band(self.layout, self.window, causal)
+        kernel = kernel_runs(q, dtype, dropout, (attn_mask, key_padding_mask))
+
+        def prepare():
+            mask, padding = mha_kernel_masks(attn_mask, key_padding_mask, n, self.num_heads,
+                                             seq_q, seq_k, q.dtype)
+            return mask, padding, listed_blocks(q, k, band, self.window, mask, padding,
+                                                kernel and listed)
+
+        mask, padding, blocks = self.prepared.get(
+            (attn_mask, key_padding_mask),
+            (band, self.window, listed, kernel, n, seq_q, seq_k, q.dtype), prepare)
+        out = attend(q, k, v, band=band, window=self.window, listed=listed, mask=mask,
+                     key_padding_mask=padding, blocks=blocks, scale=None, dropout=dropout,
+                     dtype=dtype, kernel=kernel)
+        out = self.out_proj(out.transpose(1, 2).flatten(2))
         if not self.batch_first:
             out = out.transpose(0, 1)
         return (out.squeeze(batch_dim) if unbatched else out), None
@@ -198,33 +371,40 @@ def table_rows_read(quant_grid_length, *tables) -> tuple:
     return tuple(t[:rows] for t in tables)
 
 
-def merge_masks(attn_mask, key_padding_mask, n, heads, seq_q, seq_k, dtype):
-    """nn.MultiheadAttention's two masks as one (mask, kind) over (n, heads, seq_q, seq_k).
-
-    Bool masks mean True = not allowed; float masks are added. All-bool masks stay bool
-    ("drop"); otherwise bool ones become -inf/0 and everything is summed ("additive").
-    """
-    masks = []
+def mha_kernel_masks(attn_mask, key_padding_mask, n, heads, seq_q, seq_k, dtype):
+    """nn.MultiheadAttention's two masks as block_attention takes them: (mask, key_padding_mask),
+    the mask over (n or 1, heads or 1, seq_q, seq_k), bool (True attends) or float (added), the
+    padding bool (n, seq_k), True = padding. (nn.MultiheadAttention's bool masks mean True = not
+    allowed.) A float key padding mask is added to the mask, in `dtype`, as the module does."""
     if attn_mask is not None:
         shape = (1, 1, seq_q, seq_k) if attn_mask.dim() == 2 else (n, heads, seq_q, seq_k)
-        masks.append(attn_mask.reshape(shape))
-    if key_padding_mask is not None:
-        masks.append(key_padding_mask.reshape(n, 1, 1, seq_k))
-    if not masks:
-        return None, "none"
-    if all(m.dtype == torch.bool for m in masks):
-        return reduce(torch.logical_or, masks), "drop"
-    additive = [torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
-                if m.dtype == torch.bool else m for m in masks]
-    return reduce(torch.add, additive), "additive"
+        attn_mask = attn_mask.reshape(shape)
+        if attn_mask.dtype == torch.bool:
+            attn_mask = ~attn_mask
+    if key_padding_mask is None or key_padding_mask.dtype == torch.bool:
+        return attn_mask, key_padding_mask
+    padding = key_padding_mask.reshape(n, 1, 1, seq_k).to(dtype)
+    if attn_mask is None:
+        return padding, None
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype,
+                                device=attn_mask.device).masked_fill(~attn_mask, float("-inf"))
+    return attn_mask + padding, None
 
 
 def check(site: Site, options: SparseAttentionOptions) -> str | None:
     info = site.info
     if info.form == "mha" and None in (info.embed_dim, info.heads, info.batch_first):
         return "nn.MultiheadAttention site without embed_dim/heads/batch_first to rebuild it from"
-    if info.form == "window" and site_may_run_on_cuda(site):
-        return window_kernel_problem(info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
+    if info.form == "window":
+        if options.layout != "auto":
+            return (f'layout {options.layout!r} is for ordinary attention sites; an SpTr window '
+                    f'chain keeps its windows (use layout "auto")')
+        if site_may_run_on_cuda(site):
+            return window_kernel_problem(info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
+        return None
+    if info.form != "mha":  # an MHA's causality and masks come per call
+        return layout_problem(options.layout, info.causal, info.mask != "none")
     return None
 
 
@@ -261,7 +441,8 @@ def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.M
         kdim=params["k_proj_weight"].shape[1] if "k_proj_weight" in params else None,
         vdim=params["v_proj_weight"].shape[1] if "v_proj_weight" in params else None,
         bias="in_proj_bias" in params, batch_first=info.batch_first, dropout=info.dropout,
-        compute_dtype=compute_dtype(options), device=weight.device, dtype=weight.dtype)
+        compute_dtype=compute_dtype(options), layout=options.layout, window=options.window,
+        device=weight.device, dtype=weight.dtype)
     module.load_state_dict(params)
     return module
 
@@ -275,7 +456,8 @@ def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
     return SparseMultiheadAttention(
         info.embed_dim, info.heads, kdim=info.kdim, vdim=info.vdim, bias=info.bias,
         batch_first=info.batch_first, dropout=info.dropout,
-        compute_dtype=compute_dtype(options), dtype=dtype)
+        compute_dtype=compute_dtype(options), layout=options.layout, window=options.window,
+        dtype=dtype)
 
 
 def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> nn.Module:
@@ -283,14 +465,15 @@ def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> n
         return SparseWindowAttention(compute_dtype(options))
     return SparseAttention(mask=info.mask, causal=info.causal, scale=info.scale,
                            dropout=info.dropout, compute_dtype=compute_dtype(options),
-                           mask_kind_from_dtype=info.form == "sdpa")
+                           mask_kind_from_dtype=info.form == "sdpa", layout=options.layout,
+                           window=options.window)
 
 
 SPARSE_ATTENTION = register(Op(
     name="sparse_attention",
     kind="attention",
     description="attention through lowconv's block-attention kernels in a chosen dtype "
-                "(fp32 accumulation and softmax)",
+                "(fp32 accumulation and softmax) and tile layout (auto, dense, causal, local, mask)",
     options=SparseAttentionOptions,
     check=check,
     from_site=from_site,
