@@ -149,6 +149,12 @@ class SDPARepeatKV(Attention):  # Hugging Face's repeat_kv, and a read of the re
         return F.scaled_dot_product_attention(q, k, v)[:, :, :k.shape[2]]
 
 
+class SDPARepeatKVLikeQ(Attention):  # reshaped to q.shape: only the reshape knows the sizes, so it stays
+    def core(self, q, k, v, mask):
+        k, v = (x[:, :1][:, :, None, :, :].expand(B, 1, H, T, D).reshape(q.shape) for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v)[:, :, :k.shape[2]]
+
+
 class TwoMasks(Attention):  # they fold into one additive mask
     def core(self, q, k, v, mask):
         scores = (q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf"))
@@ -205,6 +211,7 @@ CASES = {
     "sdpa_causal": Case(SDPACausal, x_only, dict(SDPA_INFO, scale=0.3, causal=True)),
     "sdpa_gqa": Case(SDPAGQA, x_only, dict(SDPA_INFO, scale=0.2), kv_heads=1),
     "sdpa_repeat_kv": Case(SDPARepeatKV, x_only, SDPA_INFO, kv_heads=1),
+    "sdpa_repeat_kv_like_q": Case(SDPARepeatKVLikeQ, x_only, SDPA_INFO),
     "two_masks": Case(TwoMasks, with_drop_mask, dict(HANDWRITTEN, scale=1.0, mask="additive"), nargs=4),
 }
 

@@ -491,8 +491,10 @@ def shape_reads(x: fx.Node) -> list[fx.Node]:
 
 
 def reshaped_to(x: fx.Node) -> list | None:
-    """The sizes a reshape names (ints and nodes), or None when one is -1 (then only the
-    reshape knows its shape)."""
+    """The sizes a reshape names (ints and nodes), or None when one is -1 or they come as one
+    node (`reshape(q.shape)`): then only the reshape knows its shape."""
+    if len(x.args) == 2 and isinstance(x.args[1], fx.Node):
+        return None
     sizes = x.args[1] if len(x.args) == 2 and isinstance(x.args[1], (tuple, list)) else x.args[1:]
     return None if any(is_number(size) and size < 0 for size in sizes) else list(sizes)
 
