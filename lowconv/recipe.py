@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lowconv.errors import LowconvError
 from lowconv.ops import OPS
-from lowconv.passes.trace import Trace
+from lowconv.passes.trace import Trace, has_fused_path
 from lowconv.plan import Decision, Plan
 from lowconv.site import Site
 
@@ -229,7 +229,10 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         for rule in recipe.rules
         if not any(rule_matches(rule, s) for s in sites)
     ]
-    rewritten = {d.site["region"] for d in decisions if d.converted and not d.site["module_backed"]}
+    # Regions whose traced graph replaces their module (see passes/rewrite.py)
+    graphs = {r.fqn for r in trace.regions if r.graph is not None and has_fused_path(r.module)}
+    rewritten = {d.site["region"] for d in decisions
+                 if d.converted and (not d.site["module_backed"] or d.site["region"] in graphs)}
     warnings += [
         f"region {r.fqn or '(whole model)'} branches on self.training: it was traced in eval mode and "
         f"keeps eval behaviour (e.g. no functional dropout) when the converted model trains"

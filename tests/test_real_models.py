@@ -14,6 +14,7 @@ import lowconv
 from lowconv.cli import main
 from lowconv.errors import LowconvError
 from lowconv.model_sources import load_model
+from lowconv.passes import trace
 
 HF_MODELS = ["hf:examples/hf/llama-tiny", "hf:examples/hf/gpt2-tiny", "hf:examples/hf/bert-tiny"]
 RECIPES = ["fp8-dynamic", "semi-sparse", "sparse-attention-bf16"]
@@ -136,7 +137,8 @@ def test_transformer_encoder_with_padding_mask(recipe):
 def test_transformer_encoder_runs_where_torch_takes_its_fast_path(nested, recipe, tmp_path):
     """In eval mode without grad, torch runs an encoder layer as one fused kernel that reads
     linear1/linear2's weights itself (and, with enable_nested_tensor, hands the layers nested
-    tensors): the converted encoder must run its traced plain path instead, before and after a reload."""
+    tensors): the converted encoder must run its traced plain path instead, before and after a reload.
+    Rows of padding are left out: the nested path gives zeros there, the plain path values."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
@@ -152,6 +154,80 @@ def test_transformer_encoder_runs_where_torch_takes_its_fast_path(nested, recipe
             out = run(**inputs)
         tolerance = 0.15 if recipe == "fp8-dynamic" else 1e-4  # fp8's error vs the reverted 2:4 weights' none
         assert (out - expected)[~padding].abs().max() < tolerance
+
+
+def encoder(nested=False):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+
+def fast_path_check(model, converted, inputs, recipe, rows=slice(None)):
+    """The converted model under no_grad (where torch takes its fused paths) against the original
+    (the reverted 2:4 weights for semi-sparse) on `rows`."""
+    with torch.no_grad():
+        expected = lowconv.revert(converted)(**inputs) if recipe == "semi-sparse" else model(**inputs)
+        out = converted(**inputs)
+    tolerance = 0.15 if recipe == "fp8-dynamic" else 1e-4
+    assert (out - expected)[rows].abs().max() < tolerance
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "semi-sparse"])
+def test_transformer_encoder_with_an_attention_mask(recipe):
+    """The encoder decides its causality from the mask's values (not traceable: the layers are
+    regions); each layer asks F._none_or_dtype for the mask's dtype, which rejects a Proxy."""
+    model = encoder()
+    inputs = {"src": torch.randn(2, 10, 64), "mask": nn.Transformer.generate_square_subsequent_mask(10)}
+    converted = lowconv.convert(model, recipe, inputs)
+    assert {u["fqn"] for u in converted.lowconv_plan.untraced} == {""}
+    assert type(converted.layers[0]) is not nn.TransformerEncoderLayer  # its traced graph
+    fast_path_check(model, converted, inputs, recipe)
+
+
+def test_an_encoder_layer_that_does_not_trace_leaves_its_fast_path(monkeypatch):
+    """Where a layer keeps its class around converted linears, its fused kernel (which would read
+    their weights) is off, as is the encoder's nested-tensor path."""
+    real = trace.trace_module
+
+    def no_layers(module, *args, **kwargs):
+        if isinstance(module, (nn.TransformerEncoder, nn.TransformerEncoderLayer)):
+            raise RuntimeError("does not trace")
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(trace, "trace_module", no_layers)
+    model, inputs = encoder(nested=True), load_model("nn:transformer-encoder").inputs
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert type(converted.layers[0]) is nn.TransformerEncoderLayer and len(converted.lowconv_plan.converted()) == 4
+    assert converted.layers[0].activation_relu_or_gelu == 0 and not converted.use_nested_tensor
+    fast_path_check(model, converted, inputs, "fp8-dynamic", rows=~inputs["src_key_padding_mask"])
+
+
+def test_an_encoder_with_nothing_converted_keeps_its_fast_paths():
+    model, inputs = encoder(nested=True), load_model("nn:transformer-encoder").inputs
+    converted = lowconv.convert(model, "keep-all", inputs)
+    assert converted.use_nested_tensor and converted.layers[0].activation_relu_or_gelu
+    with torch.no_grad():
+        assert torch.equal(converted(**inputs), model(**inputs))  # zeros at padding, as the nested path gives
+
+
+def test_a_converted_encoder_warns_of_its_decided_branches_only():
+    """Its graph replaces it, so the plan says which branches the example decided; the eval-only
+    src.is_nested check is no reason to say it reads self.training."""
+    loaded = load_model("nn:transformer-encoder")
+    warnings = lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs).lowconv_plan.warnings
+    assert len(warnings) == 1 and "branches decided by the example" in warnings[0]
+
+
+def test_example_runs_switch_the_fast_path_off_until_the_last_one_leaves():
+    """Two conversions in two threads: A enters, B enters, A leaves, B leaves."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    a, b = trace.NO_FAST_PATH.held(), trace.NO_FAST_PATH.held()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert not torch.backends.mha.get_fastpath_enabled()
+    b.__exit__(None, None, None)
+    assert torch.backends.mha.get_fastpath_enabled() == before
 
 
 def test_multihead_attention_source_converts():

@@ -24,17 +24,17 @@ The `cublas` path runs S cuBLAS matmuls, one per chunk, with torch's
 (Triton's interpreter rounds once per loaded k-tile of up to 256 instead of per k16 step: CPU runs
 of the kernel test its logic, the reference its numbers.)
 """
-import contextlib
 import functools
 import math
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
+
+from lowconv.scoped_setting import ScopedSetting
 
 BLOCK_K = 16
 AUTO_MAX_SPLITS = 32
@@ -176,30 +176,16 @@ class Fp16AccMatmul(torch.autograd.Function):
 
 # The flag is process-wide: blocks in several threads (DataParallel replicas, a serving pool) share
 # one switch-on, and the value from before the first comes back when the last one leaves.
-_fp16_accumulation_lock = threading.Lock()
-_fp16_accumulation_users = 0
-_fp16_accumulation_before = False
+FP16_ACCUMULATION = ScopedSetting(lambda: torch.backends.cuda.matmul.allow_fp16_accumulation,
+                                  lambda on: setattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", on),
+                                  True)
 
 
-@contextlib.contextmanager
 def cublas_fp16_accumulation():
     """torch.backends.cuda.matmul.allow_fp16_accumulation on inside the block only: the previous
     value comes back when the last block (of any thread) leaves, also when a block raises. Other
     threads' fp16 matmuls see the flag on while a block runs."""
-    global _fp16_accumulation_users, _fp16_accumulation_before
-    settings = torch.backends.cuda.matmul
-    with _fp16_accumulation_lock:
-        if _fp16_accumulation_users == 0:
-            _fp16_accumulation_before = settings.allow_fp16_accumulation
-            settings.allow_fp16_accumulation = True
-        _fp16_accumulation_users += 1
-    try:
-        yield
-    finally:
-        with _fp16_accumulation_lock:
-            _fp16_accumulation_users -= 1
-            if _fp16_accumulation_users == 0:
-                settings.allow_fp16_accumulation = _fp16_accumulation_before
+    return FP16_ACCUMULATION.held()
 
 
 def chunk_product(x_chunk, w_chunk) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lowconv.passes.trace import FUSED_INFERENCE_PATHS, Region, Trace
+from lowconv.passes.trace import Region, Trace, has_fused_path
 from lowconv.passes.window_rows import drop_pair_layouts
 from lowconv.site import Site
 
@@ -104,16 +104,24 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         gm.train(region.module.training)
         keep_buffers_out_of_state_dict(gm, region.module)
         model = set_module(model, region.fqn, gm)
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoder):  # its layers below were converted, or it was
-            module.use_nested_tensor = False  # its fast path would hand them nested tensors
+    leave_fused_paths(model, modules.values())
     return model
 
 
-def has_fused_path(module: nn.Module) -> bool:
-    """Whether a module in `module` may read a swapped module's weight instead of calling it: a
-    converted FP8 or 2:4 weight would break its fused kernel, so the region's graph replaces it."""
-    return any(isinstance(m, FUSED_INFERENCE_PATHS) for m in module.modules())
+def leave_fused_paths(model: nn.Module, converted) -> None:
+    """Keep torch's fused inference paths away from converted modules where a module with one
+    (trace.FUSED_INFERENCE_PATHS) kept its class (it did not trace, or is above the traced regions): an encoder's
+    nested-tensor path would hand them nested tensors, and a layer's fused kernel would read their
+    weights instead of calling them. Both are off for such modules (torch reads these attributes
+    only to choose the fast path). Encoders without a converted module keep theirs."""
+    converted = {id(m) for m in converted}
+    for module in model.modules():
+        if not any(id(m) in converted for m in module.modules()):
+            continue
+        if isinstance(module, nn.TransformerEncoder):
+            module.use_nested_tensor = False
+        elif isinstance(module, nn.TransformerEncoderLayer):
+            module.activation_relu_or_gelu = 0
 
 
 def keep_buffers_out_of_state_dict(gm: fx.GraphModule, original: nn.Module) -> None:
@@ -162,7 +170,4 @@ def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.M
         gm.recompile()
         gm.train(region.module.training)
         model = set_module(model, region.fqn, gm)
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoder):  # its layers below were converted, or it was
-            module.use_nested_tensor = False  # its fast path would hand them nested tensors
     return model

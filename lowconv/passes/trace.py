@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.proxy import TraceError
@@ -49,10 +50,22 @@ from lowconv.errors import LowconvError
 from lowconv.passes.example_values import (
     MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
 )
+from lowconv.scoped_setting import ScopedSetting
 
 # timm's (1.0.x) non-fused attention adds its mask through these: `scores if mask is None else
 # scores + mask`, with a mask resolved from flags. Plain Python: they trace.
 TRACED_INTO = {"timm.layers.attention.maybe_add_mask", "timm.layers.attention.resolve_self_attn_mask"}
+
+
+def none_or_dtype(input):
+    """F._none_or_dtype without its isinstance(input, Tensor) check, which rejects a Proxy (torch's
+    encoder layer asks it for its src_mask's dtype): the dtype read is traced as metadata."""
+    return None if input is None else input.dtype
+
+
+# Functions that reject a Proxy, and what stands in for them while tracing (the same value on a tensor).
+PROXY_SAFE = {(F, "_none_or_dtype"): none_or_dtype}
+
 # Modules that are sites by themselves: traced as calls, never into.
 SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
 # torch.nn modules whose forward, in inference, may skip their submodules' forward and read their
@@ -60,6 +73,12 @@ SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
 # torch.nn modules as calls; these are traced into, so that their sites are found in the plain path
 # the graph records, and their converted region runs that graph instead of the fast path.
 FUSED_INFERENCE_PATHS = (nn.TransformerEncoder, nn.TransformerEncoderLayer)
+
+
+def has_fused_path(module: nn.Module) -> bool:
+    """Whether a module in `module` may read a swapped module's weight instead of calling it: a
+    converted FP8 or 2:4 weight would break its fused kernel, so the region's graph replaces it."""
+    return any(isinstance(m, FUSED_INFERENCE_PATHS) for m in module.modules())
 
 
 def is_site_module(module: nn.Module) -> bool:
@@ -231,14 +250,20 @@ class SiteTracer(fx.Tracer):
         # Functions a library made opaque with torch.fx.wrap that hide an attention's scores: fx
         # would record one call for them; traced into, the attention pass sees the ops. The table
         # is torch's, process-wide: an fx trace in another thread meanwhile would not see them wrapped.
-        hidden = {key: frame for key, frame in torch.fx._symbolic_trace._wrapped_fns_to_patch.items()
-                  if qualified_name(frame.get(key[1])) in TRACED_INTO}
+        # And functions that reject a Proxy take their PROXY_SAFE stand-ins meanwhile.
+        table = torch.fx._symbolic_trace._wrapped_fns_to_patch
+        hidden = {key: frame for key, frame in table.items() if qualified_name(frame.get(key[1])) in TRACED_INTO}
         for key in hidden:
-            del torch.fx._symbolic_trace._wrapped_fns_to_patch[key]
+            del table[key]
+        originals = {(module, name): getattr(module, name) for module, name in PROXY_SAFE}
+        for (module, name), stand_in in PROXY_SAFE.items():
+            setattr(module, name, stand_in)
         try:
             return super().trace(root, concrete_args)
         finally:
-            torch.fx._symbolic_trace._wrapped_fns_to_patch.update(hidden)
+            table.update(hidden)
+            for (module, name), original in originals.items():
+                setattr(module, name, original)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, FUSED_INFERENCE_PATHS):
@@ -321,8 +346,19 @@ def bound_forward(module: nn.Module, arguments: dict | None):
 
 def reads_training(module: nn.Module, graph: fx.GraphModule, fixed: dict | None = None,
                    call: Call | None = None) -> bool:
-    """Whether the module's traced code differs between train and eval mode."""
-    return trace_module(module, fixed, training=True, call=call).code != graph.code
+    """Whether the module's traced code differs between train and eval mode, guards of decided
+    branches aside (torch's encoder layer checks src.is_nested in eval mode only)."""
+    return code_without_guards(trace_module(module, fixed, training=True, call=call)) != code_without_guards(graph)
+
+
+def code_without_guards(gm: fx.GraphModule) -> str:
+    graph = fx.Graph(owning_module=gm)  # a copy of the nodes (eliminate_dead_code asks the module)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in (decided, decided_length, decided_keys):
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    return graph.python_code("self").src
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -451,20 +487,20 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
 def evaluating(model: nn.Module):
     """The model in eval mode (no BatchNorm statistics updated, no dropout), modes restored after;
     the global RNG is left as it was. torch's fused attention fast paths are off meanwhile (a
-    process-wide switch, restored after): the runs take the plain path that tracing records, so
+    process-wide switch, see ScopedSetting): the runs take the plain path that tracing records, so
     an encoder's layers see padded tensors, not nested ones, as they will in the converted model."""
     modes = {m: m.training for m in model.modules()}
-    fast_path = torch.backends.mha.get_fastpath_enabled()
     model.eval()
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        torch.backends.mha.set_fastpath_enabled(False)
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with NO_FAST_PATH.held(), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             yield model
     finally:
-        torch.backends.mha.set_fastpath_enabled(fast_path)
         for m, mode in modes.items():
             m.training = mode
+
+
+NO_FAST_PATH = ScopedSetting(torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled, False)
 
 
 @dataclass
