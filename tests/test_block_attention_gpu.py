@@ -3,12 +3,11 @@ through a converted model, against float64 (run on the lent GPU by scripts/gpu_c
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import lowconv
 import lowconv.ops.sparse_attention as sa
 from lowconv.kernels.block_attention import block_attention, block_attention_reference
-from lowconv.recipe import parse_recipe
+from tests.test_sparse_attention_op import CausalBlock, attention_recipe
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,25 +69,12 @@ def test_model_mask_and_key_padding_at_real_sizes(dtype):
         assert rel_error(x, ref) < TOLERANCE[dtype], name
 
 
-class CausalBlock(nn.Module):
-    def __init__(self, dim=256, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).flatten(2))
-
-
 @pytest.mark.parametrize("options", ['dtype = "bfloat16"', 'dtype = "float16", layout = "local", window = 128'])
 def test_converted_causal_model_runs_the_kernels_on_cuda(options, monkeypatch):
     torch.manual_seed(0)
-    model = CausalBlock().cuda().eval()
+    model = CausalBlock(dim=256, heads=4).cuda().eval()
     x = torch.randn(2, 600, 256, device="cuda")
-    recipe = parse_recipe(f'[[rules]]\nkind = "attention"\nop = "sparse_attention"\noptions = {{ {options} }}')
-    converted = lowconv.convert(model, recipe, (x,))
+    converted = lowconv.convert(model, attention_recipe(options), (x,))
     [decision] = converted.lowconv_plan.converted()
     assert decision.op == "sparse_attention", decision.reason
     ran = []
