@@ -110,10 +110,11 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
 
 def leave_fused_paths(model: nn.Module, converted) -> None:
     """Keep torch's fused inference paths away from converted modules where a module with one
-    (trace.FUSED_INFERENCE_PATHS) kept its class (it did not trace, or is above the traced regions): an encoder's
-    nested-tensor path would hand them nested tensors, and a layer's fused kernel would read their
-    weights instead of calling them. Both are off for such modules (torch reads these attributes
-    only to choose the fast path). Encoders without a converted module keep theirs."""
+    (trace.FUSED_INFERENCE_PATHS) kept its class (it did not trace, or is above the traced
+    regions): an encoder's nested-tensor path would hand them nested tensors, and a layer's fused
+    kernel would read their weights instead of calling them. Both are off for such modules (torch
+    reads these attributes only to choose the fast path). Encoders without a converted module
+    keep theirs."""
     converted = {id(m) for m in converted}
     for module in model.modules():
         if not any(id(m) in converted for m in module.modules()):

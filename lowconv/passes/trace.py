@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.proxy import TraceError
