@@ -321,8 +321,9 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     device = next((p.device for p in converted.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         args, kwargs = normalize_inputs(inputs)
-        # Each model times its own clones (the repeated forwards of one timing share them).
-        with evaluating(original), evaluating(converted):
+        # Each model times its own clones (the repeated forwards of one timing share them), with
+        # torch's fast paths as the user has them: the original runs as it would without lowconv.
+        with evaluating(original, plain_path=False), evaluating(converted, plain_path=False):
             original_ms, original_mb = reports.measure_perf(original, *fresh_inputs(args, kwargs), device)
             converted_ms, converted_mb = reports.measure_perf(converted, *fresh_inputs(args, kwargs), device)
         perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device))

@@ -218,6 +218,15 @@ def test_a_converted_encoder_warns_of_its_decided_branches_only():
     assert len(warnings) == 1 and "branches decided by the example" in warnings[0]
 
 
+@pytest.mark.parametrize("plain_path", [True, False])
+def test_evaluating_takes_the_plain_path_unless_timing(plain_path):
+    """Example runs take the path tracing records; compare's timing runs leave the user's setting."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    with trace.evaluating(nn.Linear(2, 2), plain_path=plain_path):
+        assert torch.backends.mha.get_fastpath_enabled() == (before and not plain_path)
+    assert torch.backends.mha.get_fastpath_enabled() == before
+
+
 def test_example_runs_switch_the_fast_path_off_until_the_last_one_leaves():
     """Two conversions in two threads: A enters, B enters, A leaves, B leaves."""
     before = torch.backends.mha.get_fastpath_enabled()

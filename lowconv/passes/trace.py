@@ -33,7 +33,7 @@ import dataclasses
 import inspect
 import operator
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -484,16 +484,18 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
 
 
 @contextmanager
-def evaluating(model: nn.Module):
+def evaluating(model: nn.Module, plain_path: bool = True):
     """The model in eval mode (no BatchNorm statistics updated, no dropout), modes restored after;
-    the global RNG is left as it was. torch's fused attention fast paths are off meanwhile (a
-    process-wide switch, see ScopedSetting): the runs take the plain path that tracing records, so
-    an encoder's layers see padded tensors, not nested ones, as they will in the converted model."""
+    the global RNG is left as it was. With `plain_path`, torch's fused attention fast paths are off
+    meanwhile (a process-wide switch, see ScopedSetting): the runs take the plain path that tracing
+    records, so an encoder's layers see padded tensors, not nested ones, as they will in the
+    converted model. (Timing runs keep the user's setting: see api.compare.)"""
     modes = {m: m.training for m in model.modules()}
     model.eval()
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with NO_FAST_PATH.held(), torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with NO_FAST_PATH.held() if plain_path else nullcontext(), torch.no_grad(), \
+                torch.random.fork_rng(devices=cuda):
             yield model
     finally:
         for m, mode in modes.items():
