@@ -51,8 +51,22 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
     recipe = load_recipe(recipe)
     found = analyze(model, example_inputs)
     plan = make_plan(found.sites, found.trace, recipe)
+    plan.warnings += nested_tensor_warnings(found.model, plan)
     plan.model = {"signature": checkpoint.model_signature(model.state_dict())}
     return found, plan
+
+
+def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
+    """An nn.TransformerEncoder with its nested-tensor path on, around converted sites, loses that
+    path (passes/rewrite.py leave_fused_paths): say what changes, which compare cannot show (it
+    runs both models on the plain path)."""
+    converted = [d.fqn for d in plan.converted()]
+    return [f"{fqn or '(whole model)'}: nn.TransformerEncoder built with enable_nested_tensor; the converted "
+            f"model runs it on the plain path, so in eval mode without grad the rows of padding hold "
+            f"computed values where the original gives zeros (mask them before pooling)"
+            for fqn, module in model.named_modules()
+            if isinstance(module, nn.TransformerEncoder) and module.use_nested_tensor
+            and any(site == fqn or site.startswith(f"{fqn}.") or not fqn for site in converted)]
 
 
 def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,

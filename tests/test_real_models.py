@@ -202,6 +202,15 @@ def test_an_encoder_layer_that_does_not_trace_leaves_its_fast_path(monkeypatch):
     fast_path_check(model, converted, inputs, "fp8-dynamic", rows=~inputs["src_key_padding_mask"])
 
 
+def test_the_plan_says_what_a_nested_encoder_loses():
+    model, inputs = encoder(nested=True), load_model("nn:transformer-encoder").inputs
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    [warning] = [w for w in converted.lowconv_plan.warnings if "enable_nested_tensor" in w]
+    assert warning.startswith("(whole model): ") and "rows of padding" in warning
+    kept = lowconv.convert(model, "keep-all", inputs)
+    assert not any("enable_nested_tensor" in w for w in kept.lowconv_plan.warnings)
+
+
 def test_an_encoder_with_nothing_converted_keeps_its_fast_paths():
     model, inputs = encoder(nested=True), load_model("nn:transformer-encoder").inputs
     converted = lowconv.convert(model, "keep-all", inputs)
