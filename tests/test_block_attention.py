@@ -233,6 +233,16 @@ def test_rows_with_no_allowed_key_give_zeros_and_no_gradient():
     assert max(rel_error(x, ref) for x, ref in zip(got, want)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("seq_q, seq_k", [(5, 0), (0, 7)])
+def test_no_key_or_no_query_gives_zeros(seq_q, seq_k):
+    """SDPA's answer: zeros, and zero gradients (the kernels run no program: nothing they would
+    have written may be left uninitialized)."""
+    problem = make_problem(seq_q=seq_q, seq_k=seq_k)
+    for backend in ("triton", "reference"):
+        for out in outputs_and_grads(run(backend), problem):
+            assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_finite_additive_mask_values_are_not_skipped():
     """torch.finfo.min masks nothing out: a row of it is a softmax over all its keys."""
     problem = make_problem(seed=10)

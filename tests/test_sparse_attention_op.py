@@ -1,5 +1,6 @@
 """The attention kernel's torch reference and the `sparse_attention` op's modules, vs float64."""
 import typing
+import weakref
 
 import pytest
 import torch
@@ -411,7 +412,7 @@ def test_each_layout_on_the_kernels_matches_float64_with_gradients(kernels_on_cp
     module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind, seq=70, d=16)
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
-    assert sa.kernel_runs(q, torch.float32, 0.0)
+    assert sa.kernel_runs(q, v, torch.float32, 0.0)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     grad_out = torch.randn(q.shape)
     outs = [module(q, k, v, mask), softmax_attention64(q64, k64, v64, bias, 0.4)]
@@ -424,7 +425,7 @@ def test_each_layout_on_the_kernels_matches_float64_with_gradients(kernels_on_cp
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 @pytest.mark.parametrize("layout", ["auto", "dense"])
-def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_cpu, layout):
+def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_cpu, layout, monkeypatch):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
@@ -435,22 +436,70 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
     banned = torch.rand(70, 70) > 0.8
     banned.fill_diagonal_(False)
     expected = mha(x, x, x, key_padding_mask=padding, attn_mask=banned, need_weights=False)[0]
-    assert sa.kernel_runs(torch.randn(1, 2, 70, 16), torch.float32, 0.0)
+    ran = spy_on_kernels(monkeypatch)
     assert rel_error(ours(x.float(), x.float(), x.float(), key_padding_mask=padding, attn_mask=banned)[0],
                      expected) < 1e-5
+    assert ran == ["triton"]
+
+
+def spy_on_kernels(monkeypatch):
+    """The backends block_attention is called with, in order."""
+    ran, real = [], sa.block_attention
+    monkeypatch.setattr(sa, "block_attention", lambda *a, **kw: ran.append(kw["backend"]) or real(*a, **kw))
+    return ran
 
 
 def test_the_kernels_run_where_they_can_and_the_reference_elsewhere(kernels_on_cpu):
     q = torch.randn(1, 2, 4, 16)
-    assert sa.kernel_runs(q, torch.bfloat16, 0.0)
-    assert not sa.kernel_runs(q, torch.float64, 0.0)
-    assert not sa.kernel_runs(torch.randn(1, 2, 4, 24), torch.float32, 0.0)  # head_dim
-    assert not sa.kernel_runs(q, torch.float32, 0.1)  # dropout in training: the reference draws it
-    assert not sa.kernel_runs(q[0], torch.float32, 0.0)  # (heads, seq, head_dim)
+    assert sa.kernel_runs(q, q, torch.bfloat16, 0.0)
+    assert not sa.kernel_runs(q, q, torch.float64, 0.0)
+    assert not sa.kernel_runs(torch.randn(1, 2, 4, 24), q, torch.float32, 0.0)  # head_dim
+    assert not sa.kernel_runs(q, torch.randn(1, 2, 4, 32), torch.float32, 0.0)  # v's head_dim is not q's
+    assert not sa.kernel_runs(q, q, torch.float32, 0.1)  # dropout in training: the reference draws it
+    assert not sa.kernel_runs(q[0], q[0], torch.float32, 0.0)  # (heads, seq, head_dim)
     bias = torch.zeros(4, 4, requires_grad=True)  # a learned bias as the mask: its gradient
-    assert not sa.kernel_runs(q, torch.float32, 0.0, (None, bias))
+    assert not sa.kernel_runs(q, q, torch.float32, 0.0, (None, bias))
     with torch.no_grad():
-        assert sa.kernel_runs(q, torch.float32, 0.0, (bias,))
+        assert sa.kernel_runs(q, q, torch.float32, 0.0, (bias,))
+
+
+def test_a_learned_mask_gets_its_gradient_after_a_call_without_grad():
+    """A validation pass under no_grad must not leave a mask without autograd in the cache (the
+    mask is a slice of a learned table, a new view on every call)."""
+    table = torch.randn(1, 1, 12, 12, requires_grad=True)
+    module = sa.SparseAttention(mask="additive").train()
+    q = torch.randn(1, 2, 8, 16)
+    with torch.no_grad():
+        module(q, q, q, table[:, :, :8, :8])
+    (module(q, q, q, table[:, :, :8, :8]) * torch.randn(1, 2, 8, 16)).sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_takes_the_causal_hint_as_torch_does(need_weights):
+    """torch lets is_causal replace attn_mask only without key padding and without weights asked
+    for; with need_weights it applies attn_mask (here causal and one more key banned)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
+    site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
+                info=mha_info(mha), input=TensorMeta((2, 6, 32), "float64"), module_backed=True)
+    ours = sa.from_site(site, sa.SparseAttentionOptions(), mha.state_dict()).double().eval()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    banned = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    banned[4:, 0] = True
+    expected = mha(x, x, x, attn_mask=banned, is_causal=True, need_weights=need_weights)[0]
+    got = ours(x, x, x, attn_mask=banned, is_causal=True, need_weights=need_weights)[0]
+    assert rel_error(got, expected) < 1e-12
+
+
+def test_the_mask_cache_keeps_no_mask_alive():
+    module = sa.SparseAttention(mask="additive", layout="mask").eval()
+    q = torch.randn(1, 2, 8, 16)
+    mask = torch.zeros(1, 1, 8, 8)
+    module(q, q, q, mask)
+    ref = weakref.ref(mask)
+    del mask
+    assert ref() is None
 
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")

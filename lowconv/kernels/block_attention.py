@@ -68,9 +68,9 @@ def attention_reference(q, k, v, mask=None, *, mask_kind="none", causal=False, s
     allowed = allowed_keys(mask, mask_kind, causal, q.shape[-2], k.shape[-2], q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    # Rows with no allowed key: softmax over zeros, then zeroed, so that neither the output
-    # nor the gradient is NaN.
-    dead = scores.amax(-1, keepdim=True) == float("-inf")
+    # Rows with no allowed key (or no key at all): softmax over zeros, then zeroed, so that
+    # neither the output nor the gradient is NaN.
+    dead = (scores == float("-inf")).all(-1, keepdim=True)
     probs = scores.masked_fill(dead, 0.0).softmax(-1).masked_fill(dead, 0.0)
     if dropout > 0:
         probs = F.dropout(probs, dropout)
@@ -393,11 +393,11 @@ class BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, masks, blocks, bounds, scale):
-        out = torch.empty_like(q)
+        launch = Launch(q, k, masks, blocks, bounds, scale)
+        out = launch.new_like(q)
         # Each row's softmax: the max its exp() was taken against, and 1 / the sum.
         row_max, row_inv_sum = (torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
                                 for _ in range(2))
-        launch = Launch(q, k, masks, blocks, bounds, scale)
         launch.run(_forward_kernel, q, k, v, out, row_max, row_inv_sum, transposed=False)
         ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum)
         ctx.launch = launch
@@ -410,7 +410,7 @@ class BlockAttention(torch.autograd.Function):
         # delta_i = <dO_i, O_i>: the query kernel writes it (from the tiles it loads anyway) and
         # the key kernel, launched after it, reads it.
         delta = torch.empty_like(row_max)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = (ctx.launch.new_like(t) for t in (q, k, v))
         stats = (row_max, row_inv_sum, delta)
         ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, out, *stats, dq, transposed=False)
         ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, *stats, dk, dv, transposed=True)
@@ -433,10 +433,18 @@ class Launch:
                           torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
         self.dtype = q.dtype
 
+    def runs_nothing(self) -> bool:
+        return min(self.batch, self.heads, self.seq_q, self.seq_k) == 0
+
+    def new_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An output the kernels fill; zeros where they run no program (no query or no key: the
+        output and every gradient are 0, as SDPA's)."""
+        return torch.zeros_like(t) if self.runs_nothing() else torch.empty_like(t)
+
     def run(self, kernel, *tensors, transposed):
         """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the
         batch and its heads (kv heads when transposed: a program sums over its group)."""
-        if min(self.batch, self.heads, self.seq_q, self.seq_k) == 0:
+        if self.runs_nothing():
             return
         tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.blocks is not None)
         if transposed:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import typing
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,46 +119,55 @@ def runs_on_kernel_device(q) -> bool:
     return q.is_cuda
 
 
-def kernel_runs(q, dtype, dropout, masks=()) -> bool:
+def kernel_runs(q, v, dtype, dropout, masks=()) -> bool:
     """Whether this call runs the Triton kernels; otherwise the torch reference: the kernels
-    have no dropout, take (batch, heads, seq, head_dim) only, and pass no gradient to a mask (a
-    learned bias given as the mask gets its gradient from the reference's autograd)."""
+    have no dropout, take (batch, heads, seq, head_dim) only with v's head_dim q's, and pass no
+    gradient to a mask (a learned bias given as the mask gets its gradient from the reference's
+    autograd)."""
     learned = torch.is_grad_enabled() and any(m is not None and m.requires_grad for m in masks)
-    return (runs_on_kernel_device(q) and q.dim() == 4 and dropout == 0.0 and not learned
-            and block_kernel_problem(q.shape[-1], dtype) is None)
+    return (runs_on_kernel_device(q) and q.dim() == 4 and v.shape[-1] == q.shape[-1] and dropout == 0.0
+            and not learned and block_kernel_problem(q.shape[-1], dtype) is None)
 
 
 class PreparedMasks:
-    """What a module makes from its masks (the kernel's form, the BlockLayout) for the last masks
-    it was called with, kept while the same masks come back: made once per mask, not per call.
+    """The BlockLayout a module makes from its masks, for the last masks it was called with, kept
+    while the same masks come back: made once per mask, not per call. (The masks' kernel form is
+    made on every call: cheap, and it keeps a learned mask's autograd link.)
 
     A mask is "the same" when it is the same tensor, or a view at the same place of the same
-    tensor, unwritten since: the key is the id of the tensor that owns the memory (a view's
-    `_base`), the view's offset, shape and strides, and the version counter that torch bumps on
-    every in-place write (shared by views and detach()), with what else the result depends on.
-    The masks are held while their key is, so that a freed mask's id cannot come back as another
-    tensor's. Not seen: writes that torch does not count (through .data, numpy, DLPack). Inference
-    tensors have no version counter: theirs are prepared on every call.
+    tensor, unwritten since: the key is the tensor that owns the memory (a view's `_base`, held by
+    a weak reference, so that the cache keeps no mask alive and a freed mask's id cannot pass for
+    another tensor's), the view's offset, shape and strides, and the version counter that torch
+    bumps on every in-place write (shared by views and detach()), with what else the layout depends
+    on. Not seen: writes that torch does not count (through .data, numpy, DLPack). Inference
+    tensors have no version counter: theirs are made on every call.
     """
 
     def __init__(self):
-        self.key = self.masks = self.value = None
+        self.key, self.owners, self.value = None, (), None
 
     def get(self, masks: tuple, context: tuple, prepare):
         if any(m is not None and m.is_inference() for m in masks):
             return prepare()
+        owners = tuple(None if m is None else owner_of(m) for m in masks)
         key = (context, *map(mask_key, masks))
-        if key != self.key:
+        same_owners = len(owners) == len(self.owners) and all(
+            owner is None if ref is None else ref() is owner for ref, owner in zip(self.owners, owners))
+        if key != self.key or not same_owners:
             self.value = prepare()
-            self.key, self.masks = key, masks
+            self.key = key
+            self.owners = tuple(None if owner is None else weakref.ref(owner) for owner in owners)
         return self.value
+
+
+def owner_of(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask._base is None else mask._base
 
 
 def mask_key(mask):
     if mask is None:
         return None
-    owner = mask if mask._base is None else mask._base
-    return id(owner), mask.storage_offset(), mask.shape, mask.stride(), mask._version
+    return id(owner_of(mask)), mask.storage_offset(), mask.shape, mask.stride(), mask._version
 
 
 def attend(q, k, v, *, band, window, listed, mask, key_padding_mask, blocks, scale, dropout,
@@ -212,15 +222,11 @@ class SparseAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         check_attention_inputs(q, k, v, mask, kind, self.causal, self.scale, dropout, dtype)
         band, listed = kernel_band(self.layout, self.window, self.causal)
-        kernel = kernel_runs(q, dtype, dropout, (mask,))
-
-        def prepare():
-            kernel_mask = ~mask if kind == "drop" else mask  # block_attention's: True attends
-            return kernel_mask, listed_blocks(q, k, band, self.window, kernel_mask, None,
-                                              kernel and listed)
-
-        kernel_mask, blocks = self.prepared.get(
-            (mask,), (kind, band, self.window, listed, kernel, q.shape[-2], k.shape[-2]), prepare)
+        kernel = kernel_runs(q, v, dtype, dropout, (mask,))
+        kernel_mask = ~mask if kind == "drop" else mask  # block_attention's: True attends
+        blocks = self.prepared.get(
+            (mask,), (kind, band, self.window, listed, kernel, q.shape[-2], k.shape[-2]),
+            lambda: listed_blocks(q, k, band, self.window, kernel_mask, None, kernel and listed))
         return attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
                       key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
                       dtype=dtype, kernel=kernel)
@@ -282,25 +288,20 @@ class SparseMultiheadAttention(nn.Module):
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
         q, k, v = (x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
                    for x in (q, k, v))
-        # As nn.MultiheadAttention: with no key padding, the is_causal hint replaces attn_mask
-        # (layout "dense" applies attn_mask instead: the same keys, as the hint promises).
-        causal = is_causal and key_padding_mask is None and self.layout != "dense"
+        # As nn.MultiheadAttention: with no key padding and no weights asked for, the is_causal
+        # hint replaces attn_mask (layout "dense" applies attn_mask instead: the same keys, as the
+        # hint promises).
+        causal = is_causal and key_padding_mask is None and not need_weights and self.layout != "dense"
         if causal:
             attn_mask = None
         dtype = self.compute_dtype or q.dtype
         dropout = self.dropout if self.training else 0.0
         band, listed = kernel_band(self.layout, self.window, causal)
-        kernel = kernel_runs(q, dtype, dropout, (attn_mask, key_padding_mask))
-
-        def prepare():
-            mask, padding = mha_kernel_masks(attn_mask, key_padding_mask, n, self.num_heads,
-                                             seq_q, seq_k, q.dtype)
-            return mask, padding, listed_blocks(q, k, band, self.window, mask, padding,
-                                                kernel and listed)
-
-        mask, padding, blocks = self.prepared.get(
-            (attn_mask, key_padding_mask),
-            (band, self.window, listed, kernel, n, seq_q, seq_k, q.dtype), prepare)
+        kernel = kernel_runs(q, v, dtype, dropout, (attn_mask, key_padding_mask))
+        mask, padding = mha_kernel_masks(attn_mask, key_padding_mask, n, self.num_heads, seq_q, seq_k, q.dtype)
+        blocks = self.prepared.get(
+            (attn_mask, key_padding_mask), (band, self.window, listed, kernel, n, seq_q, seq_k, q.dtype),
+            lambda: listed_blocks(q, k, band, self.window, mask, padding, kernel and listed))
         out = attend(q, k, v, band=band, window=self.window, listed=listed, mask=mask,
                      key_padding_mask=padding, blocks=blocks, scale=None, dropout=dropout,
                      dtype=dtype, kernel=kernel)
