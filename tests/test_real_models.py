@@ -139,9 +139,7 @@ def test_transformer_encoder_runs_where_torch_takes_its_fast_path(nested, recipe
     linear1/linear2's weights itself (and, with enable_nested_tensor, hands the layers nested
     tensors): the converted encoder must run its traced plain path instead, before and after a reload.
     Rows of padding are left out: the nested path gives zeros there, the plain path values."""
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+    model = encoder(nested)
     padding = torch.zeros(2, 16, dtype=torch.bool)
     padding[1, 12:] = True
     inputs = {"src": torch.randn(2, 16, 64), "src_key_padding_mask": padding}
@@ -149,11 +147,7 @@ def test_transformer_encoder_runs_where_torch_takes_its_fast_path(nested, recipe
     assert len(converted.lowconv_plan.converted()) == 4 and torch.backends.mha.get_fastpath_enabled()
     lowconv.save(converted, tmp_path)
     for run in (converted, lowconv.load(model, tmp_path, inputs)):
-        with torch.no_grad():
-            expected = lowconv.revert(run)(**inputs) if recipe == "semi-sparse" else model(**inputs)
-            out = run(**inputs)
-        tolerance = 0.15 if recipe == "fp8-dynamic" else 1e-4  # fp8's error vs the reverted 2:4 weights' none
-        assert (out - expected)[~padding].abs().max() < tolerance
+        fast_path_check(model, run, inputs, recipe, rows=~padding)
 
 
 def encoder(nested=False):
