@@ -178,6 +178,19 @@ class BudgetedRun:
         self.write()
 
 
+def host_ms(fn, calls):
+    """Wall-clock ms per call of `calls` back-to-back calls of fn (after one warm call), with no
+    sync between them: the host's side of a call, when the GPU queue keeps up."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
 def no_grad_call(fn):
     def run():
         with torch.no_grad():

@@ -46,7 +46,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,7 +61,7 @@ from lowconv.kernels import cusparselt  # noqa: E402
 from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, first_line, measure,  # noqa: E402
+from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, first_line, host_ms, measure,  # noqa: E402
                                   no_grad_call, run_device, run_header, status_cell, train_call, write_outputs)
 
 NAME = "bench_semi_sparse"
@@ -398,15 +397,7 @@ class Run(BudgetedRun):
         builders = forward_builders()
         for peer in ("dense", "torch 2:4", "lowconv"):
             def work():
-                call = no_grad_call(builders[peer](x, w)[0])
-                call()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(HOST_CALLS):
-                    call()
-                host_ms = (time.perf_counter() - start) / HOST_CALLS * 1e3
-                torch.cuda.synchronize()
-                return {"ms": host_ms}
+                return {"ms": host_ms(no_grad_call(builders[peer](x, w)[0]), HOST_CALLS)}
             self.unit(Result("host", f"{shape.label()} fp16", peer, shape.dims, "fp16"), work)
 
     def prune_shape(self, rows, cols):

@@ -11,7 +11,6 @@ median is near its host time, the call is host-bound: the GPU waits for Python.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,19 +22,13 @@ from tabulate import tabulate  # noqa: E402
 import lowconv.kernels.window_attention as wa  # noqa: E402
 from scripts.bench_sparse_attention import (FULL_POINTS, build_scene, forward_call, lowconv_peer,  # noqa: E402
                                             make_inputs, train_call)
+from scripts.bench_common import host_ms  # noqa: E402
 
 HOST_CALLS = 100  # few enough that the GPU queue never fills and blocks the host
 
 
 def host_us(fn):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(HOST_CALLS):
-        fn()
-    host = (time.perf_counter() - start) / HOST_CALLS * 1e6
-    torch.cuda.synchronize()
-    return host
+    return host_ms(fn, HOST_CALLS) * 1e3
 
 
 def kernels_alone(scene, x):
