@@ -147,22 +147,34 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def flex_peer(case, device):
+@functools.cache
+def flex_sliding_window(device):
+    """flex's one mask_mod, the sliding window, and the window tensor it reads (causal is the
+    window W = seq). One function over one tensor is one compile for every masked layout: a
+    mask_mod per layout, or a window in a new closure, recompiles flex for each."""
+    window = torch.zeros((), dtype=torch.int64, device=device)
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return sliding_window, window
+
+
+def flex_block_mask(case, device):
+    """The case's BlockMask (None for dense). It sets the window tensor, which flex reads when it
+    runs: build a case's mask just before timing it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    block_mask = None
-    if case.layout != "dense":
-        window = case.window
+    if case.layout == "dense":
+        return None
+    mask_mod, window = flex_sliding_window(torch.device(device))
+    window.fill_(case.window or case.seq)
+    compile_mask = "_compile" in inspect.signature(create_block_mask).parameters
+    return create_block_mask(mask_mod, None, None, case.seq, case.seq, device=device,
+                             **({"_compile": True} if compile_mask else {}))
 
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
 
-        def sliding(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-
-        compile_mask = "_compile" in inspect.signature(create_block_mask).parameters
-        block_mask = create_block_mask(sliding if window else causal, None, None, case.seq, case.seq, device=device,
-                                       **({"_compile": True} if compile_mask else {}))
+def flex_peer(case, device):
+    block_mask = flex_block_mask(case, device)
     flex = compiled_flex_attention()
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
@@ -374,6 +386,32 @@ def precompile_lowconv(args, heads):
         list(pool.map(compile_lowconv, *zip(*jobs), [min(args.seqs)] * len(jobs), [heads] * len(jobs)))
 
 
+def compile_flex(d, dtype, layout, mode, seqs, batch, heads):
+    """In a worker: flex for one (head_dim, dtype, masked or not, grad mode) into Inductor's
+    caches, which the main process then reads instead of compiling. Flex compiles for the first
+    seq, then once more with dynamic shapes for the others: the worker calls it at the main
+    process's shapes in its order, so that both compiles are the ones the main process asks for."""
+    for seq in sorted(seqs, reverse=True):
+        case = Case(seq, d, dtype, layout, None)
+        inputs, grad_out = random_inputs(case, batch, heads, torch.device("cuda"), seed=0)
+        attention = flex_peer(case, torch.device("cuda"))
+        call = no_grad_call(lambda: attention(*inputs)) if mode == "fwd" else train_step(attention, inputs, grad_out)
+        call()
+        del inputs, grad_out, attention, call
+    torch.cuda.synchronize()
+
+
+def precompile_flex(args, batch, heads):
+    """Compile flex for every case in worker processes first: one at a time its compiles take
+    most of a call's 10 minutes. (Every masked layout shares one compile: flex_sliding_window.)"""
+    jobs = {(case.head_dim, case.dtype, "dense" if case.layout == "dense" else "causal", mode)
+            for case in cases(args) for mode in args.modes}
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), 14),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        n = len(jobs)
+        list(pool.map(compile_flex, *zip(*jobs), [args.seqs] * n, [batch] * n, [heads] * n))
+
+
 def main():
     args = parse_args()
     device = run_device(args, "bench_block_attention")
@@ -385,8 +423,11 @@ def main():
     if device.type == "cuda" and "lowconv" in args.peers:
         precompile_lowconv(args, heads)
         run.log("lowconv's kernels compiled")
-    # Every case without flex first: flex compiles for minutes, so it comes last, the targets'
-    # rows (the longest sequences, the local layouts) first.
+    if device.type == "cuda" and "flex" in args.peers:
+        precompile_flex(args, batch, heads)
+        run.log("flex compiled")
+    # Every case without flex first, flex last, the targets' rows (the longest sequences, the local
+    # layouts) first: should flex miss the workers' compiles, its own would eat the other peers' budget.
     for case in cases(args):
         run.case(case, batch, heads, [p for p in args.peers if p != "flex"])
     if "flex" in args.peers:
