@@ -395,9 +395,11 @@ def compile_flex(d, dtype, layout, mode, seqs, batch, heads):
         case = Case(seq, d, dtype, layout, None)
         inputs, grad_out = random_inputs(case, batch, heads, torch.device("cuda"), seed=0)
         attention = flex_peer(case, torch.device("cuda"))
-        call = no_grad_call(lambda: attention(*inputs)) if mode == "fwd" else train_step(attention, inputs, grad_out)
-        call()
-        del inputs, grad_out, attention, call
+        if mode == "fwd":
+            with torch.no_grad():
+                attention(*inputs)
+        else:
+            train_step(attention, inputs, grad_out)()
     torch.cuda.synchronize()
 
 
