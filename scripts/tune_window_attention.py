@@ -6,10 +6,14 @@ into lowconv.kernels.window_attention.tile_config by hand.
 
 Compiling every candidate takes minutes, so worker processes compile them in parallel first
 (into Triton's cache, with the same shapes as the timed run); the timing is then one process.
+--baseline FILE also times another copy of the module (e.g. the committed one, copied out of the
+tree) at its own tile_config, in the same run: the host is noisy, so only peers of one run compare.
 
     python3 scripts/tune_window_attention.py --out DIR [--heads 1,4] [--dtypes fp16,fp32] [--rel on]
+        [--baseline FILE]
 """
 import argparse
+import importlib.util
 import itertools
 import json
 import subprocess
@@ -26,32 +30,51 @@ from tabulate import tabulate  # noqa: E402
 import lowconv.kernels.window_attention as wa  # noqa: E402
 from scripts.bench_sparse_attention import DTYPES, FULL_POINTS, build_scene, make_inputs  # noqa: E402
 
-KERNELS = {"forward": wa._forward_kernel, "backward query": wa._backward_query_kernel,
-           "backward key": wa._backward_key_kernel}
-REL_TILES = [(16, 16, 4), (32, 16, 4), (16, 32, 4), (32, 32, 4), (32, 32, 8), (64, 32, 8)]
+KERNELS = {"forward": "_forward_kernel", "backward query": "_backward_query_kernel",
+           "backward key": "_backward_key_kernel"}
+PLAIN_TILES = [(32, 32, 4), (64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8), (64, 16, 4)]
+# (BLOCK_M, BLOCK_N, num_warps[, maxnreg[, num_stages]]); the key kernel's tile is BLOCK_N keys.
+QUERY_TILES = [(32, 16, 4), (32, 16, 4, 168), (32, 16, 4, None, 1), (32, 16, 4, 168, 1), (64, 16, 8, 128),
+               (32, 32, 8), (16, 16, 4)]
+KEY_TILES = [(16, 32, 4), (16, 32, 4, 168), (16, 32, 4, None, 1), (16, 32, 4, 168, 1), (16, 64, 8, 128),
+             (32, 32, 8), (16, 16, 4)]
 CANDIDATES = {
-    False: [wa.Tiles(*t) for t in [(32, 32, 4), (64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8),
-                                   (64, 16, 4)]],
-    True: [wa.Tiles(*t) for t in REL_TILES],
+    (False, kernel): [wa.Tiles(*t) for t in PLAIN_TILES] for kernel in KERNELS
+} | {
+    (True, kernel): [wa.Tiles(*t) for t in (KEY_TILES if kernel == "backward key" else QUERY_TILES)]
+    for kernel in KERNELS
 }
+BASELINE = "baseline"  # the module name of --baseline; the jobs of this tree's module say None
 
 
-def jobs(dtypes, rels):
-    """Every (dtype name, rel, kernel name, config) to measure."""
-    return [(dtype, rel, kernel, config) for dtype in dtypes for rel in rels
-            for kernel in KERNELS for config in CANDIDATES[rel]]
+def load_baseline(path):
+    spec = importlib.util.spec_from_file_location(BASELINE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def jobs(dtypes, rels, baseline):
+    """Every (dtype name, rel, kernel name, config, module name) to measure: this tree's module at
+    each candidate, the baseline module (if any) at its own tiles."""
+    return [(dtype, rel, kernel, config, None) for dtype in dtypes for rel in rels
+            for kernel in KERNELS for config in CANDIDATES[rel, kernel]] + [
+        (dtype, rel, kernel, baseline.tile_config(getattr(baseline, KERNELS[kernel]), rel), BASELINE)
+        for dtype in dtypes for rel in rels for kernel in KERNELS if baseline is not None]
 
 
 class Problem:
     """The dense scene's inputs at h heads in one dtype, and every buffer the kernels write."""
 
-    def __init__(self, scene, heads, dtype):
+    def __init__(self, scene, heads, dtype, module):
+        self.module = module
         x = make_inputs(scene.n, heads, dtype, torch.device("cuda"), seed=0)
         self.q, self.k, self.v = (t.detach() for t in (x.q, x.k, x.v))
         self.tables = tuple(t.detach() for t in x.tables)
         self.do = x.grad_out
         self.start, self.end = scene.row_windows
-        self.coords = scene.coords
+        # Modules before pack_coords took the (N, 3) coordinates as they are.
+        self.coords = module.pack_coords(scene.coords) if hasattr(module, "pack_coords") else scene.coords
         self.out = torch.empty_like(self.q)
         self.lse = torch.empty(self.q.shape[:2], dtype=torch.float32, device="cuda")
         self.delta = torch.empty_like(self.lse)
@@ -64,7 +87,7 @@ class Problem:
         tq, tk, tv = self.tables if rel else (None, None, None)
         dtq, dtk, dtv = self.table_grads if rel else (None, None, None)
         dq, dk, dv = self.grads
-        launch = wa.Launch(self.q, tq, self.start, self.end, self.coords if rel else None, 1.0)
+        launch = self.module.Launch(self.q, tq, self.start, self.end, self.coords if rel else None, 1.0)
         args = {
             "forward": (self.q, self.k, self.v, self.out, self.lse, tq, tk, tv),
             "backward query": (self.q, self.k, self.v, self.out, self.do, self.lse, self.delta, dq,
@@ -72,52 +95,60 @@ class Problem:
             "backward key": (self.q, self.k, self.v, self.do, self.lse, self.delta, dk, dv,
                              tq, tk, tv, dtk),
         }[kernel]
-        return lambda: launch.run(KERNELS[kernel], *args)
+        return lambda: launch.run(getattr(self.module, KERNELS[kernel]), *args)
 
 
-def use_config(config):
-    wa.tile_config = lambda kernel, rel: config
+def use_config(module, config):
+    module.tile_config = lambda kernel, rel: config
 
 
-def run_jobs(selected, heads, measure):
+def run_jobs(selected, heads, measure, baseline):
     """Run each job (compile, and time it if `measure`), forward first so lse and delta exist."""
     scene = build_scene("dense", FULL_POINTS, torch.device("cuda"))
+    modules = {None: wa, BASELINE: baseline}
     problems = {}
     results = []
-    for dtype, rel, kernel, config in selected:
+    for dtype, rel, kernel, config, name in selected:
+        module = modules[name]
         for h in heads:
-            key = (dtype, h)
+            key = (dtype, h, name)
             if key not in problems:
-                problems[key] = Problem(scene, h, DTYPES[dtype])
-                use_config(wa.Tiles(32, 32, 4))
+                problems[key] = Problem(scene, h, DTYPES[dtype], module)
+                use_config(module, module.Tiles(32, 16, 4))
                 problems[key].call("forward", True)()
                 problems[key].call("backward query", True)()  # writes delta
-            use_config(config)
+            use_config(module, config)
             fn = problems[key].call(kernel, rel)
+            row = {"dtype": dtype, "h": h, "rel": rel, "kernel": kernel, "config": list(config),
+                   "module": name}
             try:
                 fn()
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") if measure else None
-                results.append({"dtype": dtype, "h": h, "rel": rel, "kernel": kernel,
-                                "config": list(config), "ms": ms})
+                results.append(row | {"ms": ms})
             except Exception as error:  # e.g. out of shared memory: the candidate is out
-                results.append({"dtype": dtype, "h": h, "rel": rel, "kernel": kernel,
-                                "config": list(config), "error": f"{type(error).__name__}: {error}"[:200]})
+                results.append(row | {"error": f"{type(error).__name__}: {error}"[:200]})
     return results
 
 
-def compile_in_parallel(all_jobs, heads, rel, workers):
+def compile_in_parallel(all_jobs, heads, rel, workers, baseline_path):
     """Fill Triton's cache: `workers` processes each compile a share of the jobs (at every h:
     h = 1 compiles apart, Triton specializes integer arguments equal to 1)."""
     dtypes = ",".join(sorted({job[0] for job in all_jobs}))
+    extra = ["--baseline", str(baseline_path)] if baseline_path else []
     procs = [subprocess.Popen([sys.executable, __file__, "--compile-part", f"{i}/{workers}",
-                               "--heads", heads, "--dtypes", dtypes, "--rel", rel]) for i in range(workers)]
+                               "--heads", heads, "--dtypes", dtypes, "--rel", rel, *extra])
+             for i in range(workers)]
     for p in procs:
         p.wait()
 
 
 def report(results, out):
     rows = []
+    def label(r):
+        config = tuple(r["config"])
+        return f"{r['module']} {config}" if r["module"] else str(config)
+
     for (dtype, rel, kernel), group in itertools.groupby(
             sorted(results, key=lambda r: (r["dtype"], r["rel"], r["kernel"], r["h"])),
             key=lambda r: (r["dtype"], r["rel"], r["kernel"])):
@@ -125,8 +156,8 @@ def report(results, out):
         for h in sorted({r["h"] for r in group}):
             timed = [r for r in group if r["h"] == h and r.get("ms") is not None]
             timed.sort(key=lambda r: r["ms"])
-            cells = [f"{tuple(r['config'])}: {r['ms']:.3f}" for r in timed]
-            failed = [tuple(r["config"]) for r in group if r["h"] == h and "error" in r]
+            cells = [f"{label(r)}: {r['ms']:.3f}" for r in timed]
+            failed = [label(r) for r in group if r["h"] == h and "error" in r]
             rows.append([dtype, h, "on" if rel else "off", kernel, "; ".join(cells),
                          ", ".join(map(str, failed))])
     text = tabulate(rows, headers=["dtype", "h", "rel pos", "kernel", "ms per config, fastest first",
@@ -144,19 +175,22 @@ def main():
     parser.add_argument("--rel", choices=("off", "on", "both"), default="both",
                         help="candidates without relative position, with it, or both")
     parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--baseline", type=Path, help="another copy of window_attention.py to time")
     parser.add_argument("--compile-part", help=argparse.SUPPRESS)
     args = parser.parse_args()
     heads = [int(h) for h in args.heads.split(",")]
-    all_jobs = jobs(args.dtypes.split(","), {"off": (False,), "on": (True,), "both": (False, True)}[args.rel])
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    all_jobs = jobs(args.dtypes.split(","), {"off": (False,), "on": (True,), "both": (False, True)}[args.rel],
+                    baseline)
     if args.compile_part:
         part, parts = map(int, args.compile_part.split("/"))
-        run_jobs(all_jobs[part::parts], heads, measure=False)
+        run_jobs(all_jobs[part::parts], heads, measure=False, baseline=baseline)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    compile_in_parallel(all_jobs, args.heads, args.rel, args.workers)
+    compile_in_parallel(all_jobs, args.heads, args.rel, args.workers, args.baseline)
     print(f"compiled in {time.time() - start:.0f} s", flush=True)
-    results = run_jobs(all_jobs, heads, measure=True)
+    results = run_jobs(all_jobs, heads, measure=True, baseline=baseline)
     print(f"total {time.time() - start:.0f} s")
     report(results, args.out)
 

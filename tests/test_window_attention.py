@@ -187,6 +187,7 @@ def bad_inputs():
     n = q.shape[0]
     good = dict(q=q, k=k, v=v, offsets=offsets, coords=coords, tables=tables)
     short_tables = tuple(t[:-1] for t in tables)
+    wide_tables = tuple(t.new_zeros(2049, *t.shape[1:]) for t in tables)  # G = 1025
     start, end = row_windows_from_offsets(offsets, n)
     shifted = end.clone()
     shifted[1] += 1  # row 1 ends its window elsewhere than row 0 of the same window
@@ -212,6 +213,7 @@ def bad_inputs():
         (dict(dtype=torch.int8), "dtype must be one of"),
         (dict(backend="cuda"), "backend must be one of"),
         (dict(dtype=torch.float64, backend="triton"), "Triton backend computes in"),
+        (dict(tables=wide_tables, dtype=torch.float32, backend="triton"), "Triton backend takes G <= 1024"),
         (dict(q=q[..., :12], k=k[..., :12], v=v[..., :12], coords=None, tables=None,
               dtype=torch.float32, backend="triton"), "head_dim a power of two"),
     ], good

@@ -27,18 +27,27 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
   error, not the same bits.
 
 How the relative terms avoid anything of size sum(n_w^2): on axis a, r depends only on the two
-coordinates. Logits: a tile's rows get x @ T[:, a]^T once, a (rows, L) fp32 block by r,
-re-indexed per row by the partner's coordinate to a (rows, G) block (`_by_partner`), and each
-pair picks its entry with a register gather (tl.gather) at the partner's coordinate (`_pick`).
-Sums over pairs (the value table's term, the table gradients): P (or dS) @ the partners' one-hot
-coordinates gives a (rows, G) block by partner coordinate, re-indexed per row to (rows, L) by r
-(`_by_relative`), then multiplied with the table or with the rows: an (L, d) table-gradient
-block per tile, added with one fp32 atomic per element. Those blocks hold the three axes side
-by side, column a*GP + c (a*LP + r), a fourth slot of zeros padding them to a power of two.
+coordinates. Logits: the rows x of a tile's own side (the queries of a query tile, the keys of a
+key tile) get x @ T[:, a]^T once, by r, re-indexed per row by the partner's coordinate to a
+(rows, G) block (`_by_partner`), and each pair picks its entry with a register gather (tl.gather)
+at the partner's coordinate (`_pick`). The partners' side, new at every step of the loop,
+gathers each pair's entry straight from its products by r (`_pair_term`): re-indexing them
+first would only add a gather. Products by r come as two (rows, L/2) halves
+(`_products_by_relative`): one value per thread and row, where a (rows, L) block held two and
+made every gather into a narrower block twice over. Sums over pairs (the value table's term,
+the table gradients): P (or dS) @ the partners' one-hot coordinates gives a (rows, 4G) block by
+partner coordinate, the three axes side by side (column a*GP + c, a fourth slot of zeros
+padding it to a power of two); after the loop it splits into the three axes' (rows, G) blocks,
+each re-indexed per row to (rows, L) by r (`_by_relative`), then multiplied with the table or
+with the rows: per axis an (L, d) table-gradient block per tile, added with one relaxed fp32
+atomic per element. The kernels read the coordinates packed one int per point (`pack_coords`).
 (Measured on the H100 with scripts/tune_window_attention.py, dense scene, G = 24, fp16, h = 4:
-gathers from these (rows, G) blocks are 7-26% faster than from (rows, L) blocks by relative index,
-2.1-2.3x faster than one-hot MMAs over the partner-indexed blocks, and 4-13x faster than gathers
-from one (rows, 3L) block; BENCHMARKS.md.)
+with the former layouts, the own side's gathers from (rows, G) blocks were 7-26% faster than
+from (rows, L) blocks by relative index, 2.1-2.3x faster than one-hot MMAs over the
+partner-indexed blocks, and 4-13x faster than gathers from one (rows, 3L) block; BENCHMARKS.md.
+The partners' direct gathers, the halves, the per-axis re-indexing, the transposed one-hot, the
+packed coordinates and the relaxed atomics then made the kernels 1.8-2.1x faster at the same
+tiles.)
 """
 import os
 from typing import NamedTuple
@@ -50,6 +59,7 @@ import triton.language as tl
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+COORD_LIMIT = 1024  # G: pack_coords keeps 10 bits per coordinate
 
 
 def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coords=None,
@@ -59,7 +69,8 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     The windows come as offsets (W+1,) integer (window w is rows offsets[w]:offsets[w+1], empty
     windows allowed) or as row_windows = (start, end), each (N,) integer; give one of them.
     coords (N, 3) integer in [0, G-1] and tables = (tq, tk, tv), each (L, 3, h, d) with
-    L = 2G-1, turn on relative position; pass both or neither. `scale` None is d^-0.5.
+    L = 2G-1, turn on relative position (G <= 1024 on Triton); pass both or neither. `scale`
+    None is d^-0.5.
     `dtype` None computes in q's dtype. `backend` "auto" runs Triton on CUDA and the torch
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
     `validate` checks the values of offsets, row_windows and coords, which reads them back from
@@ -73,7 +84,7 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     if not use_triton:
         return window_attention_reference(q, k, v, offsets, row_windows=row_windows, scale=scale,
                                           coords=coords, tables=tables, dtype=dtype)
-    check_triton_inputs(q, dtype)
+    check_triton_inputs(q, dtype, tables)
     out_dtype, dtype = q.dtype, dtype or q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if offsets is None:
@@ -84,7 +95,7 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     if tables is None:
         tq = tk = tv = None
     else:
-        coords = coords.to(torch.int32).contiguous()
+        coords = pack_coords(coords)
         tq, tk, tv = (t.to(dtype).contiguous() for t in tables)
     out = WindowAttention.apply(q, k, v, tq, tk, tv, start, end, coords, scale)
     return out.to(out_dtype)
@@ -247,7 +258,7 @@ def check_values(n, offsets, row_windows, coords, tables):
             raise ValueError(f"window_attention: {message}")
 
 
-def check_triton_inputs(q, dtype):
+def check_triton_inputs(q, dtype, tables):
     d = q.shape[-1]
     if (dtype or q.dtype) not in TRITON_DTYPES:
         raise ValueError(f"window_attention: the Triton backend computes in {TRITON_DTYPES}, "
@@ -255,6 +266,10 @@ def check_triton_inputs(q, dtype):
     if d < 16 or d & (d - 1):
         raise ValueError(f"window_attention: the Triton backend needs head_dim a power of two "
                          f">= 16, got {d}")
+    if tables is not None and tables[0].shape[0] > 2 * COORD_LIMIT - 1:
+        raise ValueError(f"window_attention: the Triton backend takes G <= {COORD_LIMIT} coordinates "
+                         f"per axis (tables of L = 2G-1 <= {2 * COORD_LIMIT - 1} rows), got "
+                         f"L = {tables[0].shape[0]}")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("window_attention: the Triton backend on CPU tensors needs "
                          "TRITON_INTERPRET=1 set before triton is imported")
@@ -281,6 +296,14 @@ def launch_row_windows(offsets, n):
         _row_windows_kernel[(triton.cdiv(n, block),)](
             offsets, start, end, n, windows, max(1, windows.bit_length()), BLOCK=block)
     return start, end
+
+
+def pack_coords(coords):
+    """(N,) int32 from coords (N, 3): a point's three coordinates in one int, 10 bits each
+    (`_load_coords` unpacks them), so the kernels load one int per row where three loads of
+    (N, 3) and their copies in every layout that uses them were a sixth of the key loop."""
+    c = coords.to(torch.int32)
+    return (c[:, 0] | (c[:, 1] << 10) | (c[:, 2] << 20)).contiguous()
 
 
 class WindowAttention(torch.autograd.Function):
@@ -318,23 +341,34 @@ class Tiles(NamedTuple):
     block_m: int
     block_n: int
     num_warps: int
+    maxnreg: int | None = None  # a cap on registers per thread (None: the compiler's choice)
+    num_stages: int = 3  # Triton's software pipelining of the partner loop's loads (3: its default)
 
 
 def tile_config(kernel, rel):
     """The Tiles of a kernel: the fastest of those tried on an H100 at N = 268,720, h = 1 and 4,
     d = 16, G = 24, fp16 (scripts/tune_window_attention.py; BENCHMARKS.md); bf16 and fp32 use the
     same (fp32 without relative position measured the same order). Relative position holds
-    per-axis fp32 blocks per row in registers, so it runs best on small tiles."""
+    per-axis fp32 blocks per row in registers, so it runs best on small tiles; there the forward
+    and the key kernel ran 6-7% faster capped at 168 registers (3 programs per SM, not 2; the
+    spills it costs fall mostly outside the loop), the forward 1-4% faster without pipelining
+    its loop (about 3 steps per tile), and the query kernel the same either way (within 2%)."""
     if rel:
-        return Tiles(16, 32, 4) if kernel is _backward_key_kernel else Tiles(32, 16, 4)
+        if kernel is _backward_key_kernel:
+            return Tiles(16, 32, 4, maxnreg=168)
+        if kernel is _forward_kernel:
+            return Tiles(32, 16, 4, maxnreg=168, num_stages=1)
+        return Tiles(32, 16, 4)
     return Tiles(64, 64, 4) if kernel is _backward_key_kernel else Tiles(64, 32, 4)
 
 
 def padded_widths(g):
-    """GP and LP: G and L = 2G-1 padded to powers of two (at least 8: the compiler cannot lay out
-    register gathers along narrower rows of our tiles), the widths of the kernels'
-    per-axis blocks by coordinate and by relative index."""
-    return {"GP": max(8, triton.next_power_of_2(g)), "LP": max(8, triton.next_power_of_2(2 * g - 1))}
+    """GP and LP: G and L = 2G-1 padded to powers of two, the widths of the kernels' per-axis
+    blocks by coordinate and by relative index; at least 8 and 16: the compiler cannot lay out
+    register gathers along narrower rows of our tiles, and those by relative index gather from
+    two halves of LP/2 (_products_by_relative)."""
+    return {"GP": max(8, triton.next_power_of_2(g)),
+            "LP": max(16, triton.next_power_of_2(2 * g - 1))}
 
 
 class Launch:
@@ -360,7 +394,7 @@ class Launch:
         kernel[grid](*tensors, *self.shared, self.n, self.heads, self.g, self.scale,
                      D=self.head_dim, REL=self.rel, **padded_widths(self.g),
                      PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                     num_warps=tiles.num_warps)
+                     num_warps=tiles.num_warps, maxnreg=tiles.maxnreg, num_stages=tiles.num_stages)
 
 
 @triton.jit
@@ -431,10 +465,9 @@ def _load_scaled(q, rows, ok, head, H, D: tl.constexpr, scale):
 
 @triton.jit
 def _load_coords(coords, rows, ok):
-    """The rows' coordinates on the three axes: a tuple of three int vectors."""
-    return (tl.load(coords + rows * 3, mask=ok, other=0),
-            tl.load(coords + rows * 3 + 1, mask=ok, other=0),
-            tl.load(coords + rows * 3 + 2, mask=ok, other=0))
+    """The rows' coordinates on the three axes (a tuple of three int vectors), from pack_coords."""
+    packed = tl.load(coords + rows, mask=ok, other=0)
+    return packed & 1023, (packed >> 10) & 1023, packed >> 20
 
 
 @triton.jit
@@ -466,68 +499,75 @@ def _table_entry(r, axis, head, H, D: tl.constexpr):
 
 
 @triton.jit
-def _table_offsets(head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    """Offsets of the (4*LP, D) block of a table (L, 3, H, D) whose row a*LP + r is T[r, a]."""
-    row = tl.arange(0, 4 * LP)[:, None]
-    axis, r = row // LP, row % LP
-    return _table_entry(r, axis, head, H, D), (axis < 3) & (r < 2 * G - 1)
-
-
-@triton.jit
-def _load_table(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    offs, ok = _table_offsets(head, H, D, G, LP)
-    return tl.load(table + offs, mask=ok, other=0.0)
-
-
-@triton.jit
-def _add_to_table(grad, head, H, D: tl.constexpr, G, LP: tl.constexpr, block):
-    """One fp32 atomic add per element of a tile's (4*LP, D) table-gradient block."""
-    offs, ok = _table_offsets(head, H, D, G, LP)
-    tl.atomic_add(grad + offs, block, mask=ok)
-
-
-@triton.jit
-def _axis_columns(c, WIDTH: tl.constexpr):
-    """For a (rows, 4*WIDTH) block with column a*WIDTH + t for axis a: each column's axis,
-    its t, and each row's own coordinate on that column's axis."""
-    col = tl.arange(0, 4 * WIDTH)[None, :]
-    axis = col // WIDTH
-    own = tl.where(axis == 0, c[0][:, None], tl.where(axis == 1, c[1][:, None], c[2][:, None]))
-    return axis, col % WIDTH, own
+def _add_to_table(grad, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr, block):
+    """One fp32 atomic add per element of a tile's (LP, D) gradient block of T[:, axis], relaxed:
+    nothing reads the sums before the kernel ends, so the adds need no ordering (acq_rel, the
+    default, fences every one)."""
+    r = tl.arange(0, LP)[:, None]
+    tl.atomic_add(grad + _table_entry(r, axis, head, H, D), block, mask=r < 2 * G - 1, sem="relaxed")
 
 
 @triton.jit
 def _one_hot(c, GP: tl.constexpr, dtype: tl.constexpr):
-    """(rows, 4*GP): 1 at column a*GP + c_a of each row's coordinates."""
-    axis, t, own = _axis_columns(c, GP)
-    return tl.where((axis < 3) & (own == t), 1.0, 0.0).to(dtype)
+    """(rows, 4*GP): 1 at column a*GP + c_a of each row's coordinates. Built transposed, so the
+    compiler spreads the rows over the threads: built as (rows, 4*GP) it gave every thread all
+    the rows' coordinates (a quarter of the key loop's instructions, loads included)."""
+    row = tl.arange(0, 4 * GP)[:, None]
+    axis = row // GP
+    own = tl.where(axis == 0, c[0][None, :], tl.where(axis == 1, c[1][None, :], c[2][None, :]))
+    return tl.trans(tl.where((axis < 3) & (own == row % GP), 1.0, 0.0).to(dtype))
 
 
 @triton.jit
-def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    """T[:, axis] of a table (L, 3, H, D) for one head: (LP, D), zero past L = 2G-1."""
-    r = tl.arange(0, LP)[:, None]
+def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, ROWS: tl.constexpr,
+                FIRST: tl.constexpr = 0):
+    """T[FIRST:FIRST+ROWS, axis] of a table (L, 3, H, D) for one head: (ROWS, D), zero past
+    L = 2G-1."""
+    r = FIRST + tl.arange(0, ROWS)[:, None]
     return tl.load(table + _table_entry(r, axis, head, H, D), mask=r < 2 * G - 1, other=0.0)
 
 
 @triton.jit
-def _axis_tables(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
-    """The three (LP, D) axis blocks of a table for one head."""
-    return (_axis_table(table, 0, head, H, D, G, LP), _axis_table(table, 1, head, H, D, G, LP),
-            _axis_table(table, 2, head, H, D, G, LP))
+def _halved_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """T[:, axis] as its two (LP/2, D) halves."""
+    return (_axis_table(table, axis, head, H, D, G, LP // 2),
+            _axis_table(table, axis, head, H, D, G, LP // 2, LP // 2))
+
+
+@triton.jit
+def _halved_tables(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+    """_halved_table on the three axes."""
+    return (_halved_table(table, 0, head, H, D, G, LP), _halved_table(table, 1, head, H, D, G, LP),
+            _halved_table(table, 2, head, H, D, G, LP))
+
+
+@triton.jit
+def _products_by_relative(x, table, PRECISION: tl.constexpr):
+    """x @ T[:, a]^T (table: the two (LP/2, D) halves of axis a, _halved_tables) as two
+    (rows, LP/2) fp32 halves, columns r and r - LP/2: one value per thread and row each for the
+    register gathers, where one (rows, LP) block held two per thread and, for gathers of
+    narrower outputs, repeated every gather twice."""
+    return _dot(x, tl.trans(table[0]), PRECISION), _dot(x, tl.trans(table[1]), PRECISION)
+
+
+@triton.jit
+def _gather_relative(x_by_r, r):
+    """x_by_r (_products_by_relative) at column r of each row (r: any shape of rows)."""
+    half = x_by_r[0].shape[1]
+    return tl.where(r < half, tl.gather(x_by_r[0], r % half, 1), tl.gather(x_by_r[1], r % half, 1))
 
 
 @triton.jit
 def _by_partner_axis(x, table, own, IS_QUERY: tl.constexpr, G, GP: tl.constexpr,
                      PRECISION: tl.constexpr):
-    """(rows, GP) fp32: column p holds <x_row, T[r, a]> (table: the (LP, D) block of axis a) for
+    """(rows, GP) fp32: column p holds <x_row, T[r, a]> (table: axis a of _halved_tables) for
     the relative index r of the row (coordinate `own`) and a partner at coordinate p:
     r = own - p + G-1 for a query row, p - own + G-1 for a key row; zero for p >= G."""
-    x_by_r = _dot(x, tl.trans(table), PRECISION)  # (rows, LP), column r
     p = tl.arange(0, GP)[None, :]
     r = own[:, None] - p + G - 1 if IS_QUERY else p - own[:, None] + G - 1
     ok = p < G
-    return tl.where(ok, tl.gather(x_by_r, tl.where(ok, r, 0), 1), 0.0)
+    x_by_r = _products_by_relative(x, table, PRECISION)
+    return tl.where(ok, _gather_relative(x_by_r, tl.where(ok, r, 0)), 0.0)
 
 
 @triton.jit
@@ -552,20 +592,73 @@ def _pick(x_by_p, partner):
 
 
 @triton.jit
-def _relative_logits(q_by_p, k_by_p, qc, kc):
-    """(queries, keys): <qs_i, sum_a tq[r_a, a]> + <k_j, sum_a tk[r_a, a]>."""
-    return _pick(q_by_p, kc) + tl.trans(_pick(k_by_p, qc))
+def _pair_term_axis(x, table, own, partner, IS_QUERY: tl.constexpr, G, PRECISION: tl.constexpr):
+    """(rows, partners) fp32: <x_row, T[r, a]> (table: axis a of _halved_tables) at each pair's
+    relative index r (own: the rows' coordinates, partner: the partners'), gathered straight
+    from the products by r: for the partners' side of a tile, used once, re-indexing by
+    partner coordinate first (_by_partner_axis) would only add a gather."""
+    r = own[:, None] - partner[None, :] + G - 1 if IS_QUERY else partner[None, :] - own[:, None] + G - 1
+    return _gather_relative(_products_by_relative(x, table, PRECISION), r)
+
+
+@triton.jit
+def _pair_term(x, tables, own, partner, IS_QUERY: tl.constexpr, G, PRECISION: tl.constexpr):
+    """(rows, partners): sum over the axes of _pair_term_axis (tables: _halved_tables), e.g.
+    <k_j, sum_a tk[r_a, a]>."""
+    return (_pair_term_axis(x, tables[0], own[0], partner[0], IS_QUERY, G, PRECISION)
+            + _pair_term_axis(x, tables[1], own[1], partner[1], IS_QUERY, G, PRECISION)
+            + _pair_term_axis(x, tables[2], own[2], partner[2], IS_QUERY, G, PRECISION))
+
+
+@triton.jit
+def _axis_blocks(x, GP: tl.constexpr):
+    """The three (rows, GP) blocks of axes 0, 1, 2 of a (rows, 4*GP) block (column a*GP + c)."""
+    x = tl.permute(tl.reshape(x, (x.shape[0], 2, 2, GP)), (0, 3, 1, 2))  # [row, c, a // 2, a % 2]
+    even, odd = tl.split(x)
+    axis0, axis2 = tl.split(even)
+    axis1, _ = tl.split(odd)
+    return axis0, axis1, axis2
+
+
+@triton.jit
+def _by_relative_axis(x, own, IS_QUERY: tl.constexpr, G, LP: tl.constexpr):
+    """(rows, GP) indexed by the partner's coordinate p -> (rows, LP) indexed by r, the
+    relative index of the row (coordinate `own`) and that partner: a query row has
+    r = own - p + G-1, so p = own + G-1 - r; a key row has r = p - own + G-1, so
+    p = r + own - (G-1)."""
+    r = tl.arange(0, LP)[None, :]
+    partner = own[:, None] - r + G - 1 if IS_QUERY else r + own[:, None] - (G - 1)
+    ok = (r < 2 * G - 1) & (partner >= 0) & (partner < G)
+    return tl.where(ok, tl.gather(x, tl.where(ok, partner, 0), 1), 0.0)
 
 
 @triton.jit
 def _by_relative(x, c, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.constexpr):
-    """(rows, 4*GP) indexed by the partner's coordinate p -> (rows, 4*LP) indexed by r, the
-    relative index of the row (own coordinate x) and that partner: a query row has
-    r = x - p + G-1, so p = x + G-1 - r; a key row has r = p - x + G-1, so p = r + x - (G-1)."""
-    axis, r, own = _axis_columns(c, LP)
-    partner = own - r + G - 1 if IS_QUERY else r + own - (G - 1)
-    ok = (axis < 3) & (r < 2 * G - 1) & (partner >= 0) & (partner < G)
-    return tl.where(ok, tl.gather(x, tl.where(ok, axis * GP + partner, 0), 1), 0.0)
+    """_by_relative_axis on the three axes of a (rows, 4*GP) block: a tuple of three (rows, LP)
+    blocks. Per axis, each gather reads a (rows, GP) block, one value per thread and row, where
+    the whole (rows, 4*GP) block held four per thread and cost four shuffles per value."""
+    x = _axis_blocks(x, GP)
+    return (_by_relative_axis(x[0], c[0], IS_QUERY, G, LP),
+            _by_relative_axis(x[1], c[1], IS_QUERY, G, LP),
+            _by_relative_axis(x[2], c[2], IS_QUERY, G, LP))
+
+
+@triton.jit
+def _times_table(by_r, table, head, H, D: tl.constexpr, G, LP: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """sum_a by_r[a] @ T[:, a] (by_r: _by_relative's blocks): (rows, D)."""
+    return (_split_dot(by_r[0], _axis_table(table, 0, head, H, D, G, LP), PRECISION)
+            + _split_dot(by_r[1], _axis_table(table, 1, head, H, D, G, LP), PRECISION)
+            + _split_dot(by_r[2], _axis_table(table, 2, head, H, D, G, LP), PRECISION))
+
+
+@triton.jit
+def _add_table_grad(grad, by_r, rows, head, H, D: tl.constexpr, G, LP: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Adds by_r[a]^T @ rows (by_r: _by_relative's blocks) to the gradient of T[:, a]."""
+    _add_to_table(grad, 0, head, H, D, G, LP, _split_dot(tl.trans(by_r[0]), rows, PRECISION))
+    _add_to_table(grad, 1, head, H, D, G, LP, _split_dot(tl.trans(by_r[1]), rows, PRECISION))
+    _add_to_table(grad, 2, head, H, D, G, LP, _split_dot(tl.trans(by_r[2]), rows, PRECISION))
 
 
 @triton.jit
@@ -579,8 +672,8 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
     qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_p = _by_partner(qs, _axis_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
-        tk_axes = _axis_tables(tk, head, H, D, G, LP)
+        q_by_p = _by_partner(qs, _halved_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
+        tk_halves = _halved_tables(tk, head, H, D, G, LP)
         v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
     m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -591,7 +684,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _relative_logits(q_by_p, _by_partner(kb, tk_axes, kc, False, G, GP, PRECISION), qc, kc)
+            s += _pick(q_by_p, kc) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION))
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -603,8 +696,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
             v_rel = v_rel * alpha[:, None] + _dot(p_rounded, k_hot, PRECISION)
         m = m_new
     if REL:
-        v_by_r = _by_relative(v_rel, qc, True, G, GP, LP)
-        acc += _split_dot(v_by_r, _load_table(tv, head, H, D, G, LP), PRECISION)
+        acc += _times_table(_by_relative(v_rel, qc, True, G, GP, LP), tv, head, H, D, G, LP, PRECISION)
     l = tl.where(l > 0, l, 1.0)  # only padding rows have no key
     _store_rows(out, rows, row_ok, head, H, D, acc / l[:, None])
     tl.store(lse + rows * H + head, m + tl.log(l), mask=row_ok)
@@ -628,9 +720,9 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
     row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_p = _by_partner(qs, _axis_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
-        do_by_p = _by_partner(dob, _axis_tables(tv, head, H, D, G, LP), qc, True, G, GP, PRECISION)
-        tk_axes = _axis_tables(tk, head, H, D, G, LP)
+        q_by_p = _by_partner(qs, _halved_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
+        do_by_p = _by_partner(dob, _halved_tables(tv, head, H, D, G, LP), qc, True, G, GP, PRECISION)
+        tk_halves = _halved_tables(tk, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
     dqs = tl.zeros([BLOCK_M, D], tl.float32)
@@ -641,7 +733,7 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _relative_logits(q_by_p, _by_partner(kb, tk_axes, kc, False, G, GP, PRECISION), qc, kc)
+            s += _pick(q_by_p, kc) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION))
             dp += _pick(do_by_p, kc)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
@@ -652,10 +744,9 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
             p_rel += _dot(p.to(dtype), k_hot, PRECISION)
     if REL:
         ds_by_r = _by_relative(ds_rel, qc, True, G, GP, LP)
-        dqs += _split_dot(ds_by_r, _load_table(tq, head, H, D, G, LP), PRECISION)
-        _add_to_table(dtq, head, H, D, G, LP, _split_dot(tl.trans(ds_by_r), qs, PRECISION))
-        p_by_r = _by_relative(p_rel, qc, True, G, GP, LP)
-        _add_to_table(dtv, head, H, D, G, LP, _split_dot(tl.trans(p_by_r), dob, PRECISION))
+        dqs += _times_table(ds_by_r, tq, head, H, D, G, LP, PRECISION)
+        _add_table_grad(dtq, ds_by_r, qs, head, H, D, G, LP, PRECISION)
+        _add_table_grad(dtv, _by_relative(p_rel, qc, True, G, GP, LP), dob, head, H, D, G, LP, PRECISION)
     _store_rows(dq, rows, row_ok, head, H, D, dqs * scale)
 
 
@@ -674,9 +765,9 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
     vb = _load_rows(v, cols, col_ok, head, H, D)
     if REL:
         kc = _load_coords(coords, cols, col_ok)
-        k_by_p = _by_partner(kb, _axis_tables(tk, head, H, D, G, LP), kc, False, G, GP, PRECISION)
-        tq_axes = _axis_tables(tq, head, H, D, G, LP)
-        tv_axes = _axis_tables(tv, head, H, D, G, LP)
+        k_by_p = _by_partner(kb, _halved_tables(tk, head, H, D, G, LP), kc, False, G, GP, PRECISION)
+        tq_halves = _halved_tables(tq, head, H, D, G, LP)
+        tv_halves = _halved_tables(tv, head, H, D, G, LP)
         ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
     dkb = tl.zeros([BLOCK_N, D], tl.float32)
     dvb = tl.zeros([BLOCK_N, D], tl.float32)
@@ -692,8 +783,8 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         if REL:
             qc = _load_coords(coords, rows, row_ok)
             q_hot = _one_hot(qc, GP, dtype)
-            s += _relative_logits(_by_partner(qs, tq_axes, qc, True, G, GP, PRECISION), k_by_p, qc, kc)
-            dp += _pick(_by_partner(dob, tv_axes, qc, True, G, GP, PRECISION), kc)
+            s += _pair_term(qs, tq_halves, qc, kc, True, G, PRECISION) + tl.trans(_pick(k_by_p, qc))
+            dp += _pair_term(dob, tv_halves, qc, kc, True, G, PRECISION)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))
@@ -703,7 +794,7 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
             ds_rel += _dot(ds_t, q_hot, PRECISION)
     if REL:
         ds_by_r = _by_relative(ds_rel, kc, False, G, GP, LP)
-        dkb += _split_dot(ds_by_r, _load_table(tk, head, H, D, G, LP), PRECISION)
-        _add_to_table(dtk, head, H, D, G, LP, _split_dot(tl.trans(ds_by_r), kb, PRECISION))
+        dkb += _times_table(ds_by_r, tk, head, H, D, G, LP, PRECISION)
+        _add_table_grad(dtk, ds_by_r, kb, head, H, D, G, LP, PRECISION)
     _store_rows(dk, cols, col_ok, head, H, D, dkb)
     _store_rows(dv, cols, col_ok, head, H, D, dvb)
