@@ -388,9 +388,9 @@ def precompile_lowconv(args, heads):
 
 def compile_flex(d, dtype, layout, mode, seqs, batch, heads):
     """In a worker: flex for one (head_dim, dtype, masked or not, grad mode) into Inductor's
-    caches, which the main process then reads instead of compiling. Flex compiles for the first
-    seq, then once more with dynamic shapes for the others: the worker calls it at the main
-    process's shapes in its order, so that both compiles are the ones the main process asks for."""
+    caches, which the main process then reads instead of compiling. The worker calls flex at the
+    main process's shapes and in its order, so that whatever flex compiles (again for a new seq,
+    or once with dynamic shapes) is what the main process will ask for."""
     for seq in sorted(seqs, reverse=True):
         case = Case(seq, d, dtype, layout, None)
         inputs, grad_out = random_inputs(case, batch, heads, torch.device("cuda"), seed=0)
