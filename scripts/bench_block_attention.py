@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from scripts.bench_common import (BudgetedRun, add_run_arguments, measure, no_grad_call,  # noqa: E402
-                                  run_device, run_header, status_cell, write_outputs)
+from scripts.bench_common import (BudgetedRun, add_run_arguments, first_line, measure,  # noqa: E402
+                                  no_grad_call, run_device, run_header, status_cell, write_outputs)
 from lowconv.kernels.block_attention import (BAND_TILES, block_attention,  # noqa: E402
                                              block_attention_reference)
 
@@ -376,14 +376,12 @@ def compile_lowconv(d, dtype, layout, seq, heads):
     torch.cuda.synchronize()
 
 
-def precompile_lowconv(args, heads):
+def precompile_lowconv(args, heads, log):
     """Compile lowconv's kernels for every case in worker processes first: one at a time they
     take minutes of the budget. (Dense and causal are the two compiled variants; local is causal's.)"""
-    jobs = {(case.head_dim, case.dtype, "dense" if case.layout == "dense" else "causal")
+    jobs = {(case.head_dim, case.dtype, "dense" if case.layout == "dense" else "causal", min(args.seqs), heads)
             for case in cases(args)}
-    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), 12),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(compile_lowconv, *zip(*jobs), [min(args.seqs)] * len(jobs), [heads] * len(jobs)))
+    in_workers(compile_lowconv, jobs, 12, log)
 
 
 def compile_flex(d, dtype, layout, mode, seqs, batch, heads):
@@ -403,15 +401,26 @@ def compile_flex(d, dtype, layout, mode, seqs, batch, heads):
     torch.cuda.synchronize()
 
 
-def precompile_flex(args, batch, heads):
+def precompile_flex(args, batch, heads, log):
     """Compile flex for every case in worker processes first: one at a time its compiles take
     most of a call's 10 minutes. (Every masked layout shares one compile: flex_sliding_window.)"""
-    jobs = {(case.head_dim, case.dtype, "dense" if case.layout == "dense" else "causal", mode)
-            for case in cases(args) for mode in args.modes}
-    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), 14),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        n = len(jobs)
-        list(pool.map(compile_flex, *zip(*jobs), [args.seqs] * n, [batch] * n, [heads] * n))
+    jobs = {(case.head_dim, case.dtype, "dense" if case.layout == "dense" else "causal", mode,
+             tuple(args.seqs), batch, heads) for case in cases(args) for mode in args.modes}
+    in_workers(compile_flex, jobs, 14, log)
+
+
+def in_workers(compile_job, jobs, workers, log):
+    """compile_job(*job) for every job in spawned worker processes. A job that fails there (out
+    of memory, a crashed worker) is logged, and the timed run compiles it itself."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), workers), mp_context=context) as pool:
+        futures = {pool.submit(compile_job, *job): job for job in jobs}
+        for future, job in futures.items():
+            try:
+                future.result()
+            except Exception as error:  # whatever a worker met, the timed run goes on
+                log(f"{compile_job.__name__}{job} failed in a worker ({first_line(error)}); "
+                    "the timed run compiles it")
 
 
 def main():
@@ -423,10 +432,10 @@ def main():
     run = Run(args, device, run_header(args, device, shape=f"batch {batch} x heads {heads}",
                                        band_tiles=tiles))
     if device.type == "cuda" and "lowconv" in args.peers:
-        precompile_lowconv(args, heads)
+        precompile_lowconv(args, heads, run.log)
         run.log("lowconv's kernels compiled")
     if device.type == "cuda" and "flex" in args.peers:
-        precompile_flex(args, batch, heads)
+        precompile_flex(args, batch, heads, run.log)
         run.log("flex compiled")
     # Every case without flex first, flex last, the targets' rows (the longest sequences, the local
     # layouts) first: should flex miss the workers' compiles, its own would eat the other peers' budget.

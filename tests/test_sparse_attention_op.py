@@ -132,7 +132,7 @@ def test_dropout_keeps_the_expectation():
     (dict(dropout=1.0), "dropout"),
     (dict(dtype=torch.int8), "dtype"),
 ])
-def test_entry_point_rejects_bad_inputs(change, message):
+def test_check_inputs_rejects_bad_inputs(change, message):
     args = dict(q=torch.randn(1, 4, 5, 8), k=torch.randn(1, 2, 7, 8), v=torch.randn(1, 2, 7, 8))
     args.update(change)
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")

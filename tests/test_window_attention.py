@@ -169,15 +169,31 @@ def test_row_windows_give_the_same_result_as_offsets(backend):
     torch.testing.assert_close(by_rows, by_offsets)  # the reference's index_add is not bitwise stable on CUDA
 
 
-def test_sphereformer_grid_in_triton_matches_dense_float64():
-    """G = 24 (L = 47 table rows, padded to 64 per axis), as SphereFormer quantizes."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sphereformer_grid_in_triton_matches_dense_float64(dtype):
+    """G = 24 (L = 47 table rows, padded to 64 per axis), as SphereFormer quantizes: relative
+    indices reach both halves of the kernels' products by relative index."""
     problem = make_problem(sizes=[3, 17, 1, 40, 2, 0, 9], seed=5, g=24)
+
+    def triton(q, k, v, offsets, coords, tables):
+        return window_attention(q, k, v, offsets, coords=coords, tables=tables, dtype=dtype,
+                                backend="triton")
+
+    errors = errors_vs_dense(triton, problem, 16 ** -0.5)
+    assert max(errors) < TOLERANCE[dtype], errors
+
+
+def test_largest_grid_in_triton_matches_dense_float64():
+    """G = 1024, the most the kernels' packed coordinates hold (10 bits per axis), with every
+    coordinate at 0 or 1023: a field of the packing too narrow or not masked shows here."""
+    q, k, v, offsets, _, tables, grad = make_problem(sizes=[5, 6], seed=6, g=1024)
+    coords = torch.randint(0, 2, (q.shape[0], 3), generator=torch.Generator().manual_seed(6)).to(DEVICE) * 1023
 
     def triton_fp32(q, k, v, offsets, coords, tables):
         return window_attention(q, k, v, offsets, coords=coords, tables=tables,
                                 dtype=torch.float32, backend="triton")
 
-    errors = errors_vs_dense(triton_fp32, problem, 16 ** -0.5)
+    errors = errors_vs_dense(triton_fp32, (q, k, v, offsets, coords, tables, grad), 16 ** -0.5)
     assert max(errors) < TOLERANCE[torch.float32], errors
 
 

@@ -10,7 +10,7 @@ which is what runs on the CPU):
 A query row with every key masked out gives zeros (as SDPA does), not NaN, and passes no
 gradient. (An additive mask's -inf masks a key out; a finite value, however negative, does not.)
 
-`block_attention` (below `attention`) runs flash-attention Triton kernels on CUDA, forward and
+`block_attention` (below `attention_reference`) runs flash-attention Triton kernels on CUDA, forward and
 backward, over (batch, heads, seq, head_dim) inputs, skipping the (BLOCK_M, BLOCK_N) tiles of the
 score matrix that its layout rules out. Where the Triton numerics differ from the above:
 - fp32 operands multiply in 3-pass tf32 (about fp32 accuracy);
@@ -40,8 +40,8 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def attention_reference(q, k, v, mask=None, *, mask_kind="none", causal=False, scale=None,
                         dropout=0.0, dtype=None):
-    """softmax(q k^T * scale + mask) v over (..., heads, seq, head_dim) inputs, in torch (the
-    sparse_attention op's reference path; check_inputs checks its arguments).
+    """softmax(q k^T * scale + mask) v over (..., heads, seq, head_dim) inputs, in torch (what
+    block_attention_reference computes with; check_inputs checks its arguments).
 
     k and v may have fewer heads than q (GQA): each of their heads serves heads/kv_heads
     consecutive query heads. `mask` broadcasts to (..., heads, seq_q, seq_k), read as

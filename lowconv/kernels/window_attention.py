@@ -41,13 +41,8 @@ padding it to a power of two); after the loop it splits into the three axes' (ro
 each re-indexed per row to (rows, L) by r (`_by_relative`), then multiplied with the table or
 with the rows: per axis an (L, d) table-gradient block per tile, added with one relaxed fp32
 atomic per element. The kernels read the coordinates packed one int per point (`pack_coords`).
-(Measured on the H100 with scripts/tune_window_attention.py, dense scene, G = 24, fp16, h = 4:
-with the former layouts, the own side's gathers from (rows, G) blocks were 7-26% faster than
-from (rows, L) blocks by relative index, 2.1-2.3x faster than one-hot MMAs over the
-partner-indexed blocks, and 4-13x faster than gathers from one (rows, 3L) block; BENCHMARKS.md.
-The partners' direct gathers, the halves, the per-axis re-indexing, the transposed one-hot, the
-packed coordinates and the relaxed atomics then made the kernels 1.8-2.1x faster at the same
-tiles.)
+(The alternatives measured on the H100 with scripts/tune_window_attention.py, and what each of
+these choices gained, are in BENCHMARKS.md, issue 3.)
 """
 import os
 from typing import NamedTuple
@@ -75,7 +70,8 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
     `validate` checks the values of offsets, row_windows and coords, which reads them back from
     the device (a sync); a caller that built them itself can pass False (bad values then read
-    out of bounds).
+    out of bounds, or give wrong results: the Triton kernels pack a point's coordinates in 10 bits
+    each, so one outside [0, 1023] corrupts the others).
     """
     check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, backend)
     if validate:
