@@ -6,7 +6,8 @@ y = x W^T (no bias), fp16 x (M, K) and W (N, K), both N(0, 1), fixed seed, at gp
 shape (M=1, N=4096, K=14336) and the squares 1024, 2048, 4096, 8192. Peers, per shape:
   cuBLAS fp32-acc        F.linear (cuBLAS fp16 GEMM, fp32 accumulation: the baseline)
   cuBLAS fp16-acc        F.linear with torch.backends.cuda.matmul.allow_fp16_accumulation on
-  lowconv auto           lowconv.kernels.fp16acc's Triton kernel, splits = auto_splits(K, M), fp32 combine
+  lowconv auto           lowconv.kernels.fp16acc's kernel (on the H100 the Gluon wgmma kernel where the output
+                         has a 128 x 256 tile per SM, else the Triton kernel), splits = auto_splits(K, M), fp32 combine
   lowconv S=1 .. S=32    the same with S chunks of K, each its own fp16 accumulator
   lowconv auto, fp16 combine   gpu_poor v0.2's combine
   lowconv cublas auto    the op's backend = "cublas": one cuBLAS fp16-acc matmul per chunk
@@ -38,6 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import lowconv.kernels.fp16acc as fa  # noqa: E402
+import lowconv.kernels.fp16acc_wgmma as fw  # noqa: E402
 from lowconv.kernels.fp16acc import auto_splits, cublas_fp16_accumulation, fp16acc_matmul  # noqa: E402
 from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, run_device,  # noqa: E402
                                   run_header, status_cell, write_outputs)
@@ -139,8 +141,13 @@ def peer_call(peer, x, w, device):
     return (lambda: fp16acc_matmul(x, w, None, splits, peer.combine, backend)), scope
 
 
-def tuner_for(m):
-    return fa._tuned_for_large_m if m > fa.SMALL_M else fa._tuned_for_small_m
+def kernel_pick(x, w):
+    """Which kernel ran y = x w^T (the wgmma kernel's fixed tiles, or the Triton kernel's autotuner
+    pick), and every config's median time from the autotuner's last tuning."""
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float16, device=x.device)
+    if x.shape[0] > fa.SMALL_M and fa.wgmma_runs(x, w, y, fa.multiprocessors(x.device)):
+        return f"wgmma {fw.BLOCK_M}x{fw.BLOCK_N}, {fw.STAGES} stages", {}
+    return tuning(fa._tuned_for_large_m if x.shape[0] > fa.SMALL_M else fa._tuned_for_small_m)
 
 
 def tuning(tuner):
@@ -199,7 +206,7 @@ class Run(BudgetedRun):
             timed = measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)
         result.ms, result.workspace_mb, result.first_call_s = timed["ms"], timed["workspace_mb"], first_call_s
         if peer.lowconv and peer.backend == "triton" and self.device.type == "cuda":
-            result.config, result.config_ms = tuning(tuner_for(shape.m))
+            result.config, result.config_ms = kernel_pick(x, w)
 
     def write(self, final=False):
         header = {**self.header, "elapsed": f"{self.elapsed():.0f} s" + ("" if final else " (still running)")}

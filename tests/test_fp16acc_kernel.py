@@ -2,7 +2,8 @@
 compiled on CUDA) against float64 and against the reference that emulates it, forward and both
 gradients, in all of its launches (large M; small M with chunks in turn or in parallel programs);
 the cuBLAS path's chunking and its scoped fp16-accumulation flag (on the CPU with a stand-in
-matmul); on CUDA (-m gpu) the CPU emulation's error against the GPU's."""
+matmul); on CUDA (-m gpu) the CPU emulation's error against the GPU's, and the Gluon wgmma kernel
+(sm_90 only; no interpreter runs it) against the Triton kernel, bit for bit."""
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import lowconv.kernels.fp16acc as fa
+import lowconv.kernels.fp16acc_wgmma as fw
 from lowconv.kernels.fp16acc import (Fp16AccMatmul, auto_splits, chunks, combine_in_order, cublas_fp16acc,
                                      fp16acc_matmul, fp16acc_matmul_reference)
 
@@ -254,7 +256,108 @@ def test_tuned_configs_compile_for_sm90():
     assert max(results.values()) <= 232448  # the H100's shared memory per block
 
 
+# --- the Gluon wgmma kernel's host side ---------------------------------------------------------
+
+def test_wgmma_k_tiles_divide_the_chunks():
+    assert [fw.wgmma_tile_k(chunk_k) for chunk_k in (16, 32, 48, 64, 80, 128, 224, 4096)] == [
+        16, 32, 16, 64, 16, 64, 32, 64]
+
+
+def test_wgmma_operands_are_read_k_major_or_transposed():
+    """TMA reads the unit-stride dim: x (M, K) as (128, tile_k) blocks; a transposed view (the
+    backward's operands) as (tile_k, 128) blocks of the tensor under it."""
+    x = torch.zeros(256, 64, dtype=torch.float16)
+    descriptor, k_major = fw.operand_descriptor(x, 128, 32)
+    assert k_major and descriptor.block_shape == [128, 32] and list(descriptor.shape) == [256, 64]
+    descriptor, k_major = fw.operand_descriptor(x.t(), 128, 32)
+    assert not k_major and descriptor.block_shape == [32, 128] and list(descriptor.shape) == [256, 64]
+
+
+def test_wgmma_kernel_needs_an_sm90_device():
+    x = torch.zeros(4096, 64, dtype=torch.float16)
+    assert not fw.wgmma_runs(x, torch.zeros(4096, 64, dtype=torch.float16), torch.zeros(4096, 4096, dtype=torch.float16),
+                             multiprocessors=1)
+
+
 # --- CUDA ----------------------------------------------------------------------------------------
+
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs an sm_90 (Hopper) device")
+
+
+def triton_kernel_product(x, w, b, splits, combine):
+    (m, k), n = x.shape, w.shape[0]
+    blocks_per_split, splits = chunks(k, splits)
+    out = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    fa.run_gemm(fa._tuned_for_large_m, x, w, b, out, blocks_per_split * 16, splits, splits, 1, combine == "fp32",
+                block_m=None)
+    return out
+
+
+def wgmma_kernel_product(x, w, b, splits, combine):
+    (m, k), n = x.shape, w.shape[0]
+    blocks_per_split, splits = chunks(k, splits)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=x.device)  # unwritten stays NaN
+    fw.launch_fp16acc_wgmma(x, w, b, out, blocks_per_split * 16, splits, combine == "fp32")
+    return out
+
+
+# (m, k, n, operand layout): tails in M (777: forward layouts only, as TMA needs 16-byte aligned
+# rows and x transposed has rows of M), N and K; chunks of 16-, 32- and 64-wide k-tiles; every
+# operand layout of the forward and the backward pass (dX: w transposed; dW: both).
+WGMMA_CASES = [(777, 2056, 520, "forward"), (777, 2056, 520, "w transposed"), (776, 2056, 520, "x transposed"),
+               (304, 1000, 136, "both transposed"), (304, 1000, 136, "forward"), (128, 4096, 256, "both transposed")]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("combine", ["fp32", "fp16"])
+@pytest.mark.parametrize("splits", [1, 5, 32])
+@pytest.mark.parametrize("m,k,n,layout", WGMMA_CASES)
+def test_wgmma_kernel_equals_the_triton_kernel(m, k, n, layout, splits, combine):
+    """The same chunks through the same k16 MMA steps: the same bits as the Triton kernel, bias
+    or none; every element written."""
+    x, w, b = operands(m, k, n, seed=11, device="cuda")
+    if layout in ("x transposed", "both transposed"):
+        x = x.t().contiguous().t()
+    if layout in ("w transposed", "both transposed"):
+        w = w.t().contiguous().t()
+    bias = b if splits != 5 else None
+    expected = triton_kernel_product(x, w, bias, splits, combine)
+    assert torch.equal(wgmma_kernel_product(x, w, bias, splits, combine), expected)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_wgmma_kernel_is_not_given_what_tma_cannot_read():
+    """Rows that are not 16-byte aligned (here a transposed x with rows of M = 777 fp16) and
+    problems with fewer 128 x 256 output tiles than 3/4 of the SMs go to the Triton kernel."""
+    out = torch.empty(4096, 4096, dtype=torch.float16, device="cuda")
+    w = torch.empty(4096, 512, dtype=torch.float16, device="cuda")
+    assert fw.wgmma_runs(torch.empty(4096, 512, dtype=torch.float16, device="cuda"), w, out, 132)
+    assert not fw.wgmma_runs(torch.empty(512, 777, dtype=torch.float16, device="cuda").t(), w, out[:777], 132)
+    assert not fw.wgmma_runs(torch.empty(512, 512, dtype=torch.float16, device="cuda"), w, out[:512], 132)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_large_gemms_and_their_gradients_run_the_wgmma_kernel(monkeypatch):
+    """A GEMM with an output tile per SM (and its dX and dW, transposed operands) goes to the wgmma
+    kernel; its result is the Triton kernel's."""
+    launches = []
+    real = fa.launch_fp16acc_wgmma
+    monkeypatch.setattr(fa, "launch_fp16acc_wgmma", lambda *args: launches.append(args[0].shape) or real(*args))
+    m, k, n = 4096, 2048, 4096
+    x, w, b = operands(m, k, n, seed=12, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    grad = torch.randn(m, n, generator=torch.Generator().manual_seed(13)).half().cuda()
+    y = fp16acc_matmul(*leaves, 8)
+    y.backward(grad)
+    assert launches == [(m, k), (m, n), (n, m)]  # forward, dX = g w, dW = g^T x
+    assert torch.equal(y, triton_kernel_product(x, w, b, 8, "fp32"))
+    assert torch.equal(leaves[0].grad, triton_kernel_product(grad, w.t(), None, auto_splits(n, m), "fp32"))
+    assert torch.equal(leaves[1].grad, triton_kernel_product(grad.t(), x.t(), None, auto_splits(m, n), "fp32"))
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

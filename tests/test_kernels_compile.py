@@ -32,6 +32,10 @@ BLOCK_CASES = ([(kernel, dtype, 128, "none", "dense") for kernel in BLOCK_KERNEL
                + [(kernel, "bf16", 16, "additive", "listed") for kernel in BLOCK_KERNELS])
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
+# The Gluon wgmma GEMM: the forward's operand layouts and the backward's (dX: w transposed; dW: both),
+# both combines, 64- and 16-wide k-tiles.
+FP16ACC_WGMMA_CASES = [(True, True, False, True, 64), (True, True, True, False, 16), (True, False, True, True, 64),
+                       (False, False, False, True, 32)]
 
 
 def signature(kernel, constexprs, types):
@@ -104,6 +108,36 @@ def fp16acc_case(has_bias, combine_fp32, block_m):
     return compile_for_sm90(fa._fp16acc_kernel, types, constexprs, 4)
 
 
+def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k):
+    """The Gluon fp16-accumulating GEMM (fp16acc_wgmma) with its TMA descriptors as launched."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    import lowconv.kernels.fp16acc_wgmma as fw
+
+    def descriptor_type(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16)
+        return mangle_type(TensorDescriptor.from_tensor(torch.zeros(512, 512, dtype=torch.float16), block, layout))
+
+    kernel = fw._fp16acc_wgmma_kernel
+    constexprs = dict(HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
+                      STAGES=fw.STAGES, num_warps=fw.NUM_WARPS)
+    types = {"x_desc": descriptor_type([fw.BLOCK_M, tile_k] if x_k_major else [tile_k, fw.BLOCK_M]),
+             "w_desc": descriptor_type([fw.BLOCK_N, tile_k] if w_k_major else [tile_k, fw.BLOCK_N]),
+             "out_desc": descriptor_type([fw.BLOCK_M, fw.BLOCK_N]), "bias": "*fp16",
+             **{name: "i32" for name in ("M", "N", "CHUNK_TILES", "CHUNKS")}, **{name: "constexpr" for name in constexprs}}
+    source = GluonASTSource(kernel, types, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fw.NUM_WARPS})
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"[-2000:]
+    return compiled.metadata.shared
+
+
 def fp8_case(kernel_name, fp8, mul, variant):
     """An FP8 quantization kernel as fp8_quant launches it (bf16 x)."""
     import torch
@@ -139,7 +173,8 @@ def test_kernels_compile_for_sm90():
                            timeout=900)
     assert child.returncode == 0, child.stderr[-3000:]
     results = json.loads(child.stdout.splitlines()[-1])
-    assert len(results) == len(WINDOW_CASES) + len(BLOCK_CASES) + len(FP16ACC_CASES) + len(FP8_CASES)
+    assert len(results) == (len(WINDOW_CASES) + len(BLOCK_CASES) + len(FP16ACC_CASES) + len(FP16ACC_WGMMA_CASES)
+                            + len(FP8_CASES))
     failed = {case: result for case, result in results.items() if isinstance(result, str)}
     assert not failed, "\n\n".join(f"{case}: {error}" for case, error in failed.items())
     too_big = {case: shared for case, shared in results.items() if shared > H100_SHARED_BYTES}
@@ -151,5 +186,7 @@ if __name__ == "__main__":
     results.update({f"block {k} {t} d={d} mask={m} {v}": block_case(k, t, d, m, v)
                     for k, t, d, m, v in BLOCK_CASES})
     results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})
+    results.update({f"fp16acc wgmma x_k_major={x} w_k_major={w} fp32={c} bias={b} tile_k={t}":
+                    fp16acc_wgmma_case(x, w, c, b, t) for x, w, c, b, t in FP16ACC_WGMMA_CASES})
     results.update({f"fp8 {k} {f} mul={m} {v}": fp8_case(k, f, m, v) for k, f, m, v in FP8_CASES})
     print(json.dumps(results))

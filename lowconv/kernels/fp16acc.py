@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from lowconv.kernels.fp16acc_wgmma import launch_fp16acc_wgmma, wgmma_runs
+from lowconv.kernels.tile_order import grouped_tile
 from lowconv.scoped_setting import ScopedSetting
 
 BLOCK_K = 16
@@ -43,7 +45,6 @@ AUTO_MIN_CHUNK_K = 64
 SMALL_M = 64  # up to this many rows: 16- or 64-row tiles, their own configs
 NARROW_TILE_N = 16
 H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
-GROUP_M = tl.constexpr(8)  # tile rows per band in the launch order, so bands of W stay in L2
 SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one fixed config
 
 
@@ -262,7 +263,7 @@ def _fp16acc_kernel(x, w, bias, out, M, N, K, CHUNK_K, SPLITS, CHUNKS_PER_PROGRA
     (first = program_id(1) * CHUNKS_PER_PROGRAM): each chunk (CHUNK_K wide, the last one cut at K)
     summed in its own fp16 accumulator, folded into the total (fp32 or fp16) at its end; then the
     bias; stored at out + program_id(1) * stride_og."""
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N)
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, TILE_K)
@@ -292,17 +293,6 @@ def _fp16acc_kernel(x, w, bias, out, M, N, K, CHUNK_K, SPLITS, CHUNKS_PER_PROGRA
     out += tl.program_id(1).to(tl.int64) * stride_og
     tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, y.to(tl.float16),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
-def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """program_id(0) -> (tile row, tile column), GROUP_M tile rows at a time down each column band."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    return first_m + (pid % band) % rows, (pid % band) // rows
 
 
 @triton.jit
@@ -340,6 +330,9 @@ def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     blocks_per_split, splits = chunks(k, splits)
     chunk_k = blocks_per_split * BLOCK_K
     combine_fp32 = combine == "fp32"
+    if m > SMALL_M and wgmma_runs(x, w, out, multiprocessors(x.device)):
+        launch_fp16acc_wgmma(x, w, bias, out, chunk_k, splits, combine_fp32)
+        return out
     if m > SMALL_M:
         run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
         return out

@@ -1,0 +1,158 @@
+"""The fp16-accumulating split-K GEMM of fp16acc.py as a Gluon kernel for Hopper (sm_90): TMA loads
+into a ring of shared-memory stages, wgmma with an fp16 accumulator on 128 x 256 output tiles.
+
+Why a second kernel: the Triton kernel (fp16acc.py) reaches about 65% of cuBLAS's speed at 4096^3
+and 8192^3 on the H100: Triton 3.6 runs an fp16-accumulator wgmma synchronously and holds at most
+128 x 128 tiles. This one issues each k-tile's wgmmas asynchronously, waits for them one tile
+later, keeps STAGES - 1 tiles of TMA loads in flight, and holds 128 x 256 tiles (half the L2
+traffic per MMA of 128 x 128). ptxas still serializes the wgmmas of each warpgroup (its warning
+C7514: Triton's lowering unpacks the fp16 accumulator's registers before the wait), so two chunks
+cannot overlap: that is why one accumulator, not two. BENCHMARKS.md has the configs measured.
+
+Numerics are fp16acc.py's, and on the H100 its output equals the Triton kernel's bit for bit:
+chunk c of K (CHUNK_TILES k-tiles) is summed in an fp16 accumulator by k16 MMA steps and folded
+into the tile's total (fp32, or fp16 for combine "fp16") in chunk order; then the bias in fp32 and
+one rounding to fp16. Loads past M, N or K read zeros (TMA), which add nothing; so a chunk must be
+whole k-tiles (`wgmma_tile_k`), and the last chunk may end past K.
+Triton's interpreter cannot run Gluon: the CPU suite compiles this kernel for sm_90, and the GPU
+tests compare it with the Triton kernel.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                             warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from lowconv.kernels.tile_order import grouped_tile
+
+BLOCK_M, BLOCK_N = 128, 256  # each of the two warpgroups holds 64 x 256
+STAGES = 3  # k-tiles in the shared-memory ring (48 KB each at 64-wide k-tiles)
+NUM_WARPS = 8
+
+
+def wgmma_tile_k(chunk_k: int) -> int:
+    """The k-tile width for chunks of chunk_k: the widest of 64, 32, 16 that divides it."""
+    return next(width for width in (64, 32, 16) if chunk_k % width == 0)
+
+
+def wgmma_runs(x, w, out, multiprocessors: int) -> bool:
+    """Whether the wgmma kernel takes out = x (M, K) @ w (N, K)^T: an sm_90 device; each matrix
+    with one unit stride and 16-byte aligned rows (what TMA reads and writes); and 128 x 256
+    output tiles for at least 3/4 of the SMs. On the H100 at auto splits it took 0.76-0.90x the
+    Triton kernel's time from 128 tiles up (1.09x at 144: one wave and a ninth), and 1.3-1.6x at
+    32 and 64 tiles, where the Triton kernel's smaller tiles keep more SMs busy."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    tiles = triton.cdiv(x.shape[0], BLOCK_M) * triton.cdiv(w.shape[0], BLOCK_N)
+    return 4 * tiles >= 3 * multiprocessors and all(
+        t.data_ptr() % 16 == 0 and 1 in t.stride() and max(t.stride()) % 8 == 0 for t in (x, w, out))
+
+
+def operand_descriptor(t, rows: int, tile_k: int) -> tuple[TensorDescriptor, bool]:
+    """A TMA descriptor of t (rows x K: x, or w) in (rows, tile_k) blocks where K is the unit stride
+    (k-major), else of its transpose in (tile_k, rows) blocks; and whether it is k-major."""
+    k_major = t.stride(1) == 1
+    view = t if k_major else t.t()
+    block = [rows, tile_k] if k_major else [tile_k, rows]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16)
+    return TensorDescriptor.from_tensor(view, block, layout), k_major
+
+
+def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp32: bool):
+    """out (M, N contiguous fp16) = x (M, K) @ w (N, K)^T + bias with the numerics of fp16acc.py
+    (`splits` chunks of chunk_k)."""
+    (m, k), n = x.shape, w.shape[0]
+    tile_k = wgmma_tile_k(chunk_k)
+    x_desc, x_k_major = operand_descriptor(x, BLOCK_M, tile_k)
+    w_desc, w_k_major = operand_descriptor(w, BLOCK_N, tile_k)
+    out_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float16)
+    out_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], out_layout)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    _fp16acc_wgmma_kernel[grid](
+        x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_k // tile_k, splits,
+        HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
+        STAGES=STAGES, num_warps=NUM_WARPS)
+
+
+@gluon.jit
+def _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n,
+               X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
+    """Starts the TMA loads of k-tile i (if i < steps) into stage i % STAGES."""
+    stage = i % STAGES
+    todo = i < steps
+    TILE_K: gl.constexpr = x_desc.block_type.shape[1] if X_K_MAJOR else x_desc.block_type.shape[0]
+    k = i * TILE_K
+    bar = ready.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=todo)
+    if X_K_MAJOR:
+        tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_smem.index(stage), pred=todo)
+    else:
+        tma.async_copy_global_to_shared(x_desc, [k, off_m], bar, x_smem.index(stage), pred=todo)
+    if W_K_MAJOR:
+        tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_smem.index(stage), pred=todo)
+    else:
+        tma.async_copy_global_to_shared(w_desc, [k, off_n], bar, w_smem.index(stage), pred=todo)
+
+
+@gluon.jit
+def _mma_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n, acc, use_acc,
+              X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
+    """acc (+)= k-tile i's product, issued asynchronously; returns once every MMA before it is done
+    (so the stage of tile i - 1 is free), after starting the load of tile i + STAGES - 1 into it."""
+    stage = i % STAGES
+    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+    a = x_smem.index(stage) if X_K_MAJOR else x_smem.index(stage).permute((1, 0))
+    b = w_smem.index(stage).permute((1, 0)) if W_K_MAJOR else w_smem.index(stage)
+    acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i + STAGES - 1, steps, off_m, off_n,
+               X_K_MAJOR, W_K_MAJOR, STAGES)
+    return acc
+
+
+@gluon.jit
+def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHUNKS,
+                          HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
+                          W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """One (BLOCK_M, BLOCK_N) output tile over all CHUNKS chunks of CHUNK_TILES k-tiles."""
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(ready.index(stage), count=1)
+    steps = CHUNKS * CHUNK_TILES
+    for i in gl.static_range(STAGES - 1):
+        _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n, X_K_MAJOR, W_K_MAJOR, STAGES)
+
+    total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32 if COMBINE_FP32 else gl.float16, layout)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float16, layout)
+    for chunk in range(CHUNKS):
+        first = chunk * CHUNK_TILES
+        acc = _mma_tile(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, False,
+                        X_K_MAJOR, W_K_MAJOR, STAGES)
+        for t in range(1, CHUNK_TILES):
+            acc = _mma_tile(x_desc, w_desc, x_smem, w_smem, ready, first + t, steps, off_m, off_n, acc, True,
+                            X_K_MAJOR, W_K_MAJOR, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        total = (total.to(gl.float32) + acc.to(gl.float32)).to(total.dtype)
+    for stage in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(stage))
+
+    y = total.to(gl.float32)
+    if HAS_BIAS:
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        y += gl.expand_dims(gl.load(bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    out_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_N], out_desc.layout)
+    out_smem.store(y.to(gl.float16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+    tma.store_wait(pendings=0)
