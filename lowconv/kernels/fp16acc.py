@@ -19,6 +19,9 @@ The Triton kernel (`_fp16acc_kernel`) runs in one of two layouts, both with thes
   its fp16 accumulator (as is, exactly) to an (S, M, N) buffer; `_combine_kernel` then adds the S
   partial sums in chunk order in `combine` precision, the same order as the other layout. The
   buffer costs S*M*N*2 bytes against the weight's N*K*2, i.e. M / chunk width: small for small M.
+On an sm_90 device (H100), large GEMMs whose operands TMA can read run the Gluon kernel of
+fp16acc_wgmma.py instead: the same numerics (the same bits on the H100), 128 x 256 tiles, TMA loads,
+asynchronous wgmma; `launch_fp16acc` picks it (fp16acc_wgmma.wgmma_runs says when).
 The `cublas` path runs S cuBLAS matmuls, one per chunk, with torch's
 `allow_fp16_accumulation` switched on for the call only, and combines them the same way.
 (Triton's interpreter rounds once per loaded k-tile of up to 256 instead of per k16 step: CPU runs

@@ -17,6 +17,8 @@ whole k-tiles (`wgmma_tile_k`), and the last chunk may end past K.
 Triton's interpreter cannot run Gluon: the CPU suite compiles this kernel for sm_90, and the GPU
 tests compare it with the Triton kernel.
 """
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -43,11 +45,23 @@ def wgmma_runs(x, w, out, multiprocessors: int) -> bool:
     output tiles for at least 3/4 of the SMs. On the H100 at auto splits it took 0.76-0.90x the
     Triton kernel's time from 128 tiles up (1.09x at 144: one wave and a ninth), and 1.3-1.6x at
     32 and 64 tiles, where the Triton kernel's smaller tiles keep more SMs busy."""
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if not x.is_cuda or not is_sm90(x.device):
         return False
     tiles = triton.cdiv(x.shape[0], BLOCK_M) * triton.cdiv(w.shape[0], BLOCK_N)
     return 4 * tiles >= 3 * multiprocessors and all(
         t.data_ptr() % 16 == 0 and 1 in t.stride() and max(t.stride()) % 8 == 0 for t in (x, w, out))
+
+
+@functools.cache
+def is_sm90(device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.cache
+def shared_layout(rows: int, cols: int) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout of an fp16 (rows, cols) block (made once: a few
+    microseconds of Python per call, on a launch that is host-bound for small GEMMs)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float16)
 
 
 def operand_descriptor(t, rows: int, tile_k: int) -> tuple[TensorDescriptor, bool]:
@@ -56,19 +70,17 @@ def operand_descriptor(t, rows: int, tile_k: int) -> tuple[TensorDescriptor, boo
     k_major = t.stride(1) == 1
     view = t if k_major else t.t()
     block = [rows, tile_k] if k_major else [tile_k, rows]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16)
-    return TensorDescriptor.from_tensor(view, block, layout), k_major
+    return TensorDescriptor.from_tensor(view, block, shared_layout(*block)), k_major
 
 
 def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp32: bool):
     """out (M, N contiguous fp16) = x (M, K) @ w (N, K)^T + bias with the numerics of fp16acc.py
     (`splits` chunks of chunk_k)."""
-    (m, k), n = x.shape, w.shape[0]
+    m, n = x.shape[0], w.shape[0]
     tile_k = wgmma_tile_k(chunk_k)
     x_desc, x_k_major = operand_descriptor(x, BLOCK_M, tile_k)
     w_desc, w_k_major = operand_descriptor(w, BLOCK_N, tile_k)
-    out_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float16)
-    out_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], out_layout)
+    out_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
     _fp16acc_wgmma_kernel[grid](
         x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_k // tile_k, splits,
