@@ -3,7 +3,7 @@ on the CPU) against a float64 dense computation, window by window."""
 import pytest
 import torch
 
-from lowconv.kernels.window_attention import (launch_row_windows, row_windows_from_offsets,
+from lowconv.kernels.window_attention import (COORD_LIMIT, launch_row_windows, row_windows_from_offsets,
                                               window_attention, window_attention_reference)
 
 # On the CPU, the Triton kernels run in Triton's interpreter (switched on in conftest.py). Where
@@ -184,10 +184,11 @@ def test_sphereformer_grid_in_triton_matches_dense_float64(dtype):
 
 
 def test_largest_grid_in_triton_matches_dense_float64():
-    """G = 1024, the most the kernels' packed coordinates hold (10 bits per axis), with every
-    coordinate at 0 or 1023: a field of the packing too narrow or not masked shows here."""
-    q, k, v, offsets, _, tables, grad = make_problem(sizes=[5, 6], seed=6, g=1024)
-    coords = torch.randint(0, 2, (q.shape[0], 3), generator=torch.Generator().manual_seed(6)).to(DEVICE) * 1023
+    """G = COORD_LIMIT, the most the Triton backend takes, with every coordinate at 0 or G - 1: a
+    field of the packed coordinates too narrow or not masked shows here."""
+    g = COORD_LIMIT
+    q, k, v, offsets, _, tables, grad = make_problem(sizes=[5, 6], seed=6, g=g)
+    coords = torch.randint(0, 2, (q.shape[0], 3), generator=torch.Generator().manual_seed(6)).to(DEVICE) * (g - 1)
 
     def triton_fp32(q, k, v, offsets, coords, tables):
         return window_attention(q, k, v, offsets, coords=coords, tables=tables,
@@ -203,7 +204,7 @@ def bad_inputs():
     n = q.shape[0]
     good = dict(q=q, k=k, v=v, offsets=offsets, coords=coords, tables=tables)
     short_tables = tuple(t[:-1] for t in tables)
-    wide_tables = tuple(t.new_zeros(2049, *t.shape[1:]) for t in tables)  # G = 1025
+    wide_tables = tuple(t.new_zeros(2 * COORD_LIMIT + 1, *t.shape[1:]) for t in tables)  # G = COORD_LIMIT + 1
     start, end = row_windows_from_offsets(offsets, n)
     shifted = end.clone()
     shifted[1] += 1  # row 1 ends its window elsewhere than row 0 of the same window
@@ -229,7 +230,7 @@ def bad_inputs():
         (dict(dtype=torch.int8), "dtype must be one of"),
         (dict(backend="cuda"), "backend must be one of"),
         (dict(dtype=torch.float64, backend="triton"), "Triton backend computes in"),
-        (dict(tables=wide_tables, dtype=torch.float32, backend="triton"), "Triton backend takes G <= 1024"),
+        (dict(tables=wide_tables, dtype=torch.float32, backend="triton"), "Triton backend takes G <= 128"),
         (dict(q=q[..., :12], k=k[..., :12], v=v[..., :12], coords=None, tables=None,
               dtype=torch.float32, backend="triton"), "head_dim a power of two"),
     ], good

@@ -54,7 +54,10 @@ import triton.language as tl
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-COORD_LIMIT = 1024  # G: pack_coords keeps 10 bits per coordinate
+# G on Triton. pack_coords keeps 10 bits per coordinate (G <= 1024), but the kernels' per-axis
+# blocks grow with G and so does their compile: for sm_90 each kernel took 7-10 s at G = 64, 19-38 s
+# at 128, and had not compiled after 5 minutes at 1024. SphereFormer uses G = 24; SpTr allows 25.
+COORD_LIMIT = 128
 
 
 def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coords=None,
@@ -64,7 +67,7 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     The windows come as offsets (W+1,) integer (window w is rows offsets[w]:offsets[w+1], empty
     windows allowed) or as row_windows = (start, end), each (N,) integer; give one of them.
     coords (N, 3) integer in [0, G-1] and tables = (tq, tk, tv), each (L, 3, h, d) with
-    L = 2G-1, turn on relative position (G <= 1024 on Triton); pass both or neither. `scale`
+    L = 2G-1, turn on relative position (G <= 128 on Triton); pass both or neither. `scale`
     None is d^-0.5.
     `dtype` None computes in q's dtype. `backend` "auto" runs Triton on CUDA and the torch
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.

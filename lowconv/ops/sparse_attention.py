@@ -413,7 +413,7 @@ def check(site: Site, options: SparseAttentionOptions) -> str | None:
 def window_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | None:
     """Why the fused window kernel (Triton, what SparseWindowAttention runs on CUDA) cannot run a
     site, as kernels/window_attention.py's check_triton_inputs would say at run time; None if it can
-    (an unknown head_dim is left to that check, and so is its grid limit G <= 1024, which SpTr's
+    (an unknown head_dim is left to that check, and so is its grid limit G <= 128, which SpTr's
     tables of L <= 50 rows never reach)."""
     if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
         return f"the window-attention kernel on CUDA needs head_dim a power of two >= 16 (got {head_dim})"
