@@ -144,8 +144,7 @@ def peer_call(peer, x, w, device):
 def kernel_pick(x, w):
     """Which kernel ran y = x w^T (the wgmma kernel's fixed tiles, or the Triton kernel's autotuner
     pick), and every config's median time from the autotuner's last tuning."""
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float16, device=x.device)
-    if x.shape[0] > fa.SMALL_M and fa.wgmma_runs(x, w, y, fa.multiprocessors(x.device)):
+    if x.shape[0] > fa.SMALL_M and fa.wgmma_runs(x, w, fa.multiprocessors(x.device)):
         return f"wgmma {fw.BLOCK_M}x{fw.BLOCK_N}, {fw.STAGES} stages", {}
     return tuning(fa._tuned_for_large_m if x.shape[0] > fa.SMALL_M else fa._tuned_for_small_m)
 

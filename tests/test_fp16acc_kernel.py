@@ -275,8 +275,7 @@ def test_wgmma_operands_are_read_k_major_or_transposed():
 
 def test_wgmma_kernel_needs_an_sm90_device():
     x = torch.zeros(4096, 64, dtype=torch.float16)
-    assert not fw.wgmma_runs(x, torch.zeros(4096, 64, dtype=torch.float16), torch.zeros(4096, 4096, dtype=torch.float16),
-                             multiprocessors=1)
+    assert not fw.wgmma_runs(x, torch.zeros(4096, 64, dtype=torch.float16), multiprocessors=1)
 
 
 # --- CUDA ----------------------------------------------------------------------------------------
@@ -330,13 +329,15 @@ def test_wgmma_kernel_equals_the_triton_kernel(m, k, n, layout, splits, combine)
 @pytest.mark.gpu
 @needs_sm90
 def test_wgmma_kernel_is_not_given_what_tma_cannot_read():
-    """Rows that are not 16-byte aligned (here a transposed x with rows of M = 777 fp16) and
-    problems with fewer 128 x 256 output tiles than 3/4 of the SMs go to the Triton kernel."""
-    out = torch.empty(4096, 4096, dtype=torch.float16, device="cuda")
+    """Rows that are not 16-byte aligned (here a transposed x with rows of M = 777 fp16, and an
+    output with rows of N = 4100) and problems with fewer 128 x 256 output tiles than 3/4 of the
+    SMs go to the Triton kernel."""
     w = torch.empty(4096, 512, dtype=torch.float16, device="cuda")
-    assert fw.wgmma_runs(torch.empty(4096, 512, dtype=torch.float16, device="cuda"), w, out, 132)
-    assert not fw.wgmma_runs(torch.empty(512, 777, dtype=torch.float16, device="cuda").t(), w, out[:777], 132)
-    assert not fw.wgmma_runs(torch.empty(512, 512, dtype=torch.float16, device="cuda"), w, out[:512], 132)
+    assert fw.wgmma_runs(torch.empty(4096, 512, dtype=torch.float16, device="cuda"), w, 132)
+    assert not fw.wgmma_runs(torch.empty(512, 777, dtype=torch.float16, device="cuda").t(), w, 132)
+    assert not fw.wgmma_runs(torch.empty(4096, 512, dtype=torch.float16, device="cuda"),
+                             torch.empty(4100, 512, dtype=torch.float16, device="cuda"), 132)
+    assert not fw.wgmma_runs(torch.empty(512, 512, dtype=torch.float16, device="cuda"), w, 132)
 
 
 @pytest.mark.gpu

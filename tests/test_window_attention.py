@@ -185,7 +185,7 @@ def test_sphereformer_grid_in_triton_matches_dense_float64(dtype):
 
 def test_largest_grid_in_triton_matches_dense_float64():
     """G = COORD_LIMIT, the most the Triton backend takes, with every coordinate at 0 or G - 1: a
-    field of the packed coordinates too narrow or not masked shows here."""
+    field of the packed coordinates not masked, or narrower than G's bits, shows here."""
     g = COORD_LIMIT
     q, k, v, offsets, _, tables, grad = make_problem(sizes=[5, 6], seed=6, g=g)
     coords = torch.randint(0, 2, (q.shape[0], 3), generator=torch.Generator().manual_seed(6)).to(DEVICE) * (g - 1)

@@ -333,11 +333,11 @@ def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     blocks_per_split, splits = chunks(k, splits)
     chunk_k = blocks_per_split * BLOCK_K
     combine_fp32 = combine == "fp32"
-    if m > SMALL_M and wgmma_runs(x, w, out, multiprocessors(x.device)):
-        launch_fp16acc_wgmma(x, w, bias, out, chunk_k, splits, combine_fp32)
-        return out
     if m > SMALL_M:
-        run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
+        if wgmma_runs(x, w, multiprocessors(x.device)):
+            launch_fp16acc_wgmma(x, w, bias, out, chunk_k, splits, combine_fp32)
+        else:
+            run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
         return out
     if splits == 1 or triton.cdiv(n, NARROW_TILE_N) >= multiprocessors(x.device):
         run_gemm(_tuned_for_small_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32,
