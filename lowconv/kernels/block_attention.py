@@ -348,14 +348,19 @@ def check_block_inputs(q, k, v, layout, window, mask, key_padding_mask, scale, d
         raise ValueError(f"block_attention: backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def triton_problem(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernels cannot run this head_dim and compute dtype; None if they can."""
+    if head_dim not in (16, 32, 64, 128):
+        return f"the Triton kernels take head_dim 16, 32, 64 or 128, got {head_dim}"
+    if dtype not in TRITON_DTYPES:
+        return f"the Triton kernels compute in {TRITON_DTYPES}, got {dtype}"
+    return None
+
+
 def check_triton_inputs(q, dtype):
-    d = q.shape[-1]
-    if d < 16 or d > 128 or d & (d - 1):
-        raise ValueError(f"block_attention: the Triton kernels take head_dim 16, 32, 64 or 128, "
-                         f"got {d}")
-    if (dtype or q.dtype) not in TRITON_DTYPES:
-        raise ValueError(f"block_attention: the Triton kernels compute in {TRITON_DTYPES}, got "
-                         f"{dtype or q.dtype}")
+    problem = triton_problem(q.shape[-1], dtype or q.dtype)
+    if problem:
+        raise ValueError(f"block_attention: {problem}")
 
 
 class KernelMasks(NamedTuple):

@@ -42,9 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.compat import sptr
-from lowconv.kernels.block_attention import TRITON_DTYPES as BLOCK_KERNEL_DTYPES
 from lowconv.kernels.block_attention import (block_attention, block_attention_reference,
-                                             block_layout)
+                                             block_layout, triton_problem)
 from lowconv.kernels.block_attention import check_inputs as check_attention_inputs
 from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
 from lowconv.ops.registry import Op, register
@@ -54,7 +53,6 @@ from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site, dtype_name
 
 Layout = Literal["auto", "dense", "causal", "local", "mask"]
 LAYOUT_CHOICES = typing.get_args(Layout)
-BLOCK_KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @dataclass
@@ -103,17 +101,6 @@ def kernel_band(layout: str, window: int | None, causal: bool) -> tuple[str, boo
     return ("causal" if causal else "dense"), layout in ("auto", "mask")
 
 
-def block_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | None:
-    """Why the block-attention Triton kernels cannot run attention of this head_dim and compute
-    dtype (None: they can; an unknown head_dim is left to the call)."""
-    if head_dim is not None and head_dim not in BLOCK_KERNEL_HEAD_DIMS:
-        return f"the block-attention kernels take head_dim 16, 32, 64 or 128 (got {head_dim})"
-    if dtype not in BLOCK_KERNEL_DTYPES:
-        return (f"the block-attention kernels compute in float32, float16 or bfloat16, not "
-                f"{dtype_name(dtype)}")
-    return None
-
-
 def runs_on_kernel_device(q) -> bool:
     """Whether q is where the Triton kernels run (CUDA; tests set it for the interpreter)."""
     return q.is_cuda
@@ -126,7 +113,7 @@ def kernel_runs(q, v, dtype, dropout, masks=()) -> bool:
     autograd)."""
     learned = torch.is_grad_enabled() and any(m is not None and m.requires_grad for m in masks)
     return (runs_on_kernel_device(q) and q.dim() == 4 and v.shape[-1] == q.shape[-1] and dropout == 0.0
-            and not learned and block_kernel_problem(q.shape[-1], dtype) is None)
+            and not learned and triton_problem(q.shape[-1], dtype) is None)
 
 
 class PreparedMasks:
@@ -177,7 +164,7 @@ def attend(q, k, v, *, band, window, listed, mask, key_padding_mask, blocks, sca
     if kernel:
         return block_attention(q, k, v, layout=band, window=window, mask=mask,
                                key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
-                               blocks=blocks, skip_masked_tiles=listed, backend="triton")
+                               blocks=blocks, skip_masked_tiles=False, backend="triton")
     return block_attention_reference(q, k, v, layout=band, window=window, mask=mask,
                                      key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
                                      dropout=dropout)
@@ -381,16 +368,15 @@ def mha_kernel_masks(attn_mask, key_padding_mask, n, heads, seq_q, seq_k, dtype)
     if attn_mask is not None:
         shape = (1, 1, seq_q, seq_k) if attn_mask.dim() == 2 else (n, heads, seq_q, seq_k)
         attn_mask = attn_mask.reshape(shape)
-        if attn_mask.dtype == torch.bool:
-            attn_mask = ~attn_mask
     if key_padding_mask is None or key_padding_mask.dtype == torch.bool:
-        return attn_mask, key_padding_mask
+        keep = ~attn_mask if attn_mask is not None and attn_mask.dtype == torch.bool else attn_mask
+        return keep, key_padding_mask
     padding = key_padding_mask.reshape(n, 1, 1, seq_k).to(dtype)
     if attn_mask is None:
         return padding, None
     if attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=dtype,
-                                device=attn_mask.device).masked_fill(~attn_mask, float("-inf"))
+                                device=attn_mask.device).masked_fill(attn_mask, float("-inf"))
     return attn_mask + padding, None
 
 
