@@ -14,6 +14,7 @@ from torch import nn
 import lowconv.ops.sparse_attention as sa
 from lowconv.passes import trace
 from lowconv.passes.attention import find_attention_sites
+from lowconv.passes.rewrite import relative, replace_in_graph
 from lowconv.site import TensorMeta
 
 B, T, H, D = 2, 6, 2, 8
@@ -237,18 +238,11 @@ def region_of(model, inputs, shapes, buffers=False) -> trace.Region:
 
 
 def replace_sites(region, sites, dtype) -> fx.GraphModule:
-    """What the rewrite does: call the op's module under site.fqn, drop what became dead."""
+    """The rewrite's replace_in_graph: the op's module under site.fqn, what became dead dropped."""
     gm = region.graph
     for site in sites:
         module = sa.from_site(site, sa.SparseAttentionOptions(dtype=dtype), {})
-        name = site.fqn.removeprefix(f"{region.fqn}.") if region.fqn else site.fqn
-        gm.add_submodule(name, module)
-        with gm.graph.inserting_before(site.output_node):
-            call = gm.graph.call_module(name, site.args)
-        site.output_node.replace_all_uses_with(call)
-        for node in reversed(site.nodes):
-            if not node.users:
-                gm.graph.erase_node(node)
+        replace_in_graph(gm, site, relative(site.fqn, region), module)
     gm.graph.lint()
     gm.recompile()
     return gm.eval()
@@ -607,4 +601,11 @@ def test_a_causal_and_padding_mask_becomes_causal_and_the_padding(q_offset, shap
     assert (site.unsupported, site.info.causal, site.info.mask, len(site.args)) == (None, causal, "keep", 4)
     padding_only = site.args[3].op == "call_method" and site.args[3].target == "to"  # padding[...].to(q.device)
     assert padding_only == causal
-    assert rel_error(replace_sites(region, [site], "float32")(*inputs), expected) < 2e-6
+    unread_before = unread_computations(region.graph)
+    converted = replace_sites(region, [site], "float32")
+    assert rel_error(converted(*inputs), expected) < 2e-6
+    assert unread_computations(converted) <= unread_before  # causal=True's index ranges went with the mask
+
+
+def unread_computations(gm: fx.GraphModule) -> set[str]:
+    return {n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method") and not n.users}

@@ -231,15 +231,20 @@ def test_evaluating_takes_the_plain_path_unless_timing(plain_path):
 
 
 def test_example_runs_switch_the_fast_path_off_until_the_last_one_leaves():
-    """Two conversions in two threads: A enters, B enters, A leaves, B leaves."""
+    """Two conversions in two threads: A enters, B enters, A leaves, B leaves; the fast path on
+    before them is on again after."""
     before = torch.backends.mha.get_fastpath_enabled()
-    a, b = trace.NO_FAST_PATH.held(), trace.NO_FAST_PATH.held()
-    a.__enter__()
-    b.__enter__()
-    a.__exit__(None, None, None)
-    assert not torch.backends.mha.get_fastpath_enabled()
-    b.__exit__(None, None, None)
-    assert torch.backends.mha.get_fastpath_enabled() == before
+    torch.backends.mha.set_fastpath_enabled(True)
+    try:
+        a, b = trace.NO_FAST_PATH.held(), trace.NO_FAST_PATH.held()
+        a.__enter__()
+        b.__enter__()
+        a.__exit__(None, None, None)
+        assert not torch.backends.mha.get_fastpath_enabled()
+        b.__exit__(None, None, None)
+        assert torch.backends.mha.get_fastpath_enabled()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
 
 
 def test_multihead_attention_source_converts():

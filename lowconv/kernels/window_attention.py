@@ -73,8 +73,9 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
     `validate` checks the values of offsets, row_windows and coords, which reads them back from
     the device (a sync); a caller that built them itself can pass False (bad values then read
-    out of bounds, or give wrong results: the Triton kernels pack a point's coordinates in 10 bits
-    each, so one outside [0, 1023] corrupts the others).
+    out of bounds, or give wrong results: a coordinate outside [0, G-1] picks a wrong table row,
+    and on Triton one outside [0, 1023] also corrupts the point's other coordinates, which are
+    packed with it in 10 bits each).
     """
     check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, backend)
     if validate:

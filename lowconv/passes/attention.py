@@ -486,8 +486,7 @@ def repeated_heads(x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
 
 def shape_reads(x: fx.Node) -> list[fx.Node]:
     """The users of `x` that read its shape: `x.shape`, `x.size()`."""
-    return [u for u in x.users if op_is(u, (getattr,)) and u.args[1:] == ("shape",)
-            or op_is(u, (), ("size",)) and u.args == (x,) and not u.kwargs]
+    return [u for u in x.users if is_shape_of(u) and u.args[0] is x and not u.kwargs]
 
 
 def reshaped_to(x: fx.Node) -> list | None:

@@ -70,15 +70,27 @@ def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module
         call = graph.create_node("call_module", rel, args=tuple(site.args))
     site.output_node.replace_all_uses_with(call)
     read = {a for node in site.nodes for a in node.all_input_nodes if a.op == "get_attr"} - set(site.nodes)
-    for node in reversed(site.nodes):
-        if not node.users:
-            graph.erase_node(node)
+    erase_unread(graph, list(reversed(site.nodes)))
     for node in read:  # the site's weights and buffers that nothing reads any more
         if not node.users:
             graph.erase_node(node)
             if not any(n.op == "get_attr" and n.target == node.target for n in graph.nodes):
                 delete_attr(gm, node.target)
     set_module(gm, rel, module)
+
+
+def erase_unread(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase each of a site's `nodes` that nothing reads any more, then the computations that only
+    they read (e.g. the index ranges of a causal mask that causal=True replaced): pure
+    call_function and call_method nodes left without users."""
+    for node in nodes:
+        if node.users:
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        orphans = [n for n in inputs if not n.users and n.op in ("call_function", "call_method")
+                   and n not in nodes and not n.is_impure()]
+        erase_unread(graph, orphans)
 
 
 def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str, nn.Module]) -> nn.Module:
