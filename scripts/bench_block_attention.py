@@ -114,9 +114,9 @@ def cases(args):
 
 
 def local_keys(seq, window, device):
-    """(seq, seq) bool: key j allowed for query i when 0 <= i - j < window (window None: causal)."""
+    """(seq, seq) bool: key j allowed for query i when 0 <= i - j < window."""
     offset = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
-    return (offset >= 0) & (offset < (window or seq))
+    return (offset >= 0) & (offset < window)
 
 
 def sdpa_peer(backend_name):
@@ -181,8 +181,7 @@ def flex_peer(case, device):
 
 def lowconv_peer(case, device):
     layout, _ = LAYOUTS[case.layout]
-    window = case.window if layout == "causal_local" else None
-    return lambda q, k, v: block_attention(q, k, v, layout=layout, window=window)
+    return lambda q, k, v: block_attention(q, k, v, layout=layout, window=case.window)
 
 
 PEER_BUILDERS = {"sdpa-flash": sdpa_peer("FLASH_ATTENTION"), "sdpa-efficient": sdpa_peer("EFFICIENT_ATTENTION"),
@@ -201,8 +200,7 @@ def reference_slice(case, inputs, grad_out):
     """The float64 output and gradients of batch 0, head 0."""
     q, k, v = (t.detach()[:1, :1].double().requires_grad_() for t in inputs)
     layout, _ = LAYOUTS[case.layout]
-    window = case.window if layout == "causal_local" else None
-    out = block_attention_reference(q, k, v, layout=layout, window=window)
+    out = block_attention_reference(q, k, v, layout=layout, window=case.window)
     grads = torch.autograd.grad(out, (q, k, v), grad_out[:1, :1].double())
     return dict(zip(GRAD_NAMES, (out.detach(), *grads)))
 
