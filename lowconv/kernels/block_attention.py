@@ -22,6 +22,7 @@ score matrix that its layout rules out. Where the Triton numerics differ from th
   rounds to m), rounded to the compute dtype for dv; dS = P (dP - delta) in fp32 with
   delta_i = <dO_i, O_i>, rounded to the compute dtype for dq, dk.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lowconv.kernels.window_attention import _dot
+from lowconv.kernels import fast_launch
+from lowconv.kernels.window_attention import _dot, dot_precision
 
 MASK_KINDS = ("none", "additive", "keep", "drop")  # keep: True attends; drop: True is masked out
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -188,6 +190,7 @@ def pipeline_stages(dtype):
     return 1 if dtype == torch.float32 else 3
 
 
+@functools.cache
 def kernel_tiles(kernel_name, head_dim, dtype, listed):
     """The tiles `kernel_name` runs on: TILES with a BlockLayout (listed) and for fp32, else
     its BAND_TILES."""
@@ -290,11 +293,17 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
     if blocks is None and skip_masked_tiles and (mask is not None or key_padding_mask is not None):
         blocks = block_layout(q.shape[-2], k.shape[-2], layout=layout, window=window, mask=mask,
                               key_padding_mask=key_padding_mask)
-    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    q, k, v = (as_operand(t, dtype) for t in (q, k, v))
     masks = kernel_masks(mask, key_padding_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     lower, upper = band(layout, window, q.shape[2], k.shape[2])
     out = BlockAttention.apply(q, k, v, masks, blocks, (lower, upper, layout != "dense"), scale)
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def as_operand(t, dtype):
+    """t in `dtype`, contiguous: t itself when it already is (the calls' host time counts at
+    small sizes: a no-op .to() still goes through the dispatcher)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None,
@@ -393,25 +402,23 @@ class BlockAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, masks, blocks, bounds, scale):
         launch = Launch(q, k, masks, blocks, bounds, scale)
         out = launch.new_like(q)
-        # Each row's softmax: the max its exp() was taken against, and 1 / the sum.
-        row_max, row_inv_sum = (torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                                for _ in range(2))
-        launch.run(_forward_kernel, q, k, v, out, row_max, row_inv_sum, transposed=False)
-        ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum)
+        # Per query row (STATS): the max its softmax's exp() was taken against, 1 / the sum, and
+        # the backward's delta. One buffer: an allocation and two kernel arguments fewer.
+        stats = torch.empty((STATS, *q.shape[:3]), dtype=torch.float32, device=q.device)
+        launch.run(_forward_kernel, q, k, v, out, stats, transposed=False)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.launch = launch
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, row_max, row_inv_sum = ctx.saved_tensors
-        grad_out = grad_out.to(q.dtype).contiguous()
-        # delta_i = <dO_i, O_i>: the query kernel writes it (from the tiles it loads anyway) and
-        # the key kernel, launched after it, reads it.
-        delta = torch.empty_like(row_max)
+        q, k, v, out, stats = ctx.saved_tensors
+        grad_out = as_operand(grad_out, q.dtype)
         dq, dk, dv = (ctx.launch.new_like(t) for t in (q, k, v))
-        stats = (row_max, row_inv_sum, delta)
-        ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, out, *stats, dq, transposed=False)
-        ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, *stats, dk, dv, transposed=True)
+        # delta_i = <dO_i, O_i>: the query kernel writes it into stats (from the tiles it loads
+        # anyway) and the key kernel, launched after it, reads it.
+        ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, out, stats, dq, transposed=False)
+        ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, stats, dk, dv, transposed=True)
         return dq, dk, dv, None, None, None, None
 
 
@@ -422,50 +429,51 @@ class Launch:
         """bounds: the band's (lower, upper) and whether it bounds anything (not dense)."""
         self.batch, self.heads, self.seq_q, self.head_dim = q.shape
         self.kv_heads, self.seq_k = k.shape[1], k.shape[2]
-        self.masks, self.blocks = masks, blocks
-        self.lower, self.upper, self.banded = bounds
-        self.scale = scale
-        # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands); the
-        # interpreter's bf16 dot is wrong, see _dot.
-        self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
-                          torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
-        self.dtype = q.dtype
-
-    def runs_nothing(self) -> bool:
-        return min(self.batch, self.heads, self.seq_q, self.seq_k) == 0
+        self.runs_nothing = 0 in (self.batch, self.heads, self.seq_q, self.seq_k)
+        self.blocks, self.dtype = blocks, q.dtype
+        lower, upper, banded = bounds
+        mask, padding = masks.mask, masks.padding
+        # The arguments after the tensors and each kernel's lists (query tiles' lists, then key
+        # tiles'), built once for the three launches.
+        self.args = (self.heads, self.heads // self.kv_heads, self.seq_q, self.seq_k, lower, upper,
+                     scale, *(mask.stride() if mask is not None else (0, 0, 0, 0)))
+        self.lists = ((None, None, 0, 0),) * 2 if blocks is None else (
+            tile_lists(*blocks[:2]), tile_lists(*blocks[2:]))
+        self.options = dict(D=self.head_dim, BANDED=banded, MASK=masks.kind,
+                            PADDING=padding is not None, LISTED=blocks is not None,
+                            PRECISION=dot_precision(q.dtype, q.is_cuda))
+        self.masks = (mask, padding)
 
     def new_like(self, t: torch.Tensor) -> torch.Tensor:
         """An output the kernels fill; zeros where they run no program (no query or no key: the
         output and every gradient are 0, as SDPA's)."""
-        return torch.zeros_like(t) if self.runs_nothing() else torch.empty_like(t)
+        return torch.zeros_like(t) if self.runs_nothing else torch.empty_like(t)
 
     def run(self, kernel, *tensors, transposed):
         """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the
         batch and its heads (kv heads when transposed: a program sums over its group)."""
-        if self.runs_nothing():
+        if self.runs_nothing:
             return
         tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.blocks is not None)
         if transposed:
             grid = (triton.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
         else:
             grid = (triton.cdiv(self.seq_q, tiles.block_m), self.batch * self.heads)
-        mask, padding = self.masks.mask, self.masks.padding
-        mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-        if self.blocks is None:
-            count = index = None
-            list_strides = (0, 0)
-        else:
-            count, index = self.blocks[2:] if transposed else self.blocks[:2]
-            list_strides = tuple(0 if size == 1 else stride
-                                 for size, stride in zip(count.shape[:2], count.stride()[:2]))
-        kernel[grid](*tensors, mask, padding, count, index,
-                     self.heads, self.heads // self.kv_heads, self.seq_q, self.seq_k,
-                     self.lower, self.upper, self.scale, *mask_strides, *list_strides,
-                     D=self.head_dim, BANDED=self.banded, MASK=self.masks.kind,
-                     PADDING=padding is not None, LISTED=count is not None,
-                     PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                     num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        count, index, list_sb, list_sh = self.lists[transposed]
+        fast_launch.launch(kernel, grid, (*tensors, *self.masks, count, index, *self.args, list_sb, list_sh),
+                           {**self.options, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},
+                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
+
+def tile_lists(count, index):
+    """A BlockLayout's (count, index) for one direction and count's (batch, head) strides, 0
+    where it broadcasts."""
+    strides = (0 if size == 1 else stride for size, stride in zip(count.shape[:2], count.stride()[:2]))
+    return (count, index, *strides)
+
+
+# The row statistics' buffer (stats): row_max, row_inv_sum, delta, each (batch, heads, seq_q).
+STATS = 3
 
 # The band's bounds change with the window and the sequence: one compile for all of them (Triton
 # would otherwise compile again for a bound that is 1 or a multiple of 16).
@@ -538,18 +546,25 @@ def _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
 
 
 @triton.jit
-def _row_softmax(row_max, row_inv_sum, bh, rows, Lq):
-    """The rows' softmax max and 1 / sum (0 past Lq: no probability there)."""
-    offs = bh.to(tl.int64) * Lq + rows
-    ok = rows < Lq
-    return tl.load(row_max + offs, mask=ok, other=0.0), tl.load(row_inv_sum + offs, mask=ok, other=0.0)
+def _stat_rows(stat, bh, rows, Lq, BH):
+    """Where the rows' statistic `stat` (0 max, 1 1 / sum, 2 delta) lies in stats, a (3, BH, Lq)
+    buffer."""
+    return (stat * BH + bh).to(tl.int64) * Lq + rows
 
 
 @triton.jit
-def _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq):
+def _row_softmax(stats, bh, rows, Lq, BH):
+    """The rows' softmax max and 1 / sum (0 past Lq: no probability there)."""
+    ok = rows < Lq
+    return (tl.load(stats + _stat_rows(0, bh, rows, Lq, BH), mask=ok, other=0.0),
+            tl.load(stats + _stat_rows(1, bh, rows, Lq, BH), mask=ok, other=0.0))
+
+
+@triton.jit
+def _row_stats(stats, bh, rows, Lq, BH):
     """The rows' softmax max, 1 / sum and delta (0 past Lq)."""
-    m, inv_l = _row_softmax(row_max, row_inv_sum, bh, rows, Lq)
-    return m, inv_l, tl.load(delta + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
+    m, inv_l = _row_softmax(stats, bh, rows, Lq, BH)
+    return m, inv_l, tl.load(stats + _stat_rows(2, bh, rows, Lq, BH), mask=rows < Lq, other=0.0)
 
 
 @triton.jit
@@ -632,7 +647,7 @@ def _forward_tiles(start, end, m, l, acc, qb, k, v, kv_base, lo, index, list_row
 
 
 @triton.jit(do_not_specialize=BAND_ARGS)
-def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, index,
+def _forward_kernel(q, k, v, out, stats, mask, padding, count, index,
                     H, GROUP, Lq, Lk, lower, upper, scale,
                     mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                     D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
@@ -662,9 +677,9 @@ def _forward_kernel(q, k, v, out, row_max, row_inv_sum, mask, padding, count, in
     # A row with no allowed key: output 0, and 1 / sum = 0 so that backward's P is 0 there.
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
     _store_rows(out, q_base, rows, Lq, D, acc * inv_l[:, None])
-    stats = bh.to(tl.int64) * Lq + rows
-    tl.store(row_max + stats, tl.where(m == float("-inf"), 0.0, m), mask=rows < Lq)
-    tl.store(row_inv_sum + stats, inv_l, mask=rows < Lq)
+    BH = tl.num_programs(1)
+    tl.store(stats + _stat_rows(0, bh, rows, Lq, BH), tl.where(m == float("-inf"), 0.0, m), mask=rows < Lq)
+    tl.store(stats + _stat_rows(1, bh, rows, Lq, BH), inv_l, mask=rows < Lq)
 
 
 @triton.jit
@@ -687,7 +702,7 @@ def _dq_tiles(start, end, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, 
 
 
 @triton.jit(do_not_specialize=BAND_ARGS)
-def _backward_query_kernel(q, k, v, do, out, row_max, row_inv_sum, delta, dq, mask, padding, count, index,
+def _backward_query_kernel(q, k, v, do, out, stats, dq, mask, padding, count, index,
                            H, GROUP, Lq, Lk, lower, upper, scale,
                            mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                            D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
@@ -701,9 +716,10 @@ def _backward_query_kernel(q, k, v, do, out, row_max, row_inv_sum, delta, dq, ma
                            BANDED, MASK != "none" or PADDING, BLOCK_N)
     qb = _load_rows(q, q_base, rows, Lq, D)
     dob = _load_rows(do, q_base, rows, Lq, D)
-    m, inv_l = _row_softmax(row_max, row_inv_sum, bh, rows, Lq)
+    BH = tl.num_programs(1)
+    m, inv_l = _row_softmax(stats, bh, rows, Lq, BH)
     row_delta = tl.sum(dob.to(tl.float32) * _load_rows(out, q_base, rows, Lq, D).to(tl.float32), 1)
-    tl.store(delta + bh.to(tl.int64) * Lq + rows, row_delta, mask=rows < Lq)
+    tl.store(stats + _stat_rows(2, bh, rows, Lq, BH), row_delta, mask=rows < Lq)
     dqb = tl.zeros([BLOCK_M, D], tl.float32)
     dqb = _dq_tiles(0, start, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
         Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
@@ -718,7 +734,7 @@ def _backward_query_kernel(q, k, v, do, out, row_max, row_inv_sum, delta, dq, ma
 
 
 @triton.jit
-def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta, q_base, bh, lo,
+def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, BH, q_base, bh, lo,
                 index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
                 mask_sb, mask_sh, mask_sq, mask_sk, D: tl.constexpr, BANDED: tl.constexpr,
                 MASK: tl.constexpr, PADDING: tl.constexpr, LISTED: tl.constexpr,
@@ -730,7 +746,7 @@ def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum,
         rows = first + tl.arange(0, BLOCK_M)
         qb = _load_rows(q, q_base, rows, Lq, D)
         dob = _load_rows(do, q_base, rows, Lq, D)
-        m, inv_l, row_delta = _row_stats(row_max, row_inv_sum, delta, bh, rows, Lq)
+        m, inv_l, row_delta = _row_stats(stats, bh, rows, Lq, BH)
         s = _dot(qb, tl.trans(kb), PRECISION) * scale
         if EDGE:
             s = _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
@@ -744,7 +760,7 @@ def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum,
 
 
 @triton.jit(do_not_specialize=BAND_ARGS)
-def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask, padding, count, index,
+def _backward_key_kernel(q, k, v, do, stats, dk, dv, mask, padding, count, index,
                          H, GROUP, Lq, Lk, lower, upper, scale,
                          mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                          D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
@@ -762,6 +778,7 @@ def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask,
     vb = _load_rows(v, kv_base, cols, Lk, D)
     dkb = tl.zeros([BLOCK_N, D], tl.float32)
     dvb = tl.zeros([BLOCK_N, D], tl.float32)
+    BH = tl.num_programs(1) * GROUP  # the grid is over kv heads
     for g in range(GROUP):
         h = bkv % (H // GROUP) * GROUP + g
         bh = b * H + h
@@ -772,15 +789,15 @@ def _backward_key_kernel(q, k, v, do, row_max, row_inv_sum, delta, dk, dv, mask,
                                      lower, upper, count, list_row, LISTED, BLOCK_M)
         start, end = _interior(tile * BLOCK_N, tile * BLOCK_N + BLOCK_N - 1, lo, n_tiles, Lq, lower, upper,
                                BANDED, MASK != "none" or PADDING, BLOCK_M)
-        dkb, dvb = _dkdv_tiles(0, start, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta,
+        dkb, dvb = _dkdv_tiles(0, start, dkb, dvb, kb, vb, cols, q, do, stats, BH,
             q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
             mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
             True)
-        dkb, dvb = _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta,
+        dkb, dvb = _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, BH,
             q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
             mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
             False)
-        dkb, dvb = _dkdv_tiles(end, n_tiles, dkb, dvb, kb, vb, cols, q, do, row_max, row_inv_sum, delta,
+        dkb, dvb = _dkdv_tiles(end, n_tiles, dkb, dvb, kb, vb, cols, q, do, stats, BH,
             q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
             mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
             True)

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowconv.kernels import fast_launch
+
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -380,9 +382,7 @@ class Launch:
         self.g = (tq.shape[0] + 1) // 2 if self.rel else 1
         self.shared = (start, end, coords)
         self.scale = scale
-        # How dots of compute-dtype operands run (tf32 is ignored by fp16/bf16 operands).
-        self.precision = {torch.float32: "tf32x3", torch.float16: "tf32",
-                          torch.bfloat16: "tf32" if q.is_cuda else "upcast"}[q.dtype]
+        self.precision = dot_precision(q.dtype, q.is_cuda)
 
     def run(self, kernel, *tensors):
         """Launch `kernel` over its tiles (of queries, or of keys) and the heads."""
@@ -391,10 +391,10 @@ class Launch:
         tiles = tile_config(kernel, self.rel)
         tile = tiles.block_n if kernel is _backward_key_kernel else tiles.block_m
         grid = (triton.cdiv(self.n, tile), self.heads)
-        kernel[grid](*tensors, *self.shared, self.n, self.heads, self.g, self.scale,
-                     D=self.head_dim, REL=self.rel, **padded_widths(self.g),
-                     PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                     num_warps=tiles.num_warps, maxnreg=tiles.maxnreg, num_stages=tiles.num_stages)
+        fast_launch.launch(kernel, grid, (*tensors, *self.shared, self.n, self.heads, self.g, self.scale),
+                           dict(D=self.head_dim, REL=self.rel, **padded_widths(self.g),
+                                PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
+                           num_warps=tiles.num_warps, maxnreg=tiles.maxnreg, num_stages=tiles.num_stages)
 
 
 @triton.jit
@@ -468,6 +468,14 @@ def _load_coords(coords, rows, ok):
     """The rows' coordinates on the three axes (a tuple of three int vectors), from pack_coords."""
     packed = tl.load(coords + rows, mask=ok, other=0)
     return packed & 1023, (packed >> 10) & 1023, packed >> 20
+
+
+def dot_precision(dtype, is_cuda):
+    """_dot's PRECISION for operands of `dtype`: tf32x3 for fp32 (about fp32 accuracy), else
+    "tf32", which fp16/bf16 operands ignore; "upcast" for bf16 in the interpreter."""
+    if dtype == torch.float32:
+        return "tf32x3"
+    return "tf32" if dtype == torch.float16 or is_cuda else "upcast"
 
 
 @triton.jit

@@ -1,0 +1,87 @@
+"""fast_launch.launch: the same results as kernel[grid](...), Triton's binding skipped only where
+the specialization is one it has compiled (GPU), and the interpreter's path on the CPU."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from lowconv.kernels import fast_launch
+
+
+@triton.jit
+def _scaled_gather(x, out, n, stride, scale, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    """out[i] = x[i * stride] * scale (squared with SQUARE), i < n."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(x + i * stride, mask=i < n).to(tl.float32) * scale
+    if SQUARE:
+        y = y * y
+    tl.store(out + i, y.to(out.dtype.element_ty), mask=i < n)
+
+
+def expected(x, n, stride, scale, square):
+    y = x[: n * stride: stride].double() * scale
+    return y * y if square else y
+
+
+def run(x, n, stride, scale, square, out_dtype):
+    out = torch.full((n,), float("nan"), dtype=out_dtype, device=x.device)
+    fast_launch.launch(_scaled_gather, (triton.cdiv(n, 64),), (x, out, n, stride, scale),
+                       {"BLOCK": 64, "SQUARE": square}, num_warps=4)
+    return out
+
+
+# (offset into the buffer in elements, n, stride, scale, SQUARE, x dtype, out dtype): aligned
+# and misaligned addresses, stride 1 (which Triton specializes) and not, each dtype and
+# constexpr changed on its own, and repeats, so that each specialization is both missed and hit.
+CALLS = [(0, 100, 1, 2.0, False, torch.float32, torch.float32),
+         (0, 100, 1, 3.0, False, torch.float32, torch.float32),
+         (1, 100, 1, 3.0, False, torch.float32, torch.float32),
+         (0, 77, 3, 0.5, False, torch.float32, torch.float32),
+         (0, 77, 3, 0.5, True, torch.float32, torch.float32),
+         (0, 77, 3, 0.5, True, torch.float16, torch.float32),
+         (0, 77, 3, 0.5, True, torch.float16, torch.float16),
+         (1, 100, 1, 2.0, False, torch.float32, torch.float32),
+         (0, 100, 1, -1.0, False, torch.float32, torch.float32),
+         (3, 96, 16, 1.5, True, torch.float16, torch.float16)]
+
+
+def check_calls(device):
+    buffer = torch.randn(4096, device=device)
+    for offset, n, stride, scale, square, x_dtype, out_dtype in CALLS:
+        x = buffer.to(x_dtype)[offset:]
+        got = run(x, n, stride, scale, square, out_dtype)
+        want = expected(x, n, stride, scale, square)
+        # fp16 outputs: relative to the largest value (small squares round to fp16 subnormals).
+        tolerance = 1e-6 if out_dtype == torch.float32 else 1e-3
+        assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item()), \
+            (offset, n, stride, x_dtype)
+
+
+def test_argument_keys():
+    aligned = torch.zeros(8)
+    assert fast_launch._arg_key(aligned) == (torch.float32, True)
+    assert fast_launch._arg_key(aligned[1:]) == (torch.float32, False)
+    assert fast_launch._arg_key(aligned.half()[8:]) == (torch.float16, True)
+    assert fast_launch._arg_key(16) == 16 and fast_launch._arg_key(True) is True
+    assert fast_launch._arg_key(None) is type(None) and fast_launch._arg_key(0.5) is float
+    with pytest.raises(TypeError):
+        fast_launch._arg_key("a string")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path; the GPU test covers CUDA")
+def test_interpreter_path_on_cpu():
+    check_calls("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_launches_match_and_skip_the_binding(monkeypatch):
+    bindings = []
+    run_with_binding = _scaled_gather.run
+    monkeypatch.setattr(_scaled_gather, "run", lambda *a, **kw: bindings.append(1) or run_with_binding(*a, **kw))
+    fast_launch._COMPILED.clear()
+    check_calls("cuda")
+    # Ten calls, seven distinct keys (scale is not in the key; an offset of 1 or 3 elements
+    # is a misaligned address): only the misses went through Triton's binding.
+    assert len(bindings) == 7
+    torch.cuda.synchronize()
