@@ -80,7 +80,8 @@ class Result:
     dims: dict = field(default_factory=dict)
     status: str = "ok"  # ok | fails | skipped | unsupported | wrong
     error: str = ""
-    ms: float | None = None
+    ms: float | None = None  # the median of rounds_ms
+    rounds_ms: list = field(default_factory=list)  # each do_bench median
     workspace_mb: float | None = None
     first_call_s: float | None = None
     rel_l2: dict = field(default_factory=dict)  # output or gradient name -> error vs float64
@@ -97,6 +98,9 @@ def parse_args():
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="do_bench runs per call, the median reported (the 1k forward+backward rows are "
+                             "host-bound and move with the host's load; the JSON lists every round)")
     args = parser.parse_args()
     if args.quick:
         args.seqs = [max(args.seqs)]
@@ -251,7 +255,8 @@ class Run(BudgetedRun):
             if not worst <= TOLERANCE[DTYPES[case.dtype]]:  # NaN too
                 return {"status": "wrong", "rel_l2": errors,
                         "error": f"relative L2 error {worst:.2g} vs float64 (tolerance {TOLERANCE[DTYPES[case.dtype]]:g})"}
-            return {"rel_l2": errors, **measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)}
+            return {"rel_l2": errors, **measure(call, self.device, self.args.warmup_ms, self.args.rep_ms,
+                                                  self.args.rounds)}
         self.unit(result, work, result_line)
 
 

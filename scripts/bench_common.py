@@ -37,10 +37,12 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def measure(fn, device, warmup_ms, rep_ms):
+def measure(fn, device, warmup_ms, rep_ms, rounds=1):
     """Median ms and workspace memory (MB, 1e6 bytes: the peak allocated during fn() beyond
     the memory before it and the tensors it returns) of fn(); its first call (compiles,
-    autotuning) is timed apart. On CPU: a median of a few wall-clock calls, no memory."""
+    autotuning) is timed apart. With `rounds` > 1 on CUDA, the median of that many do_bench
+    medians (each one listed in rounds_ms): a host-bound call's time follows the host's load
+    over one do_bench window. On CPU: a median of a few wall-clock calls, no memory."""
     start = time.perf_counter()
     fn()
     synchronize(device)
@@ -58,8 +60,10 @@ def measure(fn, device, warmup_ms, rep_ms):
     result_bytes = sum(t.numel() * t.element_size() for t in returned_tensors(fn()))
     torch.cuda.synchronize()
     workspace_mb = (torch.cuda.max_memory_allocated() - base - result_bytes) / 1e6
-    ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return {"ms": ms, "workspace_mb": workspace_mb, "first_call_s": first_call_s}
+    rounds_ms = [triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+                 for _ in range(rounds)]
+    return {"ms": statistics.median(rounds_ms), "rounds_ms": rounds_ms, "workspace_mb": workspace_mb,
+            "first_call_s": first_call_s}
 
 
 def returned_tensors(result):

@@ -1,18 +1,18 @@
 """Launching a Triton kernel again without Triton's per-call argument binding.
 
-`kernel[grid](...)` binds and specializes every argument, builds a cache key and checks hooks
-on each call: about 23 us of host time per launch on the H100 machines' hosts, against about
-7 us for the compiled kernel's own launcher (scratch measurement, 2026-11-22, block attention's
-forward kernel, ~30 arguments). Attention at small sizes launches three kernels per training
-step and is host-bound, so that difference is a fifth of its time.
+`kernel[grid](...)` binds and specializes every argument, builds a cache key and checks hooks on
+each call. On the lent H100 machines' hosts, for block attention's forward kernel (~30
+arguments), that took 23 us per launch against 7 us for the compiled kernel's own launcher
+(measured 2026-11-22, see BENCHMARKS.md, issue 7; on another, slower host: 34 us through
+`launch` with its key, of which 15 us the key). Attention at small sizes launches three kernels
+per training step and is host-bound, so this is a fifth of its host time.
 
 `launch` goes through Triton the first time it sees a specialization, keeps the compiled kernel
 under a key finer than Triton's own (each int's exact value, each tensor's dtype and whether its
 address is 16-byte aligned, which arguments are None, the constexprs and the launch options),
-and on a hit calls the compiled kernel's launcher directly: it launches exactly what Triton
-would. Arguments of any other kind (e.g. tensor descriptors), and kernels with pre-run hooks,
-always go through Triton. Under
-TRITON_INTERPRET=1 there is no compiled kernel and every call goes through the interpreter.
+and on a hit calls the compiled kernel's launcher directly: it launches what Triton would.
+Arguments of any other kind (e.g. tensor descriptors), and kernels with pre-run hooks, always go
+through Triton; so does everything under TRITON_INTERPRET=1 (there is no compiled kernel).
 Not followed: Triton's debug and instrumentation settings (TRITON_DEBUG, knobs) changed after a
 kernel's first launch in the process (reading them costs two environment lookups per launch).
 """

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowconv.kernels import fast_launch
+
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
 # Dynamic per-tensor passes: programs (and partial amaxes), each looping over its share of blocks.
@@ -184,8 +186,8 @@ def _partial_amaxes(x, k, mul, mul_axis):
     """Pass 1 of per-tensor quantization: (partial amaxes, programs, steps per program)."""
     programs, steps = _programs(x.numel(), MAX_PROGRAMS)
     partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(programs,)](x, mul, partials, x.numel(), k, steps, MUL=mul_axis, WIDE=_wide(programs, steps),
-                                      BLOCK=BLOCK, num_warps=8)
+    fast_launch.launch(_partial_amax_kernel, (programs,), (x, mul, partials, x.numel(), k, steps),
+                       dict(MUL=mul_axis, WIDE=_wide(programs, steps), BLOCK=BLOCK), num_warps=8)
     return partials, programs, steps
 
 
@@ -195,11 +197,12 @@ def _partials_p2(partials) -> int:
 
 def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, programs, steps):
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    _cast_kernel[(programs,)](x, mul, out, scale, scale if partials is None else partials,
-                              scale if clipped is None else clipped, x.numel(), k, steps, programs,
-                              MUL=mul_axis, WIDE=_wide(programs, steps), SCALE_FROM_PARTIALS=partials is not None,
-                              COUNT=clipped is not None, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                              PARTIALS_P2=_partials_p2(partials), BLOCK=BLOCK, num_warps=8)
+    fast_launch.launch(_cast_kernel, (programs,),
+                       (x, mul, out, scale, scale if partials is None else partials,
+                        scale if clipped is None else clipped, x.numel(), k, steps, programs),
+                       dict(MUL=mul_axis, WIDE=_wide(programs, steps), SCALE_FROM_PARTIALS=partials is not None,
+                            COUNT=clipped is not None, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                            PARTIALS_P2=_partials_p2(partials), BLOCK=BLOCK), num_warps=8)
     return out
 
 
@@ -209,11 +212,12 @@ def _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, partials):
     m, k = x.shape
     out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
     grid = (max(1, triton.cdiv(m, TILE_2D[0])), max(1, triton.cdiv(k, TILE_2D[1])))
-    _cast_transposed_kernel[grid](x, mul, out_t, scale, scale if partials is None else partials, m, k,
-                                  1 if partials is None else partials.numel(), MUL=mul_axis,
-                                  SCALE_FROM_PARTIALS=partials is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
-                                  FP8=FP8_TL[fp8_dtype], PARTIALS_P2=_partials_p2(partials),
-                                  BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1], num_warps=8)
+    fast_launch.launch(_cast_transposed_kernel, grid,
+                       (x, mul, out_t, scale, scale if partials is None else partials, m, k,
+                        1 if partials is None else partials.numel()),
+                       dict(MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
+                            FP8=FP8_TL[fp8_dtype], PARTIALS_P2=_partials_p2(partials),
+                            BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1]), num_warps=8)
     return out_t
 
 
@@ -266,7 +270,7 @@ def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
         return out, scales.fill_(1.0)
     block_k = min(triton.next_power_of_2(k), BLOCK)
     block_m = max(1, BLOCK * 2 // block_k)  # ~4096 elements per program step
-    _rowwise_kernel[(triton.cdiv(m, block_m),)](x, out, scales, m, k, FP8_MAX=torch.finfo(fp8_dtype).max,
-                                                 FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m, BLOCK_K=block_k,
-                                                 num_warps=8)
+    fast_launch.launch(_rowwise_kernel, (triton.cdiv(m, block_m),), (x, out, scales, m, k),
+                       dict(FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m,
+                            BLOCK_K=block_k), num_warps=8)
     return out, scales
