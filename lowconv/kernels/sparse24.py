@@ -143,9 +143,10 @@ class SparseLinearFunction(torch.autograd.Function):
     weight compressed anew every forward (it changes every step); dX = dY (W*mask) through the
     2:4 GEMM of W^T when the mask is transposable (W^T (K, N) is then 2:4 along N), dense
     otherwise; dW = (dY^T x) * mask dense (neither operand is 2:4), so pruned weights stay zero.
-    cuSPARSELt's compression is the slow part (0.56 ms for a 4096x1024 weight on the H100, more
-    than the GEMM): torch._sparse_semi_structured_tile does it in 0.024 ms but did not write
-    cuSPARSELt 0.8's bytes there (BENCHMARKS.md), so it is not used."""
+    cuSPARSELt's compression is the slow part: its two kernels take 57 us of GPU time for a
+    4096x1024 fp16 weight on the H100 (1.95 ms for 14336x4096), more than the 2:4 GEMM saves;
+    torch._sparse_semi_structured_tile is faster but did not write cuSPARSELt 0.8's bytes
+    (BENCHMARKS.md), so it is not used."""
 
     @staticmethod
     def forward(ctx, x, weight, mask, bias, gemms: TrainingGemms):
