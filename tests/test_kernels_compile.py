@@ -148,16 +148,17 @@ def fp8_case(kernel_name, fp8, mul, variant):
     fp8_pointer = "*fp8e4nv" if fp8 == "e4m3" else "*fp8e5"
     types = {"*": "*fp32", "x": "*bf16", "out": fp8_pointer, "out_t": fp8_pointer, "clipped": "*i64",
              **{name: "i32" for name in ("N", "K", "M", "STEPS", "NUM_PARTIALS")}}
+    partials_p2 = fq._partials_p2(True if variant == "dynamic" else None)  # as the launches pass it
     if kernel_name == "partial_amax":
         kernel = fq._partial_amax_kernel
         constexprs = dict(MUL=mul, WIDE=variant, BLOCK=fq.BLOCK)
     elif kernel_name == "cast":
         kernel = fq._cast_kernel
         constexprs = dict(MUL=mul, WIDE=False, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
-                          PARTIALS_P2=fq.MAX_PROGRAMS, BLOCK=fq.BLOCK, **fp8_type)
+                          PARTIALS_P2=partials_p2, BLOCK=fq.BLOCK, **fp8_type)
     elif kernel_name == "cast_transposed":
         kernel = fq._cast_transposed_kernel
-        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", PARTIALS_P2=fq.MAX_PROGRAMS,
+        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", PARTIALS_P2=partials_p2,
                           BLOCK_M=fq.TILE_2D[0], BLOCK_K=fq.TILE_2D[1], **fp8_type)
     else:
         kernel = fq._rowwise_kernel

@@ -25,8 +25,9 @@ from lowconv.kernels import fast_launch
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
 # Dynamic per-tensor passes: programs (and partial amaxes), each looping over its share of blocks.
-# BLOCK and MAX_PROGRAMS: scripts/tune_fp8_quant.py on an H100 (BENCHMARKS.md).
-MAX_PROGRAMS = 2048
+# BLOCK and MAX_PROGRAMS: scripts/tune_fp8_quant.py on an H100 (BENCHMARKS.md). 1056 = 8 programs
+# of 8 warps on each of the H100's 132 SMs: one wave.
+MAX_PROGRAMS = 1056
 TILE_2D = (64, 128)  # the transposing cast: rows x columns of x per program (each reads all partials)
 MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier, mul[column], mul[row]
 
