@@ -362,6 +362,16 @@ def test_check_keeps_sites_whose_semantics_a_layout_cannot_keep():
         sa.SparseAttention(causal=True, layout="dense")
 
 
+@pytest.mark.parametrize("layout, window, message", [
+    ("local", None, "window is required"), ("local", 0, "window must be a whole number"),
+    ("local", True, "window must be a whole number"), ("causal", 4, "window goes with"),
+    ("banded", None, "layout must be one of")])
+def test_module_refuses_what_its_forward_would_not_check(layout, window, message):
+    # forward calls block_attention with validate=False: the module checks its layout and window.
+    with pytest.raises(ValueError, match=f"SparseAttention: {message}"):
+        sa.SparseAttention(layout=layout, window=window)
+
+
 def allowed_by_layout(layout, window, causal, seq_q, seq_k):
     """The keys the op's layouts let query i see, pair by pair (the module doc's definitions)."""
     def rule(i, j):

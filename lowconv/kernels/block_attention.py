@@ -266,7 +266,8 @@ def listed(live):
 
 
 def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padding_mask=None,
-                    scale=None, dtype=None, blocks=None, skip_masked_tiles=True, backend="auto"):
+                    scale=None, dtype=None, blocks=None, skip_masked_tiles=True, backend="auto",
+                    validate=True):
     """softmax(q k^T * scale + mask) v over q (batch, heads, seq_q, head_dim) and k, v (batch,
     kv_heads, seq_k, head_dim), kv_heads dividing heads (GQA, MQA), differentiable for q, k, v.
 
@@ -279,15 +280,18 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
     every tile of the layout's band is visited and the mask and padding apply elementwise, with
     no pass over the mask). `backend` "auto" runs Triton on CUDA and
     the torch reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
-    import. A query row with no allowed key gives zeros.
+    import. A query row with no allowed key gives zeros. `validate` False skips the argument
+    checks, for a caller that made them (a call's host time counts at small sizes).
     """
-    check_block_inputs(q, k, v, layout, window, mask, key_padding_mask, scale, dtype, backend)
+    if validate:
+        check_block_inputs(q, k, v, layout, window, mask, key_padding_mask, scale, dtype, backend)
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if not use_triton:
         return block_attention_reference(q, k, v, layout=layout, window=window, mask=mask,
                                          key_padding_mask=key_padding_mask, scale=scale,
                                          dtype=dtype)
-    check_triton_inputs(q, dtype)
+    if validate:
+        check_triton_inputs(q, dtype)
     out_dtype, dtype = q.dtype, dtype or q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if blocks is None and skip_masked_tiles and (mask is not None or key_padding_mask is not None):

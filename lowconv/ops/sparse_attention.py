@@ -134,8 +134,8 @@ class PreparedMasks:
         self.key, self.owners, self.value = None, (), None
 
     def get(self, masks: tuple, context: tuple, prepare):
-        if any(m is not None and m.is_inference() for m in masks):
-            return prepare()
+        if all(m is None for m in masks) or any(m is not None and m.is_inference() for m in masks):
+            return prepare()  # no mask: nothing to make
         owners = tuple(None if m is None else owner_of(m) for m in masks)
         key = (context, *map(mask_key, masks))
         same_owners = len(owners) == len(self.owners) and all(
@@ -159,12 +159,13 @@ def mask_key(mask):
 
 
 def attend(q, k, v, *, band, window, listed, mask, key_padding_mask, blocks, scale, dropout,
-           dtype, kernel):
-    """block_attention on the kernels or the reference, as kernel_runs decided; q's dtype out."""
+           dtype, kernel, validate=True):
+    """block_attention on the kernels or the reference, as kernel_runs decided; q's dtype out.
+    validate=False: the caller checked the arguments (kernel_runs checked what the kernels need)."""
     if kernel:
         return block_attention(q, k, v, layout=band, window=window, mask=mask,
                                key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
-                               blocks=blocks, skip_masked_tiles=False, backend="triton")
+                               blocks=blocks, skip_masked_tiles=False, backend="triton", validate=validate)
     return block_attention_reference(q, k, v, layout=band, window=window, mask=mask,
                                      key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
                                      dropout=dropout)
@@ -186,6 +187,11 @@ class SparseAttention(nn.Module):
                  mask_kind_from_dtype: bool = False, layout: str = "auto",
                  window: int | None = None):
         super().__init__()
+        try:  # the checks a recipe's options get; forward then skips block_attention's
+            SparseAttentionOptions(layout=layout, window=window)
+        except ValueError as error:
+            message, option = error.args
+            raise ValueError(f"SparseAttention: {option} {message}") from None
         problem = layout_problem(layout, causal, mask != "none")
         if problem:
             raise ValueError(f"SparseAttention: {problem}")
@@ -217,7 +223,7 @@ class SparseAttention(nn.Module):
             lambda: listed_blocks(q, k, band, self.window, kernel_mask, None, kernel and listed))
         return attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
                       key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
-                      dtype=dtype, kernel=kernel)
+                      dtype=dtype, kernel=kernel, validate=False)
 
     def extra_repr(self) -> str:
         return (f"mask={self.mask}, causal={self.causal}, scale={self.scale}, "
