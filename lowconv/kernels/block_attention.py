@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from lowconv.kernels import fast_launch
+from lowconv.kernels.operands import as_operand
 from lowconv.kernels.window_attention import _dot, dot_precision
 
 MASK_KINDS = ("none", "additive", "keep", "drop")  # keep: True attends; drop: True is masked out
@@ -302,12 +303,6 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
     lower, upper = band(layout, window, q.shape[2], k.shape[2])
     out = BlockAttention.apply(q, k, v, masks, blocks, (lower, upper, layout != "dense"), scale)
     return out if out.dtype == out_dtype else out.to(out_dtype)
-
-
-def as_operand(t, dtype):
-    """t in `dtype`, contiguous: t itself when it already is (the calls' host time counts at
-    small sizes: a no-op .to() still goes through the dispatcher)."""
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None,

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from lowconv.kernels import fast_launch
+from lowconv.kernels.operands import as_operand
 
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -90,17 +91,17 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     out_dtype, dtype = q.dtype, dtype or q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if offsets is None:
-        start, end = (t.to(torch.int32).contiguous() for t in row_windows)
+        start, end = (as_operand(t, torch.int32) for t in row_windows)
     else:
         start, end = launch_row_windows(offsets, q.shape[0])
-    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    q, k, v = (as_operand(t, dtype) for t in (q, k, v))
     if tables is None:
         tq = tk = tv = None
     else:
         coords = pack_coords(coords)
-        tq, tk, tv = (t.to(dtype).contiguous() for t in tables)
+        tq, tk, tv = (as_operand(t, dtype) for t in tables)
     out = WindowAttention.apply(q, k, v, tq, tk, tv, start, end, coords, scale)
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def window_attention_reference(q, k, v, offsets=None, *, row_windows=None, scale=None,
@@ -324,7 +325,7 @@ class WindowAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, tq, tk, tv, start, end, coords, out, lse = ctx.saved_tensors
-        grad_out = grad_out.to(q.dtype).contiguous()
+        grad_out = as_operand(grad_out, q.dtype)
         delta = torch.empty_like(lse)  # written by the query kernel, read by the key kernel
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rel = tq is not None
