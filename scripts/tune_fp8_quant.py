@@ -17,8 +17,8 @@ from lowconv.kernels import fp8_quant
 from lowconv.kernels.fp8 import E4M3
 
 SHAPES = [(13008, 1024), (13008, 4096), (8192, 8192)]
-BLOCKS = [1024, 2048, 4096]
-MAX_PROGRAMS = [132, 264, 528, 1056, 2048]
+BLOCKS = [1024, 2048]
+MAX_PROGRAMS = [132, 264, 528, 1024, 1056, 2048]
 
 
 def median_ms(fn):

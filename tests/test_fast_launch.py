@@ -30,24 +30,29 @@ def run(x, n, stride, scale, square, out_dtype):
     return out
 
 
-# (offset into the buffer in elements, n, stride, scale, SQUARE, x dtype, out dtype): aligned
-# and misaligned addresses, stride 1 (which Triton specializes) and not, each dtype and
-# constexpr changed on its own, and repeats, so that each specialization is both missed and hit.
-CALLS = [(0, 100, 1, 2.0, False, torch.float32, torch.float32),
-         (0, 100, 1, 3.0, False, torch.float32, torch.float32),
-         (1, 100, 1, 3.0, False, torch.float32, torch.float32),
-         (0, 77, 3, 0.5, False, torch.float32, torch.float32),
-         (0, 77, 3, 0.5, True, torch.float32, torch.float32),
-         (0, 77, 3, 0.5, True, torch.float16, torch.float32),
-         (0, 77, 3, 0.5, True, torch.float16, torch.float16),
-         (1, 100, 1, 2.0, False, torch.float32, torch.float32),
-         (0, 100, 1, -1.0, False, torch.float32, torch.float32),
-         (3, 96, 16, 1.5, True, torch.float16, torch.float16)]
+# (offset into the buffer in elements, n, stride, scale, SQUARE, x dtype, out dtype, whether the
+# call is a new specialization): aligned and misaligned addresses, ints that Triton specializes (1,
+# multiples of 16) or not, SQUARE as True and as 1, each dtype, and
+# repeats with other values of the same specialization, which must launch the compiled kernel
+# with their own values.
+CALLS = [(0, 100, 1, 2.0, False, torch.float32, torch.float32, True),
+         (0, 100, 1, 3.0, False, torch.float32, torch.float32, False),  # scale is not specialized
+         (0, 99, 1, 3.0, False, torch.float32, torch.float32, False),  # nor is n, unless 1 or 16k
+         (1, 100, 1, 3.0, False, torch.float32, torch.float32, True),  # misaligned
+         (0, 77, 3, 0.5, False, torch.float32, torch.float32, True),
+         (0, 77, 5, 0.5, False, torch.float32, torch.float32, False),
+         (0, 77, 3, 0.5, True, torch.float32, torch.float32, True),
+         (0, 77, 3, 0.5, 1, torch.float32, torch.float32, True),
+         (0, 77, 3, 0.5, True, torch.float16, torch.float32, True),
+         (0, 77, 3, 0.5, True, torch.float16, torch.float16, True),
+         (1, 100, 1, 2.0, False, torch.float32, torch.float32, False),
+         (3, 96, 16, 1.5, True, torch.float16, torch.float16, True),
+         (3, 112, 32, 1.5, True, torch.float16, torch.float16, False)]
 
 
 def check_calls(device):
     buffer = torch.randn(4096, device=device)
-    for offset, n, stride, scale, square, x_dtype, out_dtype in CALLS:
+    for offset, n, stride, scale, square, x_dtype, out_dtype, _ in CALLS:
         x = buffer.to(x_dtype)[offset:]
         got = run(x, n, stride, scale, square, out_dtype)
         want = expected(x, n, stride, scale, square)
@@ -62,7 +67,9 @@ def test_argument_keys():
     assert fast_launch._arg_key(aligned) == (torch.float32, True)
     assert fast_launch._arg_key(aligned[1:]) == (torch.float32, False)
     assert fast_launch._arg_key(aligned.half()[8:]) == (torch.float16, True)
-    assert fast_launch._arg_key(16) == 16 and fast_launch._arg_key(True) is True
+    assert [fast_launch._arg_key(n) for n in (1, 16, 0, 7, 2 ** 40, 2 ** 40 + 1, 2 ** 63)] == \
+        ["1", "D", "D", "", "i64D", "i64", "u64D"]
+    assert fast_launch._arg_key(True) == (bool, True) != fast_launch._arg_key(1)
     assert fast_launch._arg_key(None) is type(None) and fast_launch._arg_key(0.5) is float
     with pytest.raises(TypeError):
         fast_launch._arg_key("a string")
@@ -81,7 +88,5 @@ def test_compiled_launches_match_and_skip_the_binding(monkeypatch):
     monkeypatch.setattr(_scaled_gather, "run", lambda *a, **kw: bindings.append(1) or run_with_binding(*a, **kw))
     fast_launch._COMPILED.clear()
     check_calls("cuda")
-    # Ten calls, seven distinct keys (scale is not in the key; an offset of 1 or 3 elements
-    # is a misaligned address): only the misses went through Triton's binding.
-    assert len(bindings) == 7
+    assert len(bindings) == sum(new for *_, new in CALLS)  # only new specializations were bound
     torch.cuda.synchronize()

@@ -22,7 +22,6 @@ score matrix that its layout rules out. Where the Triton numerics differ from th
   rounds to m), rounded to the compute dtype for dv; dS = P (dP - delta) in fp32 with
   delta_i = <dO_i, O_i>, rounded to the compute dtype for dq, dk.
 """
-import functools
 from typing import NamedTuple
 
 import torch
@@ -191,7 +190,6 @@ def pipeline_stages(dtype):
     return 1 if dtype == torch.float32 else 3
 
 
-@functools.cache
 def kernel_tiles(kernel_name, head_dim, dtype, listed):
     """The tiles `kernel_name` runs on: TILES with a BlockLayout (listed) and for fp32, else
     its BAND_TILES."""
@@ -402,7 +400,7 @@ class BlockAttention(torch.autograd.Function):
         launch = Launch(q, k, masks, blocks, bounds, scale)
         out = launch.new_like(q)
         # Per query row (STATS): the max its softmax's exp() was taken against, 1 / the sum, and
-        # the backward's delta. One buffer: an allocation and two kernel arguments fewer.
+        # the backward's delta, in one buffer (fewer allocations and kernel arguments: host time).
         stats = torch.empty((STATS, *q.shape[:3]), dtype=torch.float32, device=q.device)
         launch.run(_forward_kernel, q, k, v, out, stats, transposed=False)
         ctx.save_for_backward(q, k, v, out, stats)
@@ -415,7 +413,8 @@ class BlockAttention(torch.autograd.Function):
         grad_out = as_operand(grad_out, q.dtype)
         dq, dk, dv = (ctx.launch.new_like(t) for t in (q, k, v))
         # delta_i = <dO_i, O_i>: the query kernel writes it into stats (from the tiles it loads
-        # anyway) and the key kernel, launched after it, reads it.
+        # anyway) and the key kernel, launched after it, reads it. (A write into a saved tensor
+        # that autograd does not see: the forward's two rows of stats are left as they were.)
         ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, out, stats, dq, transposed=False)
         ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, stats, dk, dv, transposed=True)
         return dq, dk, dv, None, None, None, None
