@@ -16,7 +16,7 @@ WINDOW_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_ke
 # narrow per-axis blocks once failed to compile.
 WINDOW_CASES = ([(kernel, dtype, rel, 24) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
                  for rel in (False, True)] + [(kernel, "fp16", True, 4) for kernel in WINDOW_KERNELS])
-FP8_CASES = ([("partial_amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide in (False, True)]
+FP8_CASES = ([("amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide in (False, True)]
              + [("cast", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1) for mode in ("dynamic", "count")]
              + [("cast_transposed", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1, 2)
                 for mode in ("dynamic", "given")]
@@ -147,18 +147,17 @@ def fp8_case(kernel_name, fp8, mul, variant):
     fp8_type = {"FP8_MAX": torch.finfo(fp8_dtype).max, "FP8": fq.FP8_TL[fp8_dtype]}
     fp8_pointer = "*fp8e4nv" if fp8 == "e4m3" else "*fp8e5"
     types = {"*": "*fp32", "x": "*bf16", "out": fp8_pointer, "out_t": fp8_pointer, "clipped": "*i64",
-             **{name: "i32" for name in ("N", "K", "M", "STEPS", "NUM_PARTIALS")}}
-    partials_p2 = fq._partials_p2(True if variant == "dynamic" else None)  # as the launches pass it
-    if kernel_name == "partial_amax":
-        kernel = fq._partial_amax_kernel
+             "amax_bits": "*i32", **{name: "i32" for name in ("N", "K", "M", "STEPS")}}
+    if kernel_name == "amax":
+        kernel = fq._amax_kernel
         constexprs = dict(MUL=mul, WIDE=variant, BLOCK=fq.BLOCK)
     elif kernel_name == "cast":
         kernel = fq._cast_kernel
-        constexprs = dict(MUL=mul, WIDE=False, SCALE_FROM_PARTIALS=variant == "dynamic", COUNT=variant == "count",
-                          PARTIALS_P2=partials_p2, BLOCK=fq.BLOCK, **fp8_type)
+        constexprs = dict(MUL=mul, WIDE=False, SCALE_FROM_AMAX=variant == "dynamic", COUNT=variant == "count",
+                          BLOCK=fq.BLOCK, **fp8_type)
     elif kernel_name == "cast_transposed":
         kernel = fq._cast_transposed_kernel
-        constexprs = dict(MUL=mul, SCALE_FROM_PARTIALS=variant == "dynamic", PARTIALS_P2=partials_p2,
+        constexprs = dict(MUL=mul, SCALE_FROM_AMAX=variant == "dynamic",
                           BLOCK_M=fq.TILE_2D[0], BLOCK_K=fq.TILE_2D[1], **fp8_type)
     else:
         kernel = fq._rowwise_kernel

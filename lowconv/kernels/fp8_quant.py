@@ -1,7 +1,8 @@
 """Triton FP8 quantization on the GPU: the numerics of fp8.py's torch quantizers in fewer passes.
 
-- per tensor: pass 1 writes one partial amax per program, pass 2 reduces the partials in every
-  program (the scale never goes through the host) and casts; x is read twice, written once.
+- per tensor: pass 1 takes each program's amax into one (1,) buffer with an atomic max (on the
+  int32 bits: non-negative floats order as their bits), pass 2 reads it (the scale never goes
+  through the host) and casts, a program per block; x is read twice, written once.
 - per row: one kernel, each program a few whole rows (amax loop, then cast loop; the second read
   of a row comes from L2).
 - with a given scale (static or delayed scaling): one pass that also counts the clipped values.
@@ -24,11 +25,11 @@ from lowconv.kernels import fast_launch
 
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
-# Dynamic per-tensor passes: programs (and partial amaxes), each looping over its share of blocks.
+# The per-tensor amax pass: programs, each looping over its share of blocks (an atomic each).
 # BLOCK and MAX_PROGRAMS: scripts/tune_fp8_quant.py on an H100 (BENCHMARKS.md). 1056 = 8 programs
 # of 8 warps on each of the H100's 132 SMs: one wave.
 MAX_PROGRAMS = 1056
-TILE_2D = (64, 128)  # the transposing cast: rows x columns of x per program (each reads all partials)
+TILE_2D = (64, 128)  # the transposing cast: rows x columns of x per program
 MUL_AXES = {None: 0, "columns": 1, "rows": 2}  # the kernels' MUL: no multiplier, mul[column], mul[row]
 
 
@@ -64,37 +65,37 @@ def _cast(v, scale, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _scale_from_partials(partials, NUM_PARTIALS, FP8_MAX: tl.constexpr, PARTIALS_P2: tl.constexpr):
-    """amax / FP8_MAX over the partial amaxes (1 for an all-zero x)."""
-    p = tl.arange(0, PARTIALS_P2)
-    amax = tl.max(tl.load(partials + p, mask=p < NUM_PARTIALS, other=0.0), 0)
+def _scale_from_amax(amax_bits, FP8_MAX: tl.constexpr):
+    """amax / FP8_MAX from the amax pass's bits (1 for an all-zero x)."""
+    amax = tl.load(amax_bits).to(tl.float32, bitcast=True)
     return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
 
 
 @triton.jit
-def _partial_amax_kernel(x, mul, partials, N, K, STEPS, MUL: tl.constexpr, WIDE: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """partials[program] = max |x| over the program's STEPS blocks."""
+def _amax_kernel(x, mul, amax_bits, N, K, STEPS, MUL: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """amax_bits (int32, zeroed by the caller) = max of itself and the bits of max |x| over the
+    program's STEPS blocks, NaN skipped."""
     pid = tl.program_id(0)
     amax = tl.zeros((BLOCK,), tl.float32)
     for step in range(STEPS):
         _, _, v = _load_block(x, mul, pid * STEPS + step, N, K, MUL, WIDE, BLOCK)
-        amax = tl.maximum(amax, tl.abs(v))
-    tl.store(partials + pid, tl.max(amax, 0))
+        a = tl.abs(v)
+        amax = tl.maximum(amax, tl.where(a == a, a, 0.0))
+    tl.atomic_max(amax_bits, tl.max(amax, 0).to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
-def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIALS,
-                 MUL: tl.constexpr, WIDE: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, COUNT: tl.constexpr,
-                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, BLOCK: tl.constexpr):
+def _cast_kernel(x, mul, out, scale, amax_bits, clipped, N, K, STEPS,
+                 MUL: tl.constexpr, WIDE: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, COUNT: tl.constexpr,
+                 FP8_MAX: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
     """out = saturate(x / scale) over the program's STEPS blocks.
 
-    SCALE_FROM_PARTIALS: the scale is amax / FP8_MAX (1 for an all-zero x) with amax the max of
-    the partials, written to `scale` by program 0. Otherwise `scale` is given and COUNT adds the
-    number of clipped values to `clipped`."""
+    SCALE_FROM_AMAX: the scale is amax / FP8_MAX (1 for an all-zero x) from the amax pass,
+    written to `scale` by program 0. Otherwise `scale` is given and COUNT adds the number of
+    clipped values to `clipped`."""
     pid = tl.program_id(0)
-    if SCALE_FROM_PARTIALS:
-        s = _scale_from_partials(partials, NUM_PARTIALS, FP8_MAX, PARTIALS_P2)
+    if SCALE_FROM_AMAX:
+        s = _scale_from_amax(amax_bits, FP8_MAX)
         if pid == 0:
             tl.store(scale, s)
     else:
@@ -111,17 +112,16 @@ def _cast_kernel(x, mul, out, scale, partials, clipped, N, K, STEPS, NUM_PARTIAL
 
 
 @triton.jit
-def _cast_transposed_kernel(x, mul, out_t, scale, partials, M, K, NUM_PARTIALS,
-                            MUL: tl.constexpr, SCALE_FROM_PARTIALS: tl.constexpr, FP8_MAX: tl.constexpr,
-                            FP8: tl.constexpr, PARTIALS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+def _cast_transposed_kernel(x, mul, out_t, scale, amax_bits, M, K,
+                            MUL: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, FP8_MAX: tl.constexpr,
+                            FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """out_t (K, M) = saturate(x / scale)^T on (BLOCK_M, BLOCK_K) tiles of a row-major (M, K) x,
-    the scale given or (SCALE_FROM_PARTIALS) from the partial amaxes, written by program (0, 0).
+    the scale given or (SCALE_FROM_AMAX) from the amax pass, written by program (0, 0).
     Only the transposed layout: with a second store of the row layout, fp32 inputs came out wrong
     in the transposed one on the H100 (triton 3.6); the row layout comes from _cast_kernel."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    if SCALE_FROM_PARTIALS:
-        s = _scale_from_partials(partials, NUM_PARTIALS, FP8_MAX, PARTIALS_P2)
+    if SCALE_FROM_AMAX:
+        s = _scale_from_amax(amax_bits, FP8_MAX)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale, s)
     else:
@@ -183,42 +183,40 @@ def _wide(programs: int, steps: int) -> bool:
     return programs * steps * BLOCK >= 2 ** 31
 
 
-def _partial_amaxes(x, k, mul, mul_axis):
-    """Pass 1 of per-tensor quantization: (partial amaxes, programs, steps per program)."""
+def _amax_bits(x, k, mul, mul_axis):
+    """Pass 1 of per-tensor quantization: max |x| (times mul, NaN skipped) as the int32 bits of
+    an fp32, in a (1,) tensor."""
     programs, steps = _programs(x.numel(), MAX_PROGRAMS)
-    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    fast_launch.launch(_partial_amax_kernel, (programs,), (x, mul, partials, x.numel(), k, steps),
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    fast_launch.launch(_amax_kernel, (programs,), (x, mul, amax_bits, x.numel(), k, steps),
                        dict(MUL=mul_axis, WIDE=_wide(programs, steps), BLOCK=BLOCK), num_warps=8)
-    return partials, programs, steps
+    return amax_bits
 
 
-def _partials_p2(partials) -> int:
-    return 1 if partials is None else triton.next_power_of_2(MAX_PROGRAMS)
-
-
-def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, clipped, programs, steps):
+def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, amax_bits, clipped):
+    """The cast pass, a program per block: with amax_bits, the scale comes from it (and is written
+    to `scale`); else `scale` is given."""
+    programs, steps = _programs(x.numel(), 2 ** 31 - 1)
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     fast_launch.launch(_cast_kernel, (programs,),
-                       (x, mul, out, scale, scale if partials is None else partials,
-                        scale if clipped is None else clipped, x.numel(), k, steps, programs),
-                       dict(MUL=mul_axis, WIDE=_wide(programs, steps), SCALE_FROM_PARTIALS=partials is not None,
+                       (x, mul, out, scale, scale if amax_bits is None else amax_bits,
+                        scale if clipped is None else clipped, x.numel(), k, steps),
+                       dict(MUL=mul_axis, WIDE=_wide(programs, steps), SCALE_FROM_AMAX=amax_bits is not None,
                             COUNT=clipped is not None, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                            PARTIALS_P2=_partials_p2(partials), BLOCK=BLOCK), num_warps=8)
+                            BLOCK=BLOCK), num_warps=8)
     return out
 
 
-def _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, partials):
+def _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, amax_bits):
     """x_fp8_t (K, M) of a 2D x. Every grid has a program (0, 0), so the scale is written even for
     an empty x."""
     m, k = x.shape
     out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
     grid = (max(1, triton.cdiv(m, TILE_2D[0])), max(1, triton.cdiv(k, TILE_2D[1])))
     fast_launch.launch(_cast_transposed_kernel, grid,
-                       (x, mul, out_t, scale, scale if partials is None else partials, m, k,
-                        1 if partials is None else partials.numel()),
-                       dict(MUL=mul_axis, SCALE_FROM_PARTIALS=partials is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
-                            FP8=FP8_TL[fp8_dtype], PARTIALS_P2=_partials_p2(partials),
-                            BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1]), num_warps=8)
+                       (x, mul, out_t, scale, scale if amax_bits is None else amax_bits, m, k),
+                       dict(MUL=mul_axis, SCALE_FROM_AMAX=amax_bits is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
+                            FP8=FP8_TL[fp8_dtype], BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1]), num_warps=8)
     return out_t
 
 
@@ -227,9 +225,9 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
     """(x_fp8, scale (1,)) of x (times mul along mul_axis, "columns" | "rows"), in two passes and no
     host sync."""
     x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
-    partials, programs, steps = _partial_amaxes(x, k, mul, mul_axis)
+    amax_bits = _amax_bits(x, k, mul, mul_axis)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, partials, None, programs, steps), scale
+    return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, amax_bits, None), scale
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
@@ -240,17 +238,16 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     if clipped is not None and clipped.dtype != torch.int64:
         raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
     scale = scale.float().reshape(1).contiguous()
-    programs, steps = _programs(x.numel(), 2 ** 31 - 1)  # no partials to combine: a program per block
-    return _launch_cast(x, k, no_mul, no_mul_axis, fp8_dtype, scale, None, clipped, programs, steps), scale
+    return _launch_cast(x, k, no_mul, no_mul_axis, fp8_dtype, scale, None, clipped), scale
 
 
 def quantize_tensorwise_transposed(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
                                    mul_axis: str | None = None):
     """(x_fp8_t (K, M), scale (1,)) of a 2D x (times mul): quantize_tensorwise's values, transposed."""
     x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
-    partials, _, _ = _partial_amaxes(x, k, mul, mul_axis)
+    amax_bits = _amax_bits(x, k, mul, mul_axis)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    return _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, partials), scale
+    return _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, amax_bits), scale
 
 
 def transposed_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
