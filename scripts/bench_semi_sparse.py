@@ -27,7 +27,8 @@
    F.linear(x, W * mask) vs lowconv's fixed-mask training module with backend = "cusparselt"
    (transposable mask: dX through the 2:4 GEMM of W^T; not transposable: dX dense); dW dense.
 3. Prune + compress of one weight: lowconv's magnitude mask (and its transposable variant),
-   the bitmask checkpoint format, cuSPARSELt's compression; torch's _cslt_compress and
+   the bitmask checkpoint format, cuSPARSELt's compression, lowconv's fixed-mask compression
+   (the gather a training step runs); torch's _cslt_compress and
    _sparse_semi_structured_tile (which ranks by signed value by default) beside them.
 4. End to end: ViT-L-sized MLP blocks (LayerNorm, fc1 1024->4096, GELU, fc2, residual) on 13008
    tokens, dense vs lowconv.convert (semi_sparse, backend auto) for inference, and one training
@@ -76,7 +77,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FORWARD_PEERS = ("dense", "torch 2:4", "graph replay", "graph + copies", "lowconv", "lowconv untuned", "lowconv, x^T",
                  "lowconv auto")
 HOST_CALLS = 200
-TRAINING_PEERS = ("dense", "lowconv transposable", "lowconv")
+TRAINING_PEERS = ("dense", "lowconv transposable", "lowconv", "dense, graph", "lowconv transposable, graph",
+                  "lowconv, graph")
 GRADIENTS = ("out", "dx", "dw")
 PRUNE_SHAPES = [(4096, 1024), (14336, 4096)]
 MLP_WIDTH, MLP_HIDDEN, MLP_BLOCKS, MLP_BATCH, MLP_TOKENS = 1024, 4096, 4, 16, 813  # 13008 tokens
@@ -85,10 +87,11 @@ REFERENCE_ROWS = 1024
 CHILD_TIMEOUT_S = 120
 # fp32 accumulation and one rounding to a 16-bit type: relative error ~1e-3 (fp16), ~8e-3 (bf16)
 GATE_RELATIVE_ERROR = {"fp16": 5e-3, "bf16": 2e-2}
-SPEED_TARGETS = (  # (section, shape dims, min speedup over dense): issue 5
-    ("forward", (13008, 1024, 4096), 1.15), ("forward", (13008, 4096, 1024), 1.15),
-    ("forward", (8192, 8192, 8192), 1.4),
-    ("training", (13008, 1024, 4096), 1.1), ("training", (13008, 4096, 1024), 1.1),
+SPEED_TARGETS = (  # (section, shape dims, min speedup over dense, "" or ", graph"): issue 5
+    ("forward", (13008, 1024, 4096), 1.15, ""), ("forward", (13008, 4096, 1024), 1.15, ""),
+    ("forward", (8192, 8192, 8192), 1.4, ""),
+    ("training", (13008, 1024, 4096), 1.1, ""), ("training", (13008, 4096, 1024), 1.1, ""),
+    ("training", (13008, 1024, 4096), 1.1, ", graph"), ("training", (13008, 4096, 1024), 1.1, ", graph"),
 )
 
 ANCHORS_MARKDOWN = """\
@@ -297,8 +300,10 @@ def forward_builders():
             "lowconv auto": lowconv_peer("auto")}
 
 
-def training_builders():
-    """Peer -> build(x, w) -> (layer(x) -> y, weight leaf, mask); the weight starts as w."""
+def training_builders(device):
+    """Peer -> build(x, w) -> (layer(x) -> y, weight leaf, mask); the weight starts as w. On CUDA
+    each peer also as ", graph": its step captured in a CUDA graph and replayed (GPU time alone,
+    where the eager step is host-bound)."""
     def dense(x, w):
         mask = mask_24(w)
         weight = (w * mask).requires_grad_()
@@ -311,7 +316,29 @@ def training_builders():
             return layer, layer.weight, layer.mask
         return build
 
-    return {"dense": dense, "lowconv transposable": lowconv_peer(True), "lowconv": lowconv_peer(False)}
+    builders = {"dense": dense, "lowconv transposable": lowconv_peer(True), "lowconv": lowconv_peer(False)}
+    if device.type == "cuda":
+        builders.update({f"{peer}, graph": build for peer, build in list(builders.items())})
+    return builders
+
+
+def graphed(call):
+    """call() captured in a CUDA graph (after warm-up calls on a side stream, which also make
+    the plans, tuning and compressions): the replay, returning the captured outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+
+    def replay():
+        graph.replay()
+        return outputs
+    return replay
 
 
 def mlp_stack(width, hidden, blocks):
@@ -376,10 +403,12 @@ class Run(BudgetedRun):
         w = (torch.randn(w.shape, device=w.device) * shape.k ** -0.5).to(dtype)  # dense: each peer prunes its way
         grad_out = torch.randn(shape.m, shape.n, device=self.device).to(dtype)
         rows = min(REFERENCE_ROWS, shape.m)
-        for peer, build in training_builders().items():
+        for peer, build in training_builders(self.device).items():
             def work():
                 layer, weight, mask = build(x, w)
                 call = train_call(layer, weight, x, grad_out)
+                if peer.endswith(", graph"):
+                    call = graphed(call)
                 got = dict(zip(GRADIENTS, call()))
                 ref = training_reference(x, (weight * mask).detach(), mask, grad_out, rows)
                 error = {"out": relative_error(got["out"][:rows], ref["out"]),
@@ -416,7 +445,9 @@ class Run(BudgetedRun):
             except RuntimeError as error:
                 matches = f"not checked ({first_line(error)})"
             tile = f"torch _sparse_semi_structured_tile {TILE_ALGORITHM}, cuSPARSELt layout (W and W^T)"
+            fixed_mask = cusparselt.FixedMaskCompression(gemm, mask_24(w))
             calls.update({"lowconv cuSPARSELt compress": lambda: gemm.compress(pruned),
+                          "lowconv fixed-mask compression (gather)": lambda: fixed_mask.compress(w),
                           "torch _cslt_compress": lambda: torch._cslt_compress(pruned),
                           "torch _sparse_semi_structured_tile (default algorithm)":
                               lambda: torch._sparse_semi_structured_tile(w),
@@ -457,11 +488,13 @@ class Run(BudgetedRun):
 
 def compression_note(layer):
     gemms = getattr(layer, "gemms", None)
-    if gemms is None:
+    if gemms is None or gemms.mask is None:
         return ""
+    how = "gathered under the fixed mask" if all(c is None or c.gathers for c in gemms.compressions(layer.mask)) \
+        else "compressed by cuSPARSELt"
     if gemms.backward is None:
-        return "W compressed by cuSPARSELt every step; dX dense"
-    return "W and W^T compressed by cuSPARSELt every step"
+        return f"W {how} every step; dX dense"
+    return f"W and W^T {how} every step"
 
 
 # Ranks each 4x4 tile's values by magnitude; torch's default ("") ranks by signed value.
@@ -551,10 +584,10 @@ def gate_failures(run):
 def verdicts(run):
     rows = []
     for dtype in DTYPES:
-        for section, dims, target in SPEED_TARGETS:
-            peer = "lowconv transposable" if section == "training" else "lowconv"
-            label = f"{section} {'x'.join(map(str, dims))} {dtype}: lowconv >= {target}x dense"
-            ours, dense = find(run, section, peer, dims, dtype), find(run, section, "dense", dims, dtype)
+        for section, dims, target, graph in SPEED_TARGETS:
+            peer = ("lowconv transposable" if section == "training" else "lowconv") + graph
+            label = f"{section}{graph} {'x'.join(map(str, dims))} {dtype}: lowconv >= {target}x dense{graph}"
+            ours, dense = find(run, section, peer, dims, dtype), find(run, section, "dense" + graph, dims, dtype)
             if not ours or not dense or ours.status != "ok" or dense.status != "ok":
                 rows.append((label, "", "not measured"))
                 continue
@@ -603,14 +636,18 @@ def markdown_report(run, header):
     rows = []
     for dtype in DTYPES:
         for shape in run.settings["training_shapes"]:
-            dense = find(run, "training", "dense", shape.dims, dtype)
+            dense = {graph: find(run, "training", "dense" + graph, shape.dims, dtype) for graph in ("", ", graph")}
             results = [find(run, "training", peer, shape.dims, dtype) for peer in TRAINING_PEERS]
-            rows.append([f"{shape.label()} {dtype}", *(cell(r, dense, notes) for r in results),
+            rows.append([f"{shape.label()} {dtype}",
+                         *(cell(r, dense[", graph" if p.endswith(", graph") else ""], notes)
+                           for p, r in zip(TRAINING_PEERS, results)),
                          *(" / ".join(error_cell(r, g) for g in GRADIENTS) for r in results)])
     lines += ["## 2. Training step: forward + dX + dW, median ms (speedup vs dense)", "",
               "dense: F.linear(x, W * mask) under autograd. lowconv transposable / lowconv: MaskedSemiSparseLinear "
               "(training = true, backend = cusparselt) with and without a transposable mask; the forward on the 2:4 "
-              "GEMM (weight compressed every step), dX on the 2:4 GEMM of W^T when transposable, dW dense.", "",
+              "GEMM (weight compressed every step), dX on the 2:4 GEMM of W^T when transposable, dW dense. "
+              "\", graph\": the same step captured in a CUDA graph and replayed, speedup vs dense's graph "
+              "(GPU time without the host's).", "",
               tabulate(rows, headers=["case", *TRAINING_PEERS, *(f"{p} err out/dx/dw" for p in TRAINING_PEERS)],
                        tablefmt="github"), ""]
     compression = sorted({f"{r.peer}: {r.note}" for r in run.results if r.section == "training" and r.note})

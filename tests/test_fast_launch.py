@@ -67,6 +67,7 @@ def test_argument_keys():
     assert fast_launch._arg_key(aligned) == (torch.float32, True)
     assert fast_launch._arg_key(aligned[1:]) == (torch.float32, False)
     assert fast_launch._arg_key(aligned.half()[8:]) == (torch.float16, True)
+    assert fast_launch._arg_key(torch.nn.Parameter(aligned)) == (torch.float32, True)  # a module's weight
     assert [fast_launch._arg_key(n) for n in (1, 16, 0, 7, 2 ** 40, 2 ** 40 + 1, 2 ** 63)] == \
         ["1", "D", "D", "", "i64D", "i64", "u64D"]
     assert fast_launch._arg_key(True) == (bool, True) != fast_launch._arg_key(1)

@@ -9,7 +9,7 @@ from torch import nn
 
 import lowconv
 from lowconv.api import plan_of
-from lowconv.kernels.cusparselt import TUNED, SparseGemm, SparseWeight
+from lowconv.kernels.cusparselt import TUNED, FixedMaskCompression, SparseGemm, SparseWeight
 from lowconv.kernels.sparse24 import SparseLinearFunction, TrainingGemms, mask_24, mask_24_transposable, prune_24
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear
 from lowconv.recipe import parse_recipe
@@ -113,19 +113,40 @@ def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
     x, w, b = operands(m, k, n, dtype)
     dense = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
     mask = mask_24_transposable(dense) if transposable else mask_24(dense)
-    weight = (dense * mask).requires_grad_()
+    row, col = mask.nonzero()[0].tolist()
+    dense[row, col] = 0  # a zero the mask keeps
+    weight = dense.clone().requires_grad_()  # values off the mask too: the product ignores them
     x.requires_grad_()
     b.requires_grad_()
     grad_out = torch.randn(m, n, device="cuda").to(dtype)
     gemms = TrainingGemms.of(weight.detach(), transposable)
+    for _ in range(2):  # the second call reuses the compressions made for the mask
+        y = SparseLinearFunction.apply(x, weight, mask, b, gemms)
+        dx, dw, db = torch.autograd.grad(y, (x, weight, b), grad_out)
+        w64, x64, g64 = (weight * mask).double(), x.double(), grad_out.double()
+        assert relative_error(y, x64 @ w64.t() + b.double()) < TOLERANCE[dtype]
+        assert relative_error(dx, g64 @ w64) < TOLERANCE[dtype]
+        assert relative_error(dw, (g64.t() @ x64) * mask) < TOLERANCE[dtype]
+        assert relative_error(db, g64.sum(0)) < TOLERANCE[dtype]
+        assert (dw[~mask] == 0).all()
+    assert all(c is None or c.gathers for c in gemms.compressions(mask))
+    other = mask_24_transposable(weight.detach().flip(0)) if transposable else mask_24(weight.detach().flip(1))
+    mask.copy_(other)  # written in place (as load_state_dict does): the compressions follow
     y = SparseLinearFunction.apply(x, weight, mask, b, gemms)
-    dx, dw, db = torch.autograd.grad(y, (x, weight, b), grad_out)
-    w64, x64, g64 = (weight * mask).double(), x.double(), grad_out.double()
-    assert relative_error(y, x64 @ w64.t() + b.double()) < TOLERANCE[dtype]
-    assert relative_error(dx, g64 @ w64) < TOLERANCE[dtype]
-    assert relative_error(dw, (g64.t() @ x64) * mask) < TOLERANCE[dtype]
-    assert relative_error(db, g64.sum(0)) < TOLERANCE[dtype]
-    assert (dw[~mask] == 0).all()
+    assert relative_error(y, x.double() @ (weight * other).double().t() + b.double()) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(64, 128), (4096, 1024), (1024, 4096)])
+def test_fixed_mask_compression_writes_cusparselts_bytes(dtype, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(n, k, generator=gen, device="cuda").to(dtype)
+    mask = mask_24_transposable(w)
+    for weight, m in ((w, mask), (w.t(), mask.t())):  # W^T packed from W's view, as dX's GEMM needs it
+        gemm = SparseGemm(*weight.shape, dtype, torch.device("cuda"))
+        compression = FixedMaskCompression(gemm, m)
+        assert compression.gathers
+        assert torch.equal(compression.compress(weight), gemm.compress(weight * m))
 
 
 def mlp(width=256, hidden=512):

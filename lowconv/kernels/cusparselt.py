@@ -39,6 +39,7 @@ import glob
 import os
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 
 from lowconv.errors import LowconvError
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
+from lowconv.kernels.pack24 import kept_codes, pack_kept
 
 STRUCT_BYTES = 16384
 STRUCT_ALIGN = 64
@@ -265,9 +267,8 @@ class Plan:
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=x.device) \
             if self.workspace_bytes else None
         stream = (VOID_P * 1)(current_stream(x.device))
-        self.lib.call(function, self.handle, self.plan.ptr, ctypes.byref(ONE), VOID_P(compressed.data_ptr()),
-                      VOID_P(x.data_ptr()), ctypes.byref(ZERO), VOID_P(out.data_ptr()), VOID_P(out.data_ptr()),
-                      VOID_P(None if workspace is None else workspace.data_ptr()), stream, 1)
+        self.lib.call(function, self.handle, self.plan.ptr, ONE_REF, compressed.data_ptr(), x.data_ptr(), ZERO_REF,
+                      out.data_ptr(), out.data_ptr(), None if workspace is None else workspace.data_ptr(), stream, 1)
 
     def __del__(self):
         destroy = getattr(getattr(self, "lib", None), "dll", None)
@@ -280,6 +281,7 @@ class Plan:
 
 
 ONE, ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta: float for COMPUTE_32F
+ONE_REF, ZERO_REF = ctypes.byref(ONE), ctypes.byref(ZERO)
 
 
 @dataclass(frozen=True)
@@ -407,7 +409,48 @@ class SparseGemm:
         with self.lock:
             plan = self.plan(x2, x_row_major, None if bias is None else bias.contiguous(), tuned, compressed, out)
             plan.run("cusparseLtMatmul", compressed, x2, out)
-        return out[:, :rows].t().reshape(*x.shape[:-1], n)
+        y = (out if x2.shape[0] == rows else out[:, :rows]).t()
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+class FixedMaskCompression:
+    """Compression of the weights (N, K) of one SparseGemm under one fixed 2:4 mask, without
+    cuSPARSELt's compression per weight. Its layout (cuSPARSELt 0.8.0 on the H100, checked at
+    (32..4096) x (64..4096), fp16 and bf16): the kept values, row-major (N, K/2), then metadata that
+    depends on the kept positions only. So the metadata comes once, from compressing the mask
+    itself (every kept value 1), into a buffer whose values part each `compress` overwrites with
+    the gather of the weight's kept values (lowconv.kernels.pack24). The layout is checked again
+    here, per mask, against cuSPARSELt's own compression of a probe; where it differs, `compress`
+    falls back to cuSPARSELt's compression (with a warning).
+
+    One buffer serves every call: a weight compressed here is valid until the next `compress`, in
+    stream order (what a forward, or a backward, of one layer needs)."""
+
+    def __init__(self, gemm: SparseGemm, mask: torch.Tensor):
+        n, k = gemm.out_features, gemm.in_features
+        if mask.shape != (n, k):
+            raise LowconvError(f"2:4 mask {tuple(mask.shape)} does not fit the weight ({n}, {k})")
+        self.gemm, self.mask = gemm, mask
+        self.codes = kept_codes(mask)
+        self.buffer = gemm.compress(mask.to(gemm.dtype))
+        self.values = self.buffer[:n * k // 2 * gemm.dtype.itemsize].view(gemm.dtype).view(n, k // 2)
+        ramp = (torch.arange(n * k, device=mask.device) % 251 + 1).to(gemm.dtype).view(n, k)
+        probe = torch.where(mask, ramp, torch.zeros((), dtype=gemm.dtype, device=mask.device))
+        self.gathers = torch.equal(gemm.compress(probe), self._gather(probe))
+        if not self.gathers:
+            warnings.warn(f"cuSPARSELt {gemm.lib.version(gemm.device)} compresses 2:4 weights in a layout lowconv "
+                          f"does not know; fixed-mask training compresses with cuSPARSELt every step (slower)")
+
+    def compress(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight (N, K; any strides, so W^T comes as a view of W) under the mask, in
+        cuSPARSELt's layout: values off the mask are ignored."""
+        if self.gathers:
+            return self._gather(weight)
+        return self.gemm.compress(weight * self.mask)
+
+    def _gather(self, weight: torch.Tensor) -> torch.Tensor:
+        pack_kept(weight, self.codes, self.values)
+        return self.buffer
 
 
 def tune(make, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> Algorithm:

@@ -19,6 +19,7 @@ after the kernel's first launch in the process (reading them costs two environme
 launch), and its check that the globals a kernel reads have not changed since it was compiled.
 """
 import torch
+from torch.nn import Parameter
 from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction, driver
@@ -41,7 +42,7 @@ def _int_key(value: int) -> str:
 def _arg_key(arg):
     """What Triton specializes an argument on, or TypeError for kinds left to Triton."""
     kind = type(arg)
-    if kind is torch.Tensor:
+    if kind is torch.Tensor or kind is Parameter:
         return arg.dtype, arg.data_ptr() % 16 == 0
     if kind is int:
         return _int_key(arg)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
+from lowconv.kernels.pack24 import zero_unkept
 
 
 def mask_24(x: torch.Tensor) -> torch.Tensor:
@@ -142,32 +143,32 @@ class SparseLinearFunction(torch.autograd.Function):
     """Fixed-mask 2:4 training on cuSPARSELt: y = x (W*mask)^T + b through the 2:4 GEMM, the
     weight compressed anew every forward (it changes every step); dX = dY (W*mask) through the
     2:4 GEMM of W^T when the mask is transposable (W^T (K, N) is then 2:4 along N), dense
-    otherwise; dW = (dY^T x) * mask dense (neither operand is 2:4), so pruned weights stay zero.
-    cuSPARSELt's compression is the slow part: its two kernels take 57 us of GPU time for a
-    4096x1024 fp16 weight on the H100 (1.95 ms for 14336x4096), more than the 2:4 GEMM saves;
-    torch._sparse_semi_structured_tile is faster but did not write cuSPARSELt 0.8's bytes
-    (BENCHMARKS.md), so it is not used."""
+    otherwise; dW = (dY^T x) * mask dense (neither operand is 2:4; the mask applied by
+    zero_unkept, in place), so pruned weights stay zero.
+    Compression is a gather of the kept values under the fixed mask (FixedMaskCompression):
+    cuSPARSELt's own compression takes two kernels, 57 us of GPU time for a 4096x1024 fp16 weight
+    on the H100, more than the 2:4 GEMM saves (BENCHMARKS.md)."""
 
     @staticmethod
     def forward(ctx, x, weight, mask, bias, gemms: TrainingGemms):
-        w = weight * mask
-        ctx.save_for_backward(x, w, mask)
-        ctx.gemms, ctx.has_bias = gemms, bias is not None
-        return gemms.forward.linear(gemms.forward.compress(w), x, bias, gemms.tuned(x))
+        compressions = gemms.compressions(mask)
+        ctx.save_for_backward(x, weight, mask)
+        ctx.gemms, ctx.compressions, ctx.has_bias = gemms, compressions, bias is not None
+        return gemms.forward.linear(compressions[0].compress(weight), x, bias, gemms.tuned(x))
 
     @staticmethod
     def backward(ctx, grad):
-        x, w, mask = ctx.saved_tensors
-        gemms = ctx.gemms
+        x, weight, mask = ctx.saved_tensors
+        gemms, compressions = ctx.gemms, ctx.compressions
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             if gemms.backward is not None:
-                grad_x = gemms.backward.linear(gemms.backward.compress(w.t()), grad, None, gemms.tuned(grad))
+                grad_x = gemms.backward.linear(compressions[1].compress(weight.t()), grad, None, gemms.tuned(grad))
             else:
-                grad_x = grad @ w
+                grad_x = grad @ (weight * mask)
         g = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ x.reshape(-1, x.shape[-1])) * mask
+            grad_w = zero_unkept(g.t() @ x.reshape(-1, x.shape[-1]), compressions[0].codes)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = g.sum(0)
         return grad_x, grad_w, None, grad_bias, None
@@ -176,11 +177,16 @@ class SparseLinearFunction(torch.autograd.Function):
 @dataclass
 class TrainingGemms:
     """The cuSPARSELt products of one training layer: W (N, K) forward, W^T (K, N) for dX when
-    the mask is transposable (else None: dX is dense); tuned at `rows` (the site's M)."""
+    the mask is transposable (else None: dX is dense); tuned at `rows` (the site's M). The
+    compressions under the layer's mask are made on first use and again when the mask changes
+    (another tensor, or written in place: load_state_dict)."""
 
     forward: cusparselt.SparseGemm
     backward: cusparselt.SparseGemm | None
     rows: int | None = None
+    mask: torch.Tensor | None = None  # the mask the compressions were made for, at mask_version
+    mask_version: int = -1
+    _compressions: tuple = ()
 
     @staticmethod
     def of(weight: torch.Tensor, transposable: bool, rows: int | None = None) -> TrainingGemms:
@@ -190,6 +196,14 @@ class TrainingGemms:
 
     def tuned(self, x: torch.Tensor) -> bool:
         return x.numel() // x.shape[-1] == self.rows
+
+    def compressions(self, mask: torch.Tensor) -> tuple:
+        """(W's FixedMaskCompression, W^T's or None) under `mask`."""
+        if mask is not self.mask or mask._version != self.mask_version:
+            backward = None if self.backward is None else cusparselt.FixedMaskCompression(self.backward, mask.t())
+            self._compressions = (cusparselt.FixedMaskCompression(self.forward, mask), backward)
+            self.mask, self.mask_version = mask, mask._version
+        return self._compressions
 
 
 @dataclass(frozen=True)

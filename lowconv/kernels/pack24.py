@@ -1,0 +1,108 @@
+"""Packing the kept values of a tensor under a fixed 2:4 mask: rows (R, C) -> (R, C/2).
+
+A fixed-mask training step needs its weight compressed anew every step (the values change, the
+mask does not). cuSPARSELt's compression finds the kept positions from the values each time: two
+kernels, 57 us of GPU time for a 4096 x 1024 fp16 weight on the H100. With the mask known, the
+values part of its layout is a gather (lowconv.kernels.cusparselt.FixedMaskCompression), which this
+kernel does in one pass over the weight.
+
+The mask comes as one code per group of 4: the positions of its two kept values, first | second << 2
+(first < second). The source may be strided, so W^T is packed from W as it lies.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from lowconv.errors import LowconvError
+from lowconv.kernels import fast_launch
+
+# (rows, groups of 4, warps) per program, measured on the H100 (BENCHMARKS.md): 4096 x 1024 and
+# 1024 x 4096 fp16, pack ~10-12 us (W and W^T's view), zero_unkept 12.6 us (20 us for torch's
+# multiply by the bool mask; 25 us with pack's tile).
+PACK_TILE, ZERO_TILE = (64, 32, 4), (8, 128, 4)
+
+
+def kept_codes(mask: torch.Tensor) -> torch.Tensor:
+    """uint8 (R, C/4): each group's two kept positions, first | second << 2, from a bool (R, C) 2:4
+    mask. LowconvError if a group keeps other than exactly 2."""
+    rows, cols = mask.shape
+    groups = mask.reshape(rows, cols // 4, 4)
+    kept = groups.sum(-1)
+    if (kept != 2).any():
+        bad = (kept != 2).nonzero()[0].tolist()
+        raise LowconvError(f"a 2:4 mask ({rows}, {cols}) keeps {int(kept[bad[0], bad[1]])} values in the group of "
+                           f"row {bad[0]}, columns {4 * bad[1]}..{4 * bad[1] + 3}; every group of 4 must keep 2")
+    positions = groups.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :2]
+    return (positions[..., 0] | positions[..., 1] << 2).to(torch.uint8).contiguous()
+
+
+def pack_kept_reference(src: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in torch: src (R, C) -> its kept values (R, C/2), row-major."""
+    rows, cols = src.shape
+    codes = codes.long()
+    positions = torch.stack((codes & 3, codes >> 2), dim=-1)
+    return src.reshape(rows, cols // 4, 4).gather(-1, positions).reshape(rows, cols // 2)
+
+
+@triton.jit
+def _pack_kept_kernel(src, codes, out, rows, groups, stride_row, stride_col,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    g = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    ok = (r[:, None] < rows) & (g[None, :] < groups)
+    code = tl.load(codes + r[:, None] * groups + g[None, :], mask=ok, other=0).to(tl.int32)
+    t = tl.arange(0, 4)
+    columns = g[None, :, None] * 4 + t[None, None, :]
+    w = tl.load(src + r[:, None, None] * stride_row + columns * stride_col, mask=ok[:, :, None], other=0)
+    # The four values of each group apart (selecting by where keeps every bit, -0.0 and NaNs too).
+    even, odd = tl.split(tl.reshape(w, (BLOCK_ROWS, BLOCK_GROUPS, 2, 2)))
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    first, second = code & 3, code >> 2
+    kept0 = tl.where(first == 0, w0, tl.where(first == 1, w1, w2))  # first < second, so first <= 2
+    kept1 = tl.where(second == 3, w3, tl.where(second == 2, w2, w1))  # and second >= 1
+    pair = tl.reshape(tl.join(kept0, kept1), (BLOCK_ROWS, 2 * BLOCK_GROUPS))
+    o = tl.program_id(1) * 2 * BLOCK_GROUPS + tl.arange(0, 2 * BLOCK_GROUPS)
+    tl.store(out + r[:, None] * (2 * groups) + o[None, :], pair, mask=(r[:, None] < rows) & (o[None, :] < 2 * groups))
+
+
+def pack_kept(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes src's kept values (R, C/2) into `out` (contiguous, src's dtype) and returns it; src
+    (R, C) of any strides, codes from kept_codes."""
+    rows, cols = src.shape
+    if codes.shape != (rows, cols // 4) or out.shape != (rows, cols // 2) or not out.is_contiguous() \
+            or out.dtype != src.dtype or not codes.is_contiguous():
+        raise LowconvError(f"pack_kept: src {tuple(src.shape)}, codes {tuple(codes.shape)} and out "
+                           f"{tuple(out.shape)} {out.dtype} do not fit (codes (R, C/4) and out (R, C/2) contiguous)")
+    block_rows, block_groups, warps = PACK_TILE
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 4, block_groups))
+    fast_launch.launch(_pack_kept_kernel, grid, (src, codes, out, rows, cols // 4, src.stride(0), src.stride(1)),
+                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups}, num_warps=warps)
+    return out
+
+
+@triton.jit
+def _zero_unkept_kernel(x, codes, rows, groups, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    g = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    ok = (r[:, None] < rows) & (g[None, :] < groups)
+    code = tl.load(codes + r[:, None] * groups + g[None, :], mask=ok, other=0).to(tl.int32)[:, :, None]
+    t = tl.arange(0, 4)[None, None, :]
+    at = x + r[:, None, None] * (4 * groups) + g[None, :, None] * 4 + t
+    keep = (t == (code & 3)) | (t == (code >> 2))
+    w = tl.load(at, mask=ok[:, :, None], other=0)
+    tl.store(at, tl.where(keep, w, tl.zeros_like(w)), mask=ok[:, :, None])
+
+
+def zero_unkept(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """x (R, C) contiguous with the values its 2:4 mask (as kept_codes) does not keep set to 0, in
+    place: the masked weight gradient of fixed-mask training, without a (R, C) mask operand."""
+    rows, cols = x.shape
+    if codes.shape != (rows, cols // 4) or not x.is_contiguous() or not codes.is_contiguous():
+        raise LowconvError(f"zero_unkept: x {tuple(x.shape)} and codes {tuple(codes.shape)} do not fit "
+                           f"(x contiguous, codes (R, C/4) contiguous)")
+    block_rows, block_groups, warps = ZERO_TILE
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 4, block_groups))
+    fast_launch.launch(_zero_unkept_kernel, grid, (x, codes, rows, cols // 4),
+                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups}, num_warps=warps)
+    return x
