@@ -46,7 +46,8 @@ def few_programs(monkeypatch):
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(37, 70), (5, 3, 2048), (1, 1)], ids=str)
+# (7, 2000): 7 blocks over 3 programs, so the amax pass's last program has steps past the end
+@pytest.mark.parametrize("shape", [(37, 70), (5, 3, 2048), (7, 2000), (1, 1)], ids=str)
 def test_tensorwise_matches_the_reference(shape, dtype, fp8_dtype, few_programs):
     x = sample(shape, dtype)
     got, scale = fp8_quant.quantize_tensorwise(x, fp8_dtype)
