@@ -35,8 +35,10 @@
    step (training = true, transposable = true).
 5. The issue's targets, met / NOT met from this run's numbers.
 
-Times are medians of triton.testing.do_bench (scripts/bench_common.py). Writes DIR/bench_semi_sparse.md
-and .json after every measurement, so a run cut short leaves its results.
+Times are medians of triton.testing.do_bench (scripts/bench_common.py); forward and training
+take the median of --rounds such medians, the peers of a shape interleaved round by round.
+Writes DIR/bench_semi_sparse.md and .json after every measurement, so a run cut short leaves
+its results.
 
     PYTHONPATH=. python3 scripts/bench_semi_sparse.py --out DIR [--quick] [--budget-s 280]
     python3 scripts/bench_semi_sparse.py --out DIR --device cpu --quick --tiny   # plumbing only
@@ -45,6 +47,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -114,7 +117,8 @@ class Result:
     dtype: str = ""
     status: str = "ok"  # ok | fails | skipped
     error: str = ""
-    ms: float | None = None
+    ms: float | None = None  # forward and training: the median of rounds_ms
+    rounds_ms: list = field(default_factory=list)  # each do_bench median, the peers interleaved by round
     workspace_mb: float | None = None
     first_call_s: float | None = None
     rel_error: dict = field(default_factory=dict)  # output name -> ||got - ref|| / ||ref|| vs float64
@@ -389,13 +393,19 @@ class Run(BudgetedRun):
         x, w = random_operands(shape, self.device, dtype, self.args.seed)
         rows = min(REFERENCE_ROWS, shape.m)
         reference = None if self.blocked() else x[:rows].double() @ w.double().t()
+        timed = []
         for peer, build in forward_builders().items():
+            result = Result("forward", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name)
+
             def work():
                 call, note = build(x, w)
                 with torch.no_grad():
                     error = {"out": relative_error(call()[:rows], reference)}
-                    return {"rel_error": error, "note": note, **self.timed(no_grad_call(call))}
-            self.unit(Result("forward", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name), work)
+                    measured = self.timed(no_grad_call(call))
+                timed.append((result, no_grad_call(call)))
+                return {"rel_error": error, "note": note, **measured}
+            self.unit(result, work)
+        self.more_rounds(timed)
 
     def training_shape(self, shape, dtype_name):
         dtype = DTYPES[dtype_name]
@@ -403,7 +413,10 @@ class Run(BudgetedRun):
         w = (torch.randn(w.shape, device=w.device) * shape.k ** -0.5).to(dtype)  # dense: each peer prunes its way
         grad_out = torch.randn(shape.m, shape.n, device=self.device).to(dtype)
         rows = min(REFERENCE_ROWS, shape.m)
+        timed = []
         for peer, build in training_builders(self.device).items():
+            result = Result("training", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name)
+
             def work():
                 layer, weight, mask = build(x, w)
                 call = train_call(layer, weight, x, grad_out)
@@ -416,8 +429,26 @@ class Run(BudgetedRun):
                          "dw": relative_error(got["dw"][:rows], ref["dw"])}
                 error["dw off-mask nonzero"] = int((got["dw"][~mask] != 0).sum())
                 del got, ref
-                return {"rel_error": error, "note": compression_note(layer), **self.timed(call)}
-            self.unit(Result("training", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name), work)
+                measured = self.timed(call)
+                timed.append((result, call))
+                return {"rel_error": error, "note": compression_note(layer), **measured}
+            self.unit(result, work)
+        self.more_rounds(timed)
+
+    def more_rounds(self, timed):
+        """Rounds 2..--rounds of a shape's timed calls, the peers interleaved round by round (so
+        that drifts of clocks, power and the host's load hit them alike); each result's ms becomes
+        the median of its rounds."""
+        for result, _ in timed:
+            result.rounds_ms = result.rounds_ms or [result.ms]  # on the CPU, measure lists no rounds
+        for _ in range(1, self.args.rounds):
+            for result, call in timed:
+                if self.blocked():
+                    break
+                result.rounds_ms.append(measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)["ms"])
+        for result, _ in timed:
+            result.ms = statistics.median(result.rounds_ms)
+        self.write()
 
     def host_time(self, shape):
         """Wall-clock ms per call of back-to-back calls without a sync: the host's cost per call
@@ -697,6 +728,9 @@ def parse_args():
     parser.add_argument("--check", choices=sorted(CHECKS), help=argparse.SUPPRESS)  # a child's one check
     parser.add_argument("--parts", default="checks,forward,training,prune,mlp",
                         help="comma-separated parts to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="forward and training: do_bench runs per call, the peers of a shape interleaved "
+                             "round by round, the median reported (the JSON lists every round)")
     return parser.parse_args()
 
 

@@ -207,3 +207,11 @@ def test_sparse_gemm_rejects_what_it_cannot_take():
         SparseGemm(24, 64, torch.float16, torch.device("cuda"))
     with pytest.raises(lowconv.LowconvError, match="float16 or bfloat16"):
         SparseGemm(32, 64, torch.float32, torch.device("cuda"))
+
+
+def test_a_transposable_layer_refuses_a_mask_whose_transpose_is_not_2_4():
+    w = torch.randn(64, 128, device="cuda").to(torch.float16)
+    mask = mask_24(w)  # 2:4 along in_features only
+    gemms = TrainingGemms.of(w, transposable=True)
+    with pytest.raises(lowconv.LowconvError, match=r"2:4 along out_features too: in W\^T, a 2:4 mask \(128, 64\)"):
+        SparseLinearFunction.apply(torch.randn(8, 128, device="cuda", dtype=torch.float16), w, mask, None, gemms)

@@ -24,9 +24,9 @@ from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction, driver
 
-# (kernel, device, options, constexprs, each argument's key) -> (compiled kernel, its
-# constexprs' names in signature order). Bounded; a cache of what Triton compiled, so clearing it
-# loses nothing.
+# (id of the kernel, device, options, constexprs, each argument's key) -> (the kernel, compiled
+# kernel, its constexprs' names in signature order). Bounded; a cache of what Triton compiled, so
+# clearing it loses nothing.
 _COMPILED: dict = {}
 CACHE_ENTRIES = 1024
 I32, I64 = range(-2 ** 31, 2 ** 31), range(-2 ** 63, 2 ** 63)
@@ -59,21 +59,21 @@ def launch(kernel, grid, args, constexprs, **options):
     if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:  # the interpreter's; hooks
         return kernel[grid](*args, **constexprs, **options)
     device = driver.active.get_current_device()
-    try:
-        key = (kernel, device, *options.items(), *constexprs, *map(repr, constexprs.values()),
+    try:  # id(kernel): hashing a JITFunction takes a lock and reads a property on every call
+        key = (id(kernel), device, *options.items(), *constexprs, *map(repr, constexprs.values()),
                *map(_arg_key, args))
     except TypeError:
         return kernel[grid](*args, **constexprs, **options)
     hit = _COMPILED.get(key)
-    if hit is None:
+    if hit is None or hit[0] is not kernel:  # a kernel freed since, whose id another one got
         compiled = kernel[grid](*args, **constexprs, **options)
         names = kernel.arg_names[len(args):]
         if isinstance(compiled, CompiledKernel) and set(names) == set(constexprs):
             if len(_COMPILED) >= CACHE_ENTRIES:
                 _COMPILED.clear()
-            _COMPILED[key] = compiled, names
+            _COMPILED[key] = kernel, compiled, names
         return compiled
-    compiled, names = hit
+    _, compiled, names = hit
     all_args = (*args, *(constexprs[name] for name in names))
     stream = driver.active.get_current_stream(device)
     padded = (*grid, 1, 1)

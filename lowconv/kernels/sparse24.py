@@ -200,7 +200,12 @@ class TrainingGemms:
     def compressions(self, mask: torch.Tensor) -> tuple:
         """(W's FixedMaskCompression, W^T's or None) under `mask`."""
         if mask is not self.mask or mask._version != self.mask_version:
-            backward = None if self.backward is None else cusparselt.FixedMaskCompression(self.backward, mask.t())
+            backward = None
+            if self.backward is not None:
+                try:
+                    backward = cusparselt.FixedMaskCompression(self.backward, mask.t())
+                except LowconvError as error:
+                    raise LowconvError(f"a transposable 2:4 mask must be 2:4 along out_features too: in W^T, {error}")
             self._compressions = (cusparselt.FixedMaskCompression(self.forward, mask), backward)
             self.mask, self.mask_version = mask, mask._version
         return self._compressions
