@@ -143,6 +143,7 @@ def header_check() -> dict:
                 "CUSPARSELT_SPARSITY_50_PERCENT": cusparselt.SPARSITY_50_PERCENT,
                 "CUSPARSELT_MATMUL_ALG_DEFAULT": cusparselt.MATMUL_ALG_DEFAULT,
                 "CUSPARSELT_MATMUL_ALG_CONFIG_ID": cusparselt.ALG_CONFIG_ID,
+                "CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID": cusparselt.ALG_CONFIG_MAX_ID,
                 "CUSPARSELT_MATMUL_SPLIT_K": cusparselt.ALG_SPLIT_K,
                 "CUSPARSELT_MATMUL_SPLIT_K_MODE": cusparselt.ALG_SPLIT_K_MODE,
                 "CUSPARSELT_MATMUL_SPLIT_K_BUFFERS": cusparselt.ALG_SPLIT_K_BUFFERS,

@@ -18,11 +18,11 @@ next layer reads such a column-major x as it lies (x^T row-major), without a cop
 
 Algorithm tuning, for the products a caller asks it for (the op asks for its site's traced
 shape), once per process and product: the candidates are cuSPARSELt's own search pick
-(cusparseLtMatmulSearch, which tries every configuration), its default, and configuration 0 (what
-torch asks for), each timed here on the product's operands; later plans of the product take the
-winner, so that two modules of one weight compute the same bits. Measured on the H100
-(BENCHMARKS.md): 1.07-1.32x over cuSPARSELt's default in bf16 at the ViT-L shapes, 8192^3 and
-Llama-8B down; elsewhere within that run's noise.
+(cusparseLtMatmulSearch), its default, and every configuration id (torch asks for 0), timed here
+on the product's operands (`tune`); later plans of the product take the winner, so that two
+modules of one weight compute the same bits. Measured on the H100 (BENCHMARKS.md): 1.07-1.32x
+over cuSPARSELt's default in bf16 at the ViT-L shapes, 8192^3 and Llama-8B down; elsewhere within
+that run's noise.
 
 The opaque cuSPARSELt structs (handle, descriptors, plan) are fixed-size byte arrays in the
 header (1 KiB to 11 KiB depending on the version); they are allocated here bigger than any of
@@ -65,8 +65,9 @@ COMPUTE_32F = 2  # cusparseComputeType (0.6+): fp32 accumulation for fp16/bf16 o
 MATMUL_BIAS_POINTER = 8  # cusparseLtMatmulDescAttribute_t
 MATMUL_ALG_DEFAULT = 0  # cusparseLtMatmulAlg_t
 # cusparseLtMatmulAlgAttribute_t
-ALG_CONFIG_ID, ALG_SPLIT_K, ALG_SPLIT_K_MODE, ALG_SPLIT_K_BUFFERS = 0, 3, 4, 5
-TUNING_SAMPLES, TUNING_CALLS = 3, 3
+ALG_CONFIG_ID, ALG_CONFIG_MAX_ID, ALG_SPLIT_K, ALG_SPLIT_K_MODE, ALG_SPLIT_K_BUFFERS = 0, 1, 3, 4, 5
+TUNING_SAMPLES, TUNING_CALLS = 3, 3  # one timing of a candidate: the median of 3 samples of 3 calls
+FINALISTS, FINAL_ROUNDS = 3, 5
 VALUE_TYPES = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
 
 
@@ -454,13 +455,29 @@ class FixedMaskCompression:
 
 
 def tune(make, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> Algorithm:
-    """The fastest algorithm for a product (make(algorithm) -> its Plan) among cuSPARSELt's
-    search pick, its default and configuration 0, timed on the product's own operands."""
-    searched = make()
+    """The fastest algorithm for a product (make(algorithm) -> its Plan), timed on the product's
+    own operands: among cuSPARSELt's search pick, its default and every configuration id without
+    split-K (27 for fp16, 21 for bf16 with cuSPARSELt 0.8.0 on the H100), each timed briefly; then
+    the FINALISTS fastest again, interleaved, with more calls. Short timings alone picked a
+    configuration no faster than the default in one run out of several (BENCHMARKS.md, issue 5)."""
+    searched, default = make(), make()
     searched.run("cusparseLtMatmulSearch", compressed, x, out)
-    candidates = {searched.algorithm(), make().algorithm(), Algorithm(0, 1, 0, 0)}
-    times = {algorithm: make(algorithm).ms(compressed, x, out) for algorithm in candidates}
-    return min(times, key=times.get)
+    configurations = default.attribute(ALG_CONFIG_MAX_ID)
+    candidates = {searched.algorithm(), default.algorithm(),
+                  *(Algorithm(config, 1, 0, 0) for config in range(configurations + 1))}
+    plans = {}
+    for algorithm in candidates:
+        try:
+            plans[algorithm] = make(algorithm)
+        except LowconvError:  # an id the library does not take for this product
+            continue
+    times = {algorithm: plan.ms(compressed, x, out) for algorithm, plan in plans.items()}
+    finalists = sorted(times, key=times.get)[:FINALISTS]
+    samples = {algorithm: [] for algorithm in finalists}
+    for _ in range(FINAL_ROUNDS):
+        for algorithm in finalists:
+            samples[algorithm].append(plans[algorithm].ms(compressed, x, out))
+    return min(finalists, key=lambda algorithm: sorted(samples[algorithm])[FINAL_ROUNDS // 2])
 
 
 class SparseWeight:
