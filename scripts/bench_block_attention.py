@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from scripts.bench_common import (BudgetedRun, add_run_arguments, first_line, measure,  # noqa: E402
+from scripts.bench_common import (BudgetedRun, add_rounds_argument, add_run_arguments, first_line, measure,  # noqa: E402
                                   no_grad_call, run_device, run_header, status_cell, write_outputs)
 from lowconv.kernels.block_attention import (BAND_TILES, block_attention,  # noqa: E402
                                              block_attention_reference)
@@ -81,7 +81,7 @@ class Result:
     status: str = "ok"  # ok | fails | skipped | unsupported | wrong
     error: str = ""
     ms: float | None = None  # the median of rounds_ms
-    rounds_ms: list = field(default_factory=list)  # each do_bench median
+    rounds_ms: list = field(default_factory=list)  # each do_bench median, the peers interleaved by round
     workspace_mb: float | None = None
     first_call_s: float | None = None
     rel_l2: dict = field(default_factory=dict)  # output or gradient name -> error vs float64
@@ -98,9 +98,8 @@ def parse_args():
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=tuple(LAYOUTS))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="do_bench runs per call, the median reported (the 1k forward+backward rows are "
-                             "host-bound and move with the host's load; the JSON lists every round)")
+    add_rounds_argument(parser, "every call (the 1k forward+backward rows are host-bound and move with the host's "
+                                "load)")
     args = parser.parse_args()
     if args.quick:
         args.seqs = [max(args.seqs)]
@@ -234,10 +233,12 @@ class Run(BudgetedRun):
         reference = None if self.blocked() else reference_slice(case, inputs, grad_out)
         dims = dict(batch=batch, heads=heads, **asdict(case))
         for mode in self.args.modes:
+            timed = []
             for peer in peers:
-                self.peer(Result(mode, case.label(), peer, dims), case, inputs, grad_out, reference)
+                self.peer(Result(mode, case.label(), peer, dims), case, inputs, grad_out, reference, timed)
+            self.interleaved_rounds(timed)
 
-    def peer(self, result, case, inputs, grad_out, reference):
+    def peer(self, result, case, inputs, grad_out, reference, timed):
         def work():
             try:
                 attention = PEER_BUILDERS[result.peer](case, self.device)
@@ -255,8 +256,9 @@ class Run(BudgetedRun):
             if not worst <= TOLERANCE[DTYPES[case.dtype]]:  # NaN too
                 return {"status": "wrong", "rel_l2": errors,
                         "error": f"relative L2 error {worst:.2g} vs float64 (tolerance {TOLERANCE[DTYPES[case.dtype]]:g})"}
-            return {"rel_l2": errors, **measure(call, self.device, self.args.warmup_ms, self.args.rep_ms,
-                                                  self.args.rounds)}
+            measured = measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)
+            timed.append((result, call))
+            return {"rel_l2": errors, **measured}
         self.unit(result, work, result_line)
 
 

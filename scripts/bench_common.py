@@ -37,12 +37,11 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def measure(fn, device, warmup_ms, rep_ms, rounds=1):
+def measure(fn, device, warmup_ms, rep_ms):
     """Median ms and workspace memory (MB, 1e6 bytes: the peak allocated during fn() beyond
     the memory before it and the tensors it returns) of fn(); its first call (compiles,
-    autotuning) is timed apart. With `rounds` > 1 on CUDA, the median of that many do_bench
-    medians (each one listed in rounds_ms): a host-bound call's time follows the host's load
-    over one do_bench window. On CPU: a median of a few wall-clock calls, no memory."""
+    autotuning) is timed apart. rounds_ms lists the one round (BudgetedRun.interleaved_rounds
+    adds more). On CPU: a median of a few wall-clock calls, no memory."""
     start = time.perf_counter()
     fn()
     synchronize(device)
@@ -53,17 +52,16 @@ def measure(fn, device, warmup_ms, rep_ms, rounds=1):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        return {"ms": statistics.median(times) * 1e3, "workspace_mb": None, "first_call_s": first_call_s}
+        ms = statistics.median(times) * 1e3
+        return {"ms": ms, "rounds_ms": [ms], "workspace_mb": None, "first_call_s": first_call_s}
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     result_bytes = sum(t.numel() * t.element_size() for t in returned_tensors(fn()))
     torch.cuda.synchronize()
     workspace_mb = (torch.cuda.max_memory_allocated() - base - result_bytes) / 1e6
-    rounds_ms = [triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-                 for _ in range(rounds)]
-    return {"ms": statistics.median(rounds_ms), "rounds_ms": rounds_ms, "workspace_mb": workspace_mb,
-            "first_call_s": first_call_s}
+    ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return {"ms": ms, "rounds_ms": [ms], "workspace_mb": workspace_mb, "first_call_s": first_call_s}
 
 
 def returned_tensors(result):
@@ -95,6 +93,13 @@ def add_run_arguments(parser, *, name, quick_help, tiny_help, cpu_help, budget_s
     parser.add_argument("--warmup-ms", type=float, default=warmup_ms, help=f"do_bench warmup (default {warmup_ms:g})")
     parser.add_argument("--rep-ms", type=float, default=rep_ms, help=f"do_bench rep (default {rep_ms:g})")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_rounds_argument(parser, what):
+    """--rounds, for a benchmark that times its peers with BudgetedRun.interleaved_rounds."""
+    parser.add_argument("--rounds", type=int, default=3,
+                        help=f"{what}: do_bench runs per call, the peers of a case interleaved round by round, "
+                             "the median reported (the JSON lists every round; default 3)")
 
 
 def run_device(args, name) -> torch.device:
@@ -180,6 +185,20 @@ class BudgetedRun:
         self.results.append(result)
         self.log(f"{result.section} {result.case} {result.peer}: {describe(result)}")
         self.write()
+
+    def interleaved_rounds(self, timed):
+        """Rounds 2..args.rounds of some peers' timed calls ((result, call) pairs, each result
+        measured once), the peers interleaved round by round, so that drifts of clocks, power and
+        the host's load hit them alike; each result's ms becomes the median of its rounds_ms."""
+        for _ in range(1, self.args.rounds):
+            for result, call in timed:
+                if self.blocked():
+                    break
+                result.rounds_ms.append(measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)["ms"])
+        for result, _ in timed:
+            result.ms = statistics.median(result.rounds_ms)
+        if timed:
+            self.write()
 
 
 def host_ms(fn, calls):

@@ -51,8 +51,8 @@ from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
-from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, no_grad_call,  # noqa: E402
-                                  run_device, run_header, status_cell, train_call, write_outputs)
+from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments, measure,  # noqa: E402
+                                  no_grad_call, run_device, run_header, status_cell, train_call, write_outputs)
 from lowconv.kernels.fp8 import (  # noqa: E402
     E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise, quantize_with_scale,
 )
@@ -127,7 +127,8 @@ class Result:
     dims: tuple = ()
     status: str = "ok"  # ok | fails | skipped
     error: str = ""
-    ms: float | None = None
+    ms: float | None = None  # the median of rounds_ms
+    rounds_ms: list = field(default_factory=list)  # each do_bench median, the peers interleaved by round
     workspace_mb: float | None = None  # None: not measured (CPU)
     first_call_s: float | None = None
     sqnr_db: dict = field(default_factory=dict)  # output name -> SQNR (dB) vs float64
@@ -293,33 +294,44 @@ class Run(BudgetedRun):
     def write(self, final=False):
         return write_report(self, final)
 
-    def timed(self, fn):
-        return measure(fn, self.device, self.args.warmup_ms, self.args.rep_ms)
+    def timed(self, fn, result, timed):
+        """The first round of fn (measure), and fn queued in `timed` for interleaved_rounds."""
+        measured = measure(fn, self.device, self.args.warmup_ms, self.args.rep_ms)
+        timed.append((result, fn))
+        return measured
 
     def forward_shape(self, shape):
         x, w, _ = random_operands(shape, self.device, self.args.seed)
         rows = reference_rows(shape)[0]
         reference = None if self.blocked() else forward_reference(x, w, rows)
+        timed = []
         for peer, build in forward_builders().items():
+            result = Result("forward", shape.label(), peer, shape.dims)
+
             def work():
                 call = no_grad_call(build(x, w))
                 sqnr = {"out": sqnr_db(reference, call()[:rows])}
-                return {"sqnr_db": sqnr, **self.timed(call)}
-            self.unit(Result("forward", shape.label(), peer, shape.dims), work)
+                return {"sqnr_db": sqnr, **self.timed(call, result, timed)}
+            self.unit(result, work)
+        self.interleaved_rounds(timed)
 
     def training_shape(self, shape):
         x, w, grad_out = random_operands(shape, self.device, self.args.seed)
         rows, w_rows = reference_rows(shape)
         reference = None if self.blocked() else training_reference(x, w, grad_out, rows, w_rows)
+        timed = []
         for peer, build in training_builders().items():
+            result = Result("training", shape.label(), peer, shape.dims)
+
             def work():
                 call = train_call(*build(x, w), x, grad_out)
                 got = dict(zip(GRADIENTS, call()))
                 got = {"out": got["out"][:rows], "dx": got["dx"][:rows], "dw": got["dw"][:w_rows]}
                 sqnr = {name: sqnr_db(reference[name], got[name]) for name in GRADIENTS}
                 del got
-                return {"sqnr_db": sqnr, **self.timed(call)}
-            self.unit(Result("training", shape.label(), peer, shape.dims), work)
+                return {"sqnr_db": sqnr, **self.timed(call, result, timed)}
+            self.unit(result, work)
+        self.interleaved_rounds(timed)
 
     def quantization(self, rows, cols):
         gen = torch.Generator(device=self.device).manual_seed(self.args.seed)
@@ -345,11 +357,15 @@ class Run(BudgetedRun):
                                     lambda q: dequantize(*q)),
             "eager quantize": (lambda: eager_quantize(x), x_bytes + n + 4, lambda q: dequantize(*q)),
         }
+        timed = []
         for peer, (call, moved, estimate) in calls.items():
+            result = Result("quantize", quant_case((rows, cols)), peer, (rows, cols))
+
             def work():
                 sqnr = {} if estimate is None else {"x": sqnr_db(x64, estimate(call()))}
-                return {"sqnr_db": sqnr, "bytes_moved": moved, **self.timed(call)}
-            self.unit(Result("quantize", quant_case((rows, cols)), peer, (rows, cols)), work)
+                return {"sqnr_db": sqnr, "bytes_moved": moved, **self.timed(call, result, timed)}
+            self.unit(result, work)
+        self.interleaved_rounds(timed)
 
     def weight_memory(self, width, hidden, blocks, inputs_shape):
         memory = self.memory
@@ -659,6 +675,7 @@ def parse_args():
     add_run_arguments(parser, name="bench_fp8", quick_help="the issue's four GEMM shapes only (no Llama-8B shapes)",
                       tiny_help=f"every size divided by {TINY_DIVISOR}", cpu_help="torch._scaled_mm's CPU path",
                       budget_s=300.0, warmup_ms=25.0, rep_ms=100.0)
+    add_rounds_argument(parser, "forward, training and quantization")
     return parser.parse_args()
 
 

@@ -47,7 +47,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -65,8 +64,9 @@ from lowconv.kernels import cusparselt  # noqa: E402
 from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, first_line, host_ms, measure,  # noqa: E402
-                                  no_grad_call, run_device, run_header, status_cell, train_call, write_outputs)
+from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments, first_line,  # noqa: E402
+                                  host_ms, measure, no_grad_call, run_device, run_header, status_cell, train_call,
+                                  write_outputs)
 
 NAME = "bench_semi_sparse"
 
@@ -406,7 +406,7 @@ class Run(BudgetedRun):
                 timed.append((result, no_grad_call(call)))
                 return {"rel_error": error, "note": note, **measured}
             self.unit(result, work)
-        self.more_rounds(timed)
+        self.interleaved_rounds(timed)
 
     def training_shape(self, shape, dtype_name):
         dtype = DTYPES[dtype_name]
@@ -434,22 +434,7 @@ class Run(BudgetedRun):
                 timed.append((result, call))
                 return {"rel_error": error, "note": compression_note(layer), **measured}
             self.unit(result, work)
-        self.more_rounds(timed)
-
-    def more_rounds(self, timed):
-        """Rounds 2..--rounds of a shape's timed calls, the peers interleaved round by round (so
-        that drifts of clocks, power and the host's load hit them alike); each result's ms becomes
-        the median of its rounds."""
-        for result, _ in timed:
-            result.rounds_ms = result.rounds_ms or [result.ms]  # on the CPU, measure lists no rounds
-        for _ in range(1, self.args.rounds):
-            for result, call in timed:
-                if self.blocked():
-                    break
-                result.rounds_ms.append(measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)["ms"])
-        for result, _ in timed:
-            result.ms = statistics.median(result.rounds_ms)
-        self.write()
+        self.interleaved_rounds(timed)
 
     def host_time(self, shape):
         """Wall-clock ms per call of back-to-back calls without a sync: the host's cost per call
@@ -729,9 +714,7 @@ def parse_args():
     parser.add_argument("--check", choices=sorted(CHECKS), help=argparse.SUPPRESS)  # a child's one check
     parser.add_argument("--parts", default="checks,forward,training,prune,mlp",
                         help="comma-separated parts to run (default: all)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="forward and training: do_bench runs per call, the peers of a shape interleaved "
-                             "round by round, the median reported (the JSON lists every round)")
+    add_rounds_argument(parser, "forward and training")
     return parser.parse_args()
 
 
