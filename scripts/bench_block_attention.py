@@ -233,12 +233,12 @@ class Run(BudgetedRun):
         reference = None if self.blocked() else reference_slice(case, inputs, grad_out)
         dims = dict(batch=batch, heads=heads, **asdict(case))
         for mode in self.args.modes:
-            timed = []
+            queued = []
             for peer in peers:
-                self.peer(Result(mode, case.label(), peer, dims), case, inputs, grad_out, reference, timed)
-            self.interleaved_rounds(timed)
+                self.peer(Result(mode, case.label(), peer, dims), case, inputs, grad_out, reference, queued)
+            self.interleaved_rounds(queued)
 
-    def peer(self, result, case, inputs, grad_out, reference, timed):
+    def peer(self, result, case, inputs, grad_out, reference, queued):
         def work():
             try:
                 attention = PEER_BUILDERS[result.peer](case, self.device)
@@ -257,7 +257,7 @@ class Run(BudgetedRun):
                 return {"status": "wrong", "rel_l2": errors,
                         "error": f"relative L2 error {worst:.2g} vs float64 (tolerance {TOLERANCE[DTYPES[case.dtype]]:g})"}
             measured = measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)
-            timed.append((result, call))
+            queued.append((result, call))
             return {"rel_l2": errors, **measured}
         self.unit(result, work, result_line)
 

@@ -186,18 +186,23 @@ class BudgetedRun:
         self.log(f"{result.section} {result.case} {result.peer}: {describe(result)}")
         self.write()
 
-    def interleaved_rounds(self, timed):
-        """Rounds 2..args.rounds of some peers' timed calls ((result, call) pairs, each result
+    def interleaved_rounds(self, queued):
+        """Rounds 2..args.rounds of some peers' timed calls (a list of (result, call), each result
         measured once), the peers interleaved round by round, so that drifts of clocks, power and
-        the host's load hit them alike; each result's ms becomes the median of its rounds_ms."""
+        the host's load hit them alike; each result's ms becomes the median of its rounds_ms. A
+        call that fails in a later round marks its result failed and leaves the rounds."""
         for _ in range(1, self.args.rounds):
-            for result, call in timed:
+            for result, call in list(queued):
                 if self.blocked():
                     break
-                result.rounds_ms.append(measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)["ms"])
-        for result, _ in timed:
+                try:
+                    result.rounds_ms.append(measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)["ms"])
+                except Exception as error:  # noqa: BLE001 - a peer's failure is a result
+                    result.status, result.error = "fails", self.failed(error)
+                    queued.remove((result, call))
+        for result, _ in queued:
             result.ms = statistics.median(result.rounds_ms)
-        if timed:
+        if queued:
             self.write()
 
 

@@ -294,32 +294,32 @@ class Run(BudgetedRun):
     def write(self, final=False):
         return write_report(self, final)
 
-    def timed(self, fn, result, timed):
-        """The first round of fn (measure), and fn queued in `timed` for interleaved_rounds."""
+    def timed(self, fn, result, queued):
+        """The first round of fn (measure), and (result, fn) queued for interleaved_rounds."""
         measured = measure(fn, self.device, self.args.warmup_ms, self.args.rep_ms)
-        timed.append((result, fn))
+        queued.append((result, fn))
         return measured
 
     def forward_shape(self, shape):
         x, w, _ = random_operands(shape, self.device, self.args.seed)
         rows = reference_rows(shape)[0]
         reference = None if self.blocked() else forward_reference(x, w, rows)
-        timed = []
+        queued = []
         for peer, build in forward_builders().items():
             result = Result("forward", shape.label(), peer, shape.dims)
 
             def work():
                 call = no_grad_call(build(x, w))
                 sqnr = {"out": sqnr_db(reference, call()[:rows])}
-                return {"sqnr_db": sqnr, **self.timed(call, result, timed)}
+                return {"sqnr_db": sqnr, **self.timed(call, result, queued)}
             self.unit(result, work)
-        self.interleaved_rounds(timed)
+        self.interleaved_rounds(queued)
 
     def training_shape(self, shape):
         x, w, grad_out = random_operands(shape, self.device, self.args.seed)
         rows, w_rows = reference_rows(shape)
         reference = None if self.blocked() else training_reference(x, w, grad_out, rows, w_rows)
-        timed = []
+        queued = []
         for peer, build in training_builders().items():
             result = Result("training", shape.label(), peer, shape.dims)
 
@@ -329,9 +329,9 @@ class Run(BudgetedRun):
                 got = {"out": got["out"][:rows], "dx": got["dx"][:rows], "dw": got["dw"][:w_rows]}
                 sqnr = {name: sqnr_db(reference[name], got[name]) for name in GRADIENTS}
                 del got
-                return {"sqnr_db": sqnr, **self.timed(call, result, timed)}
+                return {"sqnr_db": sqnr, **self.timed(call, result, queued)}
             self.unit(result, work)
-        self.interleaved_rounds(timed)
+        self.interleaved_rounds(queued)
 
     def quantization(self, rows, cols):
         gen = torch.Generator(device=self.device).manual_seed(self.args.seed)
@@ -357,15 +357,15 @@ class Run(BudgetedRun):
                                     lambda q: dequantize(*q)),
             "eager quantize": (lambda: eager_quantize(x), x_bytes + n + 4, lambda q: dequantize(*q)),
         }
-        timed = []
+        queued = []
         for peer, (call, moved, estimate) in calls.items():
             result = Result("quantize", quant_case((rows, cols)), peer, (rows, cols))
 
             def work():
                 sqnr = {} if estimate is None else {"x": sqnr_db(x64, estimate(call()))}
-                return {"sqnr_db": sqnr, "bytes_moved": moved, **self.timed(call, result, timed)}
+                return {"sqnr_db": sqnr, "bytes_moved": moved, **self.timed(call, result, queued)}
             self.unit(result, work)
-        self.interleaved_rounds(timed)
+        self.interleaved_rounds(queued)
 
     def weight_memory(self, width, hidden, blocks, inputs_shape):
         memory = self.memory

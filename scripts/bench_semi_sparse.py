@@ -394,7 +394,7 @@ class Run(BudgetedRun):
         x, w = random_operands(shape, self.device, dtype, self.args.seed)
         rows = min(REFERENCE_ROWS, shape.m)
         reference = None if self.blocked() else x[:rows].double() @ w.double().t()
-        timed = []
+        queued = []
         for peer, build in forward_builders().items():
             result = Result("forward", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name)
 
@@ -403,10 +403,10 @@ class Run(BudgetedRun):
                 with torch.no_grad():
                     error = {"out": relative_error(call()[:rows], reference)}
                     measured = self.timed(no_grad_call(call))
-                timed.append((result, no_grad_call(call)))
+                queued.append((result, no_grad_call(call)))
                 return {"rel_error": error, "note": note, **measured}
             self.unit(result, work)
-        self.interleaved_rounds(timed)
+        self.interleaved_rounds(queued)
 
     def training_shape(self, shape, dtype_name):
         dtype = DTYPES[dtype_name]
@@ -414,7 +414,7 @@ class Run(BudgetedRun):
         w = (torch.randn(w.shape, device=w.device) * shape.k ** -0.5).to(dtype)  # dense: each peer prunes its way
         grad_out = torch.randn(shape.m, shape.n, device=self.device).to(dtype)
         rows = min(REFERENCE_ROWS, shape.m)
-        timed = []
+        queued = []
         for peer, build in training_builders(self.device).items():
             result = Result("training", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name)
 
@@ -431,10 +431,10 @@ class Run(BudgetedRun):
                 error["dw off-mask nonzero"] = int((got["dw"][~mask] != 0).sum())
                 del got, ref
                 measured = self.timed(call)
-                timed.append((result, call))
+                queued.append((result, call))
                 return {"rel_error": error, "note": compression_note(layer), **measured}
             self.unit(result, work)
-        self.interleaved_rounds(timed)
+        self.interleaved_rounds(queued)
 
     def host_time(self, shape):
         """Wall-clock ms per call of back-to-back calls without a sync: the host's cost per call
@@ -463,8 +463,11 @@ class Run(BudgetedRun):
                 matches = f"not checked ({first_line(error)})"
             tile = f"torch _sparse_semi_structured_tile {TILE_ALGORITHM}, cuSPARSELt layout (W and W^T)"
             fixed_mask = cusparselt.FixedMaskCompression(gemm, mask_24(w))
+            gather = "lowconv fixed-mask compression (gather)"
+            if not fixed_mask.gathers:
+                notes[gather] = "fell back to cuSPARSELt's compression (unknown layout)"
             calls.update({"lowconv cuSPARSELt compress": lambda: gemm.compress(pruned),
-                          "lowconv fixed-mask compression (gather)": lambda: fixed_mask.compress(w),
+                          gather: lambda: fixed_mask.compress(w),
                           "torch _cslt_compress": lambda: torch._cslt_compress(pruned),
                           "torch _sparse_semi_structured_tile (default algorithm)":
                               lambda: torch._sparse_semi_structured_tile(w),

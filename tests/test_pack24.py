@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowconv.errors import LowconvError
+from lowconv.kernels import pack24
 from lowconv.kernels.pack24 import kept_codes, pack_kept, pack_kept_reference, zero_unkept
 from lowconv.kernels.sparse24 import mask_24, mask_24_transposable
 
@@ -15,9 +16,20 @@ def kept_row_major(w, mask):
     return w[mask].reshape(w.shape[0], w.shape[1] // 2)
 
 
+# Ragged in both tile dims, and more than one program along each (pack's tile: 64 rows x 32 groups).
+SHAPES = [(4, 8), (33, 40), (130, 264), (9, 1040)]
+
+
+@pytest.fixture(params=[False, True], ids=["int32 offsets", "int64 offsets"])
+def offsets(request, monkeypatch):
+    """Each kernel test also with the int64 offsets of tensors of 2^31 elements or more."""
+    if request.param:
+        monkeypatch.setattr(pack24, "WIDE_OFFSETS", 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(4, 8), (33, 40), (64, 264)])  # ragged in both block dims
-def test_the_kernel_gathers_the_kept_values_in_row_major_order(dtype, shape):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_gathers_the_kept_values_in_row_major_order(dtype, shape, offsets):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     mask = mask_24(torch.randn(shape, generator=torch.Generator().manual_seed(1)))
     codes = kept_codes(mask)
@@ -27,11 +39,11 @@ def test_the_kernel_gathers_the_kept_values_in_row_major_order(dtype, shape):
     assert torch.equal(pack_kept(w.to(DEVICE), codes.to(DEVICE), out).cpu(), expected)
 
 
-def test_a_transposed_view_packs_as_its_contiguous_copy():
-    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+def test_a_transposed_view_packs_as_its_contiguous_copy(offsets):
+    w = torch.randn(136, 264, generator=torch.Generator().manual_seed(2)).to(torch.float16)
     mask = mask_24_transposable(w)
     codes_t = kept_codes(mask.t())
-    out = torch.empty(64, 24, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(264, 68, dtype=torch.float16, device=DEVICE)
     got = pack_kept(w.to(DEVICE).t(), codes_t.to(DEVICE), out).cpu()
     assert torch.equal(got, kept_row_major(w.t().contiguous(), mask.t()))
 
@@ -51,8 +63,8 @@ def test_codes_name_the_two_kept_positions_of_each_group():
 
 def test_a_mask_that_is_not_2_of_4_is_refused_with_where():
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)
-    with pytest.raises(LowconvError, match=r"keeps 3 values in the group of row 0, columns 4\.\.7"):
-        kept_codes(mask)
+    with pytest.raises(LowconvError, match=r"^W's mask \(1, 8\) keeps 3 values in the group of row 0, columns 4\.\.7"):
+        kept_codes(mask, "W's mask")
 
 
 def test_operands_that_do_not_fit_are_refused():
@@ -65,8 +77,8 @@ def test_operands_that_do_not_fit_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(4, 8), (33, 40)])
-def test_zero_unkept_zeroes_what_the_mask_drops_in_place(dtype, shape):
+@pytest.mark.parametrize("shape", SHAPES)  # zero_unkept's tile: 8 rows x 128 groups
+def test_zero_unkept_zeroes_what_the_mask_drops_in_place(dtype, shape, offsets):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     mask = mask_24(torch.randn(shape, generator=torch.Generator().manual_seed(4)))
     on_device = x.to(DEVICE)

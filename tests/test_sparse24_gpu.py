@@ -133,7 +133,20 @@ def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
     other = mask_24_transposable(weight.detach().flip(0)) if transposable else mask_24(weight.detach().flip(1))
     mask.copy_(other)  # written in place (as load_state_dict does): the compressions follow
     y = SparseLinearFunction.apply(x, weight, mask, b, gemms)
-    assert relative_error(y, x.double() @ (weight * other).double().t() + b.double()) < TOLERANCE[dtype]
+    dx, dw = torch.autograd.grad(y, (x, weight), grad_out)
+    w64 = (weight * other).double()
+    assert relative_error(y, x.double() @ w64.t() + b.double()) < TOLERANCE[dtype]
+    assert relative_error(dx, g64 @ w64) < TOLERANCE[dtype]
+    assert relative_error(dw, (g64.t() @ x64) * other) < TOLERANCE[dtype]
+
+
+def test_fixed_mask_training_runs_with_a_mask_made_under_inference_mode():
+    x, w, b = operands(32, 64, 32, torch.float16)
+    with torch.inference_mode():  # e.g. a model loaded under inference_mode: no version counter
+        mask = mask_24_transposable(w)
+        gemms = TrainingGemms.of(w, transposable=True)
+        y = SparseLinearFunction.apply(x, w * mask, mask, b, gemms)
+    assert relative_error(y, masked_reference(x, w * mask, b)) < TOLERANCE[torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -248,5 +261,6 @@ def test_a_transposable_layer_refuses_a_mask_whose_transpose_is_not_2_4():
     w = torch.randn(64, 128, device="cuda").to(torch.float16)
     mask = mask_24(w)  # 2:4 along in_features only
     gemms = TrainingGemms.of(w, transposable=True)
-    with pytest.raises(lowconv.LowconvError, match=r"2:4 along out_features too: in W\^T, a 2:4 mask \(128, 64\)"):
+    with pytest.raises(lowconv.LowconvError, match=r"W\^T's mask \(a transposable mask is 2:4 along out_features "
+                                                   r"too\) \(128, 64\) keeps"):
         SparseLinearFunction.apply(torch.randn(8, 128, device="cuda", dtype=torch.float16), w, mask, None, gemms)

@@ -20,8 +20,8 @@ Algorithm tuning, for the products a caller asks it for (the op asks for its sit
 shape), once per process and product: the candidates are cuSPARSELt's own search pick
 (cusparseLtMatmulSearch), its default, and every configuration id (torch asks for 0), timed here
 on the product's operands (`tune`); later plans of the product take the winner, so that two
-modules of one weight compute the same bits. Measured on the H100 (BENCHMARKS.md): 1.07-1.32x
-over cuSPARSELt's default in bf16 at the ViT-L shapes, 8192^3 and Llama-8B down; elsewhere within
+modules of one weight compute the same bits. Measured on the H100 (BENCHMARKS.md, issue 5): in
+bf16 1.08-1.13x over cuSPARSELt's default at the ViT-L shapes and 1.13x at 8192^3; in fp16 within
 that run's noise.
 
 The opaque cuSPARSELt structs (handle, descriptors, plan) are fixed-size byte arrays in the
@@ -313,8 +313,8 @@ def current_stream(device: torch.device) -> int:
 class WeightLayout:
     """The structured descriptor of a 2:4 weight (N, K) and its compressed and scratch sizes, made
     once: its init and destroy take ~185 us of host time on the H100 machines' hosts, against
-    ~10 us for the compression call itself (4096 x 1024 fp16, 2026-11-22); a training step
-    compresses its weight every forward."""
+    ~10 us for the compression call itself (4096 x 1024 fp16, 2026-11-22); fixed-mask training
+    compresses with it per mask (FixedMaskCompression), or every step where that falls back."""
 
     def __init__(self, lib: Library, handle, n: int, k: int, dtype: torch.dtype):
         self.lib, self.descriptor = lib, Opaque()
@@ -425,14 +425,19 @@ class FixedMaskCompression:
     falls back to cuSPARSELt's compression (with a warning).
 
     One buffer serves every call: a weight compressed here is valid until the next `compress`, in
-    stream order (what a forward, or a backward, of one layer needs)."""
+    stream order. That is what a forward, or a backward, of one layer needs on one stream; calls of
+    one layer on several streams at once would race on it. A CUDA graph that captured `compress`
+    keeps writing into this buffer: capture again after the mask changes. Memory: the buffer (about
+    0.56x the weight's bytes in fp16/bf16) and the codes (1 byte per 4 values) stay allocated.
 
-    def __init__(self, gemm: SparseGemm, mask: torch.Tensor):
+    `name` names the mask in errors (e.g. a transposable mask's transpose)."""
+
+    def __init__(self, gemm: SparseGemm, mask: torch.Tensor, name: str = "a 2:4 mask"):
         n, k = gemm.out_features, gemm.in_features
         if mask.shape != (n, k):
-            raise LowconvError(f"2:4 mask {tuple(mask.shape)} does not fit the weight ({n}, {k})")
+            raise LowconvError(f"{name} {tuple(mask.shape)} does not fit the weight ({n}, {k})")
         self.gemm, self.mask = gemm, mask
-        self.codes = kept_codes(mask)
+        self.codes = kept_codes(mask, name)
         self.buffer = gemm.compress(mask.to(gemm.dtype))
         self.values = self.buffer[:n * k // 2 * gemm.dtype.itemsize].view(gemm.dtype).view(n, k // 2)
         ramp = (torch.arange(n * k, device=mask.device) % 251 + 1).to(gemm.dtype).view(n, k)
@@ -457,21 +462,23 @@ class FixedMaskCompression:
 def tune(make, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> Algorithm:
     """The fastest algorithm for a product (make(algorithm) -> its Plan), timed on the product's
     own operands: among cuSPARSELt's search pick, its default and every configuration id without
-    split-K (27 for fp16, 21 for bf16 with cuSPARSELt 0.8.0 on the H100), each timed briefly; then
+    split-K (27 for fp16, 21 for bf16 with cuSPARSELt 0.8.0 on the H100), each timed briefly (one
+    that fails to plan or run is left out); then
     the FINALISTS fastest again, interleaved, with more calls. Short timings alone picked a
     configuration no faster than the default in one run out of several (BENCHMARKS.md, issue 5)."""
     searched, default = make(), make()
     searched.run("cusparseLtMatmulSearch", compressed, x, out)
-    configurations = default.attribute(ALG_CONFIG_MAX_ID)
+    configurations = default.attribute(ALG_CONFIG_MAX_ID)  # ids 0 .. configurations - 1
     candidates = {searched.algorithm(), default.algorithm(),
-                  *(Algorithm(config, 1, 0, 0) for config in range(configurations + 1))}
-    plans = {}
+                  *(Algorithm(config, 1, 0, 0) for config in range(configurations))}
+    plans, times = {}, {}
     for algorithm in candidates:
         try:
-            plans[algorithm] = make(algorithm)
-        except LowconvError:  # an id the library does not take for this product
+            plan = make(algorithm)
+            times[algorithm] = plan.ms(compressed, x, out)
+        except LowconvError:  # a configuration the library does not take (or run) for this product
             continue
-    times = {algorithm: plan.ms(compressed, x, out) for algorithm, plan in plans.items()}
+        plans[algorithm] = plan
     finalists = sorted(times, key=times.get)[:FINALISTS]
     samples = {algorithm: [] for algorithm in finalists}
     for _ in range(FINAL_ROUNDS):

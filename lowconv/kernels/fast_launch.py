@@ -25,8 +25,9 @@ from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction, driver
 
 # (id of the kernel, device, options, constexprs, each argument's key) -> (the kernel, compiled
-# kernel, its constexprs' names in signature order). Bounded; a cache of what Triton compiled, so
-# clearing it loses nothing.
+# kernel, its constexprs' names in signature order). The entry holds the kernel, so no other object
+# can take its id while the entry lives. Bounded; a cache of what Triton compiled, so clearing it
+# loses nothing.
 _COMPILED: dict = {}
 CACHE_ENTRIES = 1024
 I32, I64 = range(-2 ** 31, 2 ** 31), range(-2 ** 63, 2 ** 63)
@@ -65,7 +66,7 @@ def launch(kernel, grid, args, constexprs, **options):
     except TypeError:
         return kernel[grid](*args, **constexprs, **options)
     hit = _COMPILED.get(key)
-    if hit is None or hit[0] is not kernel:  # a kernel freed since, whose id another one got
+    if hit is None:
         compiled = kernel[grid](*args, **constexprs, **options)
         names = kernel.arg_names[len(args):]
         if isinstance(compiled, CompiledKernel) and set(names) == set(constexprs):

@@ -18,19 +18,20 @@ from lowconv.kernels import fast_launch
 
 # (rows, groups of 4, warps) per program, measured on the H100 (BENCHMARKS.md): 4096 x 1024 and
 # 1024 x 4096 fp16, pack ~10-12 us (W and W^T's view), zero_unkept 12.6 us (20 us for torch's
-# multiply by the bool mask; 25 us with pack's tile).
+# multiply by the bool mask; 25.5 us with (32, 32, 4) tiles).
 PACK_TILE, ZERO_TILE = (64, 32, 4), (8, 128, 4)
+WIDE_OFFSETS = 2 ** 31  # element offsets from here on need int64 (WIDE): the kernels go over to it
 
 
-def kept_codes(mask: torch.Tensor) -> torch.Tensor:
+def kept_codes(mask: torch.Tensor, name: str = "a 2:4 mask") -> torch.Tensor:
     """uint8 (R, C/4): each group's two kept positions, first | second << 2, from a bool (R, C) 2:4
-    mask. LowconvError if a group keeps other than exactly 2."""
+    mask. LowconvError (naming the mask `name`) if a group keeps other than exactly 2."""
     rows, cols = mask.shape
     groups = mask.reshape(rows, cols // 4, 4)
     kept = groups.sum(-1)
     if (kept != 2).any():
         bad = (kept != 2).nonzero()[0].tolist()
-        raise LowconvError(f"a 2:4 mask ({rows}, {cols}) keeps {int(kept[bad[0], bad[1]])} values in the group of "
+        raise LowconvError(f"{name} ({rows}, {cols}) keeps {int(kept[bad[0], bad[1]])} values in the group of "
                            f"row {bad[0]}, columns {4 * bad[1]}..{4 * bad[1] + 3}; every group of 4 must keep 2")
     positions = groups.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :2]
     return (positions[..., 0] | positions[..., 1] << 2).to(torch.uint8).contiguous()
@@ -45,10 +46,19 @@ def pack_kept_reference(src: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _pack_kept_kernel(src, codes, out, rows, groups, stride_row, stride_col,
-                      BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+def _rows_and_groups(BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, WIDE: tl.constexpr):
+    """This program's row and group indices, int64 when WIDE (offsets of 2^31 elements or more)."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     g = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    if WIDE:
+        return r.to(tl.int64), g.to(tl.int64)
+    return r, g
+
+
+@triton.jit
+def _pack_kept_kernel(src, codes, out, rows, groups, stride_row, stride_col,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, WIDE: tl.constexpr):
+    r, g = _rows_and_groups(BLOCK_ROWS, BLOCK_GROUPS, WIDE)
     ok = (r[:, None] < rows) & (g[None, :] < groups)
     code = tl.load(codes + r[:, None] * groups + g[None, :], mask=ok, other=0).to(tl.int32)
     t = tl.arange(0, 4)
@@ -66,6 +76,11 @@ def _pack_kept_kernel(src, codes, out, rows, groups, stride_row, stride_col,
     tl.store(out + r[:, None] * (2 * groups) + o[None, :], pair, mask=(r[:, None] < rows) & (o[None, :] < 2 * groups))
 
 
+def wide(*extents: int) -> bool:
+    """Whether offsets up to the largest of `extents` (elements) need int64."""
+    return max(extents) >= WIDE_OFFSETS
+
+
 def pack_kept(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Writes src's kept values (R, C/2) into `out` (contiguous, src's dtype) and returns it; src
     (R, C) of any strides, codes from kept_codes."""
@@ -76,15 +91,17 @@ def pack_kept(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> torc
                            f"{tuple(out.shape)} {out.dtype} do not fit (codes (R, C/4) and out (R, C/2) contiguous)")
     block_rows, block_groups, warps = PACK_TILE
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 4, block_groups))
+    last = (rows - 1) * abs(src.stride(0)) + (cols - 1) * abs(src.stride(1))  # src's farthest element
     fast_launch.launch(_pack_kept_kernel, grid, (src, codes, out, rows, cols // 4, src.stride(0), src.stride(1)),
-                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups}, num_warps=warps)
+                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups, "WIDE": wide(last, src.numel())},
+                       num_warps=warps)
     return out
 
 
 @triton.jit
-def _zero_unkept_kernel(x, codes, rows, groups, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    g = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+def _zero_unkept_kernel(x, codes, rows, groups, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+                        WIDE: tl.constexpr):
+    r, g = _rows_and_groups(BLOCK_ROWS, BLOCK_GROUPS, WIDE)
     ok = (r[:, None] < rows) & (g[None, :] < groups)
     code = tl.load(codes + r[:, None] * groups + g[None, :], mask=ok, other=0).to(tl.int32)[:, :, None]
     t = tl.arange(0, 4)[None, None, :]
@@ -104,5 +121,6 @@ def zero_unkept(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     block_rows, block_groups, warps = ZERO_TILE
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 4, block_groups))
     fast_launch.launch(_zero_unkept_kernel, grid, (x, codes, rows, cols // 4),
-                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups}, num_warps=warps)
+                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups, "WIDE": wide(x.numel())},
+                       num_warps=warps)
     return x

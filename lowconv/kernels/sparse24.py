@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -184,9 +184,9 @@ class TrainingGemms:
     forward: cusparselt.SparseGemm
     backward: cusparselt.SparseGemm | None
     rows: int | None = None
-    mask: torch.Tensor | None = None  # the mask the compressions were made for, at mask_version
-    mask_version: int = -1
-    _compressions: tuple = ()
+    mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    mask_state: tuple = field(default=(), init=False, repr=False, compare=False)  # what mask_state() was
+    _compressions: tuple = field(default=(), init=False, repr=False, compare=False)
 
     @staticmethod
     def of(weight: torch.Tensor, transposable: bool, rows: int | None = None) -> TrainingGemms:
@@ -199,16 +199,20 @@ class TrainingGemms:
 
     def compressions(self, mask: torch.Tensor) -> tuple:
         """(W's FixedMaskCompression, W^T's or None) under `mask`."""
-        if mask is not self.mask or mask._version != self.mask_version:
-            backward = None
-            if self.backward is not None:
-                try:
-                    backward = cusparselt.FixedMaskCompression(self.backward, mask.t())
-                except LowconvError as error:
-                    raise LowconvError(f"a transposable 2:4 mask must be 2:4 along out_features too: in W^T, {error}")
-            self._compressions = (cusparselt.FixedMaskCompression(self.forward, mask), backward)
-            self.mask, self.mask_version = mask, mask._version
+        if mask is not self.mask or mask_state(mask) != self.mask_state:
+            forward = cusparselt.FixedMaskCompression(self.forward, mask)
+            backward = None if self.backward is None else cusparselt.FixedMaskCompression(
+                self.backward, mask.t(), "W^T's mask (a transposable mask is 2:4 along out_features too)")
+            self._compressions = (forward, backward)
+            self.mask, self.mask_state = mask, mask_state(mask)
         return self._compressions
+
+
+def mask_state(mask: torch.Tensor) -> tuple:
+    """What changes when a mask's values may have: its storage (`mask.data = ...`) and, but for
+    inference tensors (which keep no count), its version (in-place writes: copy_, load_state_dict;
+    writes through `mask.data` bypass the count and go unseen)."""
+    return mask.data_ptr(), None if mask.is_inference() else mask._version
 
 
 @dataclass(frozen=True)
