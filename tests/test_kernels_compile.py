@@ -30,6 +30,8 @@ BLOCK_CASES = ([(kernel, dtype, 128, "none", "dense") for kernel in BLOCK_KERNEL
                   for d in (64, 128)]
                + [(kernel, "fp16", 64, "bool", "listed") for kernel in BLOCK_KERNELS]
                + [(kernel, "bf16", 16, "additive", "listed") for kernel in BLOCK_KERNELS])
+# The fixed-mask 2:4 kernels, with int32 and int64 (WIDE) offsets; the packing from a strided source.
+PACK_CASES = [(kernel, dtype, wide) for kernel in ("pack", "zero") for dtype in ("fp16", "bf16") for wide in (False, True)]
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 # The Gluon wgmma GEMM: the forward's operand layouts and the backward's (dX: w transposed; dW: both),
@@ -165,6 +167,17 @@ def fp8_case(kernel_name, fp8, mul, variant):
     return compile_for_sm90(kernel, types, constexprs, 8)
 
 
+def pack_case(kernel_name, dtype, wide):
+    """A pack24 kernel as pack_kept / zero_unkept launch it."""
+    import lowconv.kernels.pack24 as pack24
+
+    kernel = pack24._pack_kept_kernel if kernel_name == "pack" else pack24._zero_unkept_kernel
+    tile = pack24.PACK_TILE if kernel_name == "pack" else pack24.ZERO_TILE
+    types = {"*": POINTER[dtype], "codes": "*u8", **{name: "i32" for name in ("rows", "groups", "stride_row",
+                                                                                "stride_col")}}
+    return compile_for_sm90(kernel, types, dict(BLOCK_ROWS=tile[0], BLOCK_GROUPS=tile[1], WIDE=wide), tile[2])
+
+
 def test_kernels_compile_for_sm90():
     # The child imports this checkout's lowconv (not an installed one) and compiles, not interprets.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -174,7 +187,7 @@ def test_kernels_compile_for_sm90():
     assert child.returncode == 0, child.stderr[-3000:]
     results = json.loads(child.stdout.splitlines()[-1])
     assert len(results) == (len(WINDOW_CASES) + len(BLOCK_CASES) + len(FP16ACC_CASES) + len(FP16ACC_WGMMA_CASES)
-                            + len(FP8_CASES))
+                            + len(FP8_CASES) + len(PACK_CASES))
     failed = {case: result for case, result in results.items() if isinstance(result, str)}
     assert not failed, "\n\n".join(f"{case}: {error}" for case, error in failed.items())
     too_big = {case: shared for case, shared in results.items() if shared > H100_SHARED_BYTES}
@@ -189,4 +202,5 @@ if __name__ == "__main__":
     results.update({f"fp16acc wgmma x_k_major={x} w_k_major={w} fp32={c} bias={b} tile_k={t}":
                     fp16acc_wgmma_case(x, w, c, b, t) for x, w, c, b, t in FP16ACC_WGMMA_CASES})
     results.update({f"fp8 {k} {f} mul={m} {v}": fp8_case(k, f, m, v) for k, f, m, v in FP8_CASES})
+    results.update({f"pack24 {k} {t} wide={w}": pack_case(k, t, w) for k, t, w in PACK_CASES})
     print(json.dumps(results))

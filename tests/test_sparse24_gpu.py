@@ -9,6 +9,7 @@ from torch import nn
 
 import lowconv
 from lowconv.api import plan_of
+from lowconv.kernels import cusparselt
 from lowconv.kernels.cusparselt import TUNED, FixedMaskCompression, SparseGemm, SparseWeight
 from lowconv.kernels.sparse24 import SparseLinearFunction, TrainingGemms, mask_24, mask_24_transposable, prune_24
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear
@@ -141,12 +142,26 @@ def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
 
 
 def test_fixed_mask_training_runs_with_a_mask_made_under_inference_mode():
-    x, w, b = operands(32, 64, 32, torch.float16)
+    x, w, b = operands(32, 128, 64, torch.float16)
     with torch.inference_mode():  # e.g. a model loaded under inference_mode: no version counter
         mask = mask_24_transposable(w)
         gemms = TrainingGemms.of(w, transposable=True)
         y = SparseLinearFunction.apply(x, w * mask, mask, b, gemms)
     assert relative_error(y, masked_reference(x, w * mask, b)) < TOLERANCE[torch.float16]
+    assert all(c.gathers for c in gemms.compressions(mask))
+
+
+def test_fixed_mask_compression_falls_back_where_the_layout_is_not_the_known_one(monkeypatch):
+    """A layout the gather does not reproduce (simulated: the gather writes nothing; cuSPARSELt 0.8.0
+    itself lays out K = 32 otherwise) is caught by the per-mask check: cuSPARSELt compresses."""
+    monkeypatch.setattr(cusparselt, "pack_kept", lambda src, codes, out: out)
+    w = torch.randn(64, 128, device="cuda").to(torch.float16)
+    mask = mask_24(w)
+    gemm = SparseGemm(64, 128, torch.float16, torch.device("cuda"))
+    with pytest.warns(UserWarning, match="in a layout lowconv does not know"):
+        compression = FixedMaskCompression(gemm, mask)
+    assert not compression.gathers
+    assert torch.equal(compression.compress(w), gemm.compress(w * mask))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -48,10 +48,9 @@ def pack_kept_reference(src: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rows_and_groups(BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, WIDE: tl.constexpr):
     """This program's row and group indices, int64 when WIDE (offsets of 2^31 elements or more)."""
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    g = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    if WIDE:
-        return r.to(tl.int64), g.to(tl.int64)
+    row, group = tl.program_id(0), tl.program_id(1)
+    r = (row.to(tl.int64) if WIDE else row) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    g = (group.to(tl.int64) if WIDE else group) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     return r, g
 
 
