@@ -417,9 +417,9 @@ class SparseGemm:
 class FixedMaskCompression:
     """Compression of the weights (N, K) of one SparseGemm under one fixed 2:4 mask, without
     cuSPARSELt's compression per weight. Its layout (cuSPARSELt 0.8.0 on the H100, checked at
-    (32..4096) x (64..4096), fp16 and bf16; K = 32 is laid out otherwise): the kept values, row-major
-    (N, K/2), then metadata that
-    depends on the kept positions only. So the metadata comes once, from compressing the mask
+    (32..4096) x (64..4096), fp16 and bf16; a 64 x 32 weight came out otherwise): the kept values,
+    row-major (N, K/2), then metadata that depends on the kept positions only. So the metadata
+    comes once, from compressing the mask
     itself (every kept value 1), into a buffer whose values part each `compress` overwrites with
     the gather of the weight's kept values (lowconv.kernels.pack24). The layout is checked again
     here, per mask, against cuSPARSELt's own compression of a probe; where it differs, `compress`
