@@ -419,11 +419,11 @@ class FixedMaskCompression:
     cuSPARSELt's compression per weight. Its layout (cuSPARSELt 0.8.0 on the H100, checked at
     (32..4096) x (64..4096), fp16 and bf16; a 64 x 32 weight came out otherwise): the kept values,
     row-major (N, K/2), then metadata that depends on the kept positions only. So the metadata
-    comes once, from compressing the mask
-    itself (every kept value 1), into a buffer whose values part each `compress` overwrites with
-    the gather of the weight's kept values (lowconv.kernels.pack24). The layout is checked again
-    here, per mask, against cuSPARSELt's own compression of a probe; where it differs, `compress`
-    falls back to cuSPARSELt's compression (with a warning).
+    comes once, from compressing the mask itself (every kept value 1), into a buffer whose values
+    part each `compress` overwrites with the gather of the weight's kept values
+    (lowconv.kernels.pack24). The layout is checked again here, per mask, against cuSPARSELt's own
+    compression of a probe; where it differs, `compress` falls back to cuSPARSELt's compression
+    (with a warning).
 
     One buffer serves every call: a weight compressed here is valid until the next `compress`, in
     stream order. That is what a forward, or a backward, of one layer needs on one stream; calls of
@@ -464,9 +464,9 @@ def tune(make, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> 
     """The fastest algorithm for a product (make(algorithm) -> its Plan), timed on the product's
     own operands: among cuSPARSELt's search pick, its default and every configuration id without
     split-K (27 for fp16, 21 for bf16 with cuSPARSELt 0.8.0 on the H100), each timed briefly (one
-    that fails to plan or run is left out); then
-    the FINALISTS fastest again, interleaved, with more calls. Short timings alone picked a
-    configuration no faster than the default in one run out of several (BENCHMARKS.md, issue 5)."""
+    that fails to plan or run is left out); then the FINALISTS fastest again, interleaved, with
+    more calls. Short timings of three candidates picked a configuration no faster than the
+    default in one run out of several (BENCHMARKS.md, issue 5)."""
     searched, default = make(), make()
     searched.run("cusparseLtMatmulSearch", compressed, x, out)
     configurations = default.attribute(ALG_CONFIG_MAX_ID)  # ids 0 .. configurations - 1

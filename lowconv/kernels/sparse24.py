@@ -185,7 +185,7 @@ class TrainingGemms:
     backward: cusparselt.SparseGemm | None
     rows: int | None = None
     mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    mask_state: tuple = field(default=(), init=False, repr=False, compare=False)  # what mask_state() was
+    seen_state: tuple = field(default=(), init=False, repr=False, compare=False)  # mask_state(mask) then
     _compressions: tuple = field(default=(), init=False, repr=False, compare=False)
 
     @staticmethod
@@ -199,12 +199,12 @@ class TrainingGemms:
 
     def compressions(self, mask: torch.Tensor) -> tuple:
         """(W's FixedMaskCompression, W^T's or None) under `mask`."""
-        if mask is not self.mask or mask_state(mask) != self.mask_state:
+        if mask is not self.mask or mask_state(mask) != self.seen_state:
             forward = cusparselt.FixedMaskCompression(self.forward, mask)
             backward = None if self.backward is None else cusparselt.FixedMaskCompression(
                 self.backward, mask.t(), "W^T's mask (a transposable mask is 2:4 along out_features too)")
             self._compressions = (forward, backward)
-            self.mask, self.mask_state = mask, mask_state(mask)
+            self.mask, self.seen_state = mask, mask_state(mask)
         return self._compressions
 
 
