@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from scripts.bench_common import (BudgetedRun, add_rounds_argument, add_run_arguments, first_line, measure,  # noqa: E402
+from scripts.bench_common import (BudgetedRun, add_rounds_argument, add_run_arguments, first_line,  # noqa: E402
                                   no_grad_call, run_device, run_header, status_cell, write_outputs)
 from lowconv.kernels.block_attention import (BAND_TILES, block_attention,  # noqa: E402
                                              block_attention_reference)
@@ -256,9 +256,7 @@ class Run(BudgetedRun):
             if not worst <= TOLERANCE[DTYPES[case.dtype]]:  # NaN too
                 return {"status": "wrong", "rel_l2": errors,
                         "error": f"relative L2 error {worst:.2g} vs float64 (tolerance {TOLERANCE[DTYPES[case.dtype]]:g})"}
-            measured = measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)
-            queued.append((result, call))
-            return {"rel_l2": errors, **measured}
+            return {"rel_l2": errors, **self.first_round(call, result, queued)}
         self.unit(result, work, result_line)
 
 

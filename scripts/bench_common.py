@@ -186,6 +186,12 @@ class BudgetedRun:
         self.log(f"{result.section} {result.case} {result.peer}: {describe(result)}")
         self.write()
 
+    def first_round(self, call, result, queued):
+        """measure(call), with (result, call) queued for interleaved_rounds' later rounds."""
+        measured = measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)
+        queued.append((result, call))
+        return measured
+
     def interleaved_rounds(self, queued):
         """Rounds 2..args.rounds of some peers' timed calls (a list of (result, call), each result
         measured once), the peers interleaved round by round, so that drifts of clocks, power and

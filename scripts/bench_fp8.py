@@ -51,7 +51,7 @@ from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
-from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments, measure,  # noqa: E402
+from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments,  # noqa: E402
                                   no_grad_call, run_device, run_header, status_cell, train_call, write_outputs)
 from lowconv.kernels.fp8 import (  # noqa: E402
     E4M3, FP8_MAX, dequantize, quantize_rowwise, quantize_tensorwise, quantize_with_scale,
@@ -294,12 +294,6 @@ class Run(BudgetedRun):
     def write(self, final=False):
         return write_report(self, final)
 
-    def timed(self, fn, result, queued):
-        """The first round of fn (measure), and (result, fn) queued for interleaved_rounds."""
-        measured = measure(fn, self.device, self.args.warmup_ms, self.args.rep_ms)
-        queued.append((result, fn))
-        return measured
-
     def forward_shape(self, shape):
         x, w, _ = random_operands(shape, self.device, self.args.seed)
         rows = reference_rows(shape)[0]
@@ -311,7 +305,7 @@ class Run(BudgetedRun):
             def work():
                 call = no_grad_call(build(x, w))
                 sqnr = {"out": sqnr_db(reference, call()[:rows])}
-                return {"sqnr_db": sqnr, **self.timed(call, result, queued)}
+                return {"sqnr_db": sqnr, **self.first_round(call, result, queued)}
             self.unit(result, work)
         self.interleaved_rounds(queued)
 
@@ -329,7 +323,7 @@ class Run(BudgetedRun):
                 got = {"out": got["out"][:rows], "dx": got["dx"][:rows], "dw": got["dw"][:w_rows]}
                 sqnr = {name: sqnr_db(reference[name], got[name]) for name in GRADIENTS}
                 del got
-                return {"sqnr_db": sqnr, **self.timed(call, result, queued)}
+                return {"sqnr_db": sqnr, **self.first_round(call, result, queued)}
             self.unit(result, work)
         self.interleaved_rounds(queued)
 
@@ -363,7 +357,7 @@ class Run(BudgetedRun):
 
             def work():
                 sqnr = {} if estimate is None else {"x": sqnr_db(x64, estimate(call()))}
-                return {"sqnr_db": sqnr, "bytes_moved": moved, **self.timed(call, result, queued)}
+                return {"sqnr_db": sqnr, "bytes_moved": moved, **self.first_round(call, result, queued)}
             self.unit(result, work)
         self.interleaved_rounds(queued)
 

@@ -402,9 +402,7 @@ class Run(BudgetedRun):
                 call, note = build(x, w)
                 with torch.no_grad():
                     error = {"out": relative_error(call()[:rows], reference)}
-                    measured = self.timed(no_grad_call(call))
-                queued.append((result, no_grad_call(call)))
-                return {"rel_error": error, "note": note, **measured}
+                return {"rel_error": error, "note": note, **self.first_round(no_grad_call(call), result, queued)}
             self.unit(result, work)
         self.interleaved_rounds(queued)
 
@@ -430,9 +428,7 @@ class Run(BudgetedRun):
                          "dw": relative_error(got["dw"][:rows], ref["dw"])}
                 error["dw off-mask nonzero"] = int((got["dw"][~mask] != 0).sum())
                 del got, ref
-                measured = self.timed(call)
-                queued.append((result, call))
-                return {"rel_error": error, "note": compression_note(layer), **measured}
+                return {"rel_error": error, "note": compression_note(layer), **self.first_round(call, result, queued)}
             self.unit(result, work)
         self.interleaved_rounds(queued)
 
