@@ -303,9 +303,11 @@ def wgmma_kernel_product(x, w, b, splits, combine):
 
 # (m, k, n, operand layout): tails in M (777: forward layouts only, as TMA needs 16-byte aligned
 # rows and x transposed has rows of M), N and K; chunks of 16-, 32- and 64-wide k-tiles; every
-# operand layout of the forward and the backward pass (dX: w transposed; dW: both).
+# operand layout of the forward and the backward pass (dX: w transposed; dW: both); chunks unrolled
+# and looped on either side of MAX_UNROLLED_TILES (K = 2048 and 2112 with one split: 32 and 33 tiles).
 WGMMA_CASES = [(777, 2056, 520, "forward"), (777, 2056, 520, "w transposed"), (776, 2056, 520, "x transposed"),
-               (304, 1000, 136, "both transposed"), (304, 1000, 136, "forward"), (128, 4096, 256, "both transposed")]
+               (304, 1000, 136, "both transposed"), (304, 1000, 136, "forward"), (128, 4096, 256, "both transposed"),
+               (256, 2048, 264, "forward"), (256, 2112, 264, "forward")]
 
 
 @pytest.mark.gpu

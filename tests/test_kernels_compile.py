@@ -35,9 +35,9 @@ PACK_CASES = [(kernel, dtype, wide) for kernel in ("pack", "zero") for dtype in 
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 # The Gluon wgmma GEMM: the forward's operand layouts and the backward's (dX: w transposed; dW: both),
-# both combines, 64- and 16-wide k-tiles.
-FP16ACC_WGMMA_CASES = [(True, True, False, True, 64), (True, True, True, False, 16), (True, False, True, True, 64),
-                       (False, False, False, True, 32)]
+# both combines, 64- and 16-wide k-tiles, chunks unrolled (1, 2 and 32 k-tiles) and looped (0).
+FP16ACC_WGMMA_CASES = [(True, True, False, True, 64, 2), (True, True, True, False, 16, 0), (True, False, True, True, 64, 32),
+                       (False, False, False, True, 32, 1), (True, True, True, False, 64, 0)]
 
 
 def signature(kernel, constexprs, types):
@@ -110,8 +110,9 @@ def fp16acc_case(has_bias, combine_fp32, block_m):
     return compile_for_sm90(fa._fp16acc_kernel, types, constexprs, 4)
 
 
-def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k):
-    """The Gluon fp16-accumulating GEMM (fp16acc_wgmma) with its TMA descriptors as launched."""
+def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k, unrolled_tiles):
+    """The Gluon fp16-accumulating GEMM (fp16acc_wgmma) with its TMA descriptors as launched; an
+    error where ptxas serializes the wgmmas of unrolled chunks (its note C7514), the point of them."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -126,8 +127,8 @@ def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k):
         return mangle_type(TensorDescriptor.from_tensor(torch.zeros(512, 512, dtype=torch.float16), block, layout))
 
     kernel = fw._fp16acc_wgmma_kernel
-    constexprs = dict(HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
-                      STAGES=fw.STAGES, num_warps=fw.NUM_WARPS)
+    constexprs = dict(UNROLLED_TILES=unrolled_tiles, HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32,
+                      X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=fw.STAGES, num_warps=fw.NUM_WARPS)
     types = {"x_desc": descriptor_type([fw.BLOCK_M, tile_k] if x_k_major else [tile_k, fw.BLOCK_M]),
              "w_desc": descriptor_type([fw.BLOCK_N, tile_k] if w_k_major else [tile_k, fw.BLOCK_N]),
              "out_desc": descriptor_type([fw.BLOCK_M, fw.BLOCK_N]), "bias": "*fp16",
@@ -137,7 +138,22 @@ def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k):
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fw.NUM_WARPS})
     except Exception as error:
         return f"{type(error).__name__}: {error}"[-2000:]
+    if unrolled_tiles and "C7514" in ptxas_notes(compiled.asm["ptx"]):
+        return f"ptxas serializes the wgmmas of {unrolled_tiles} unrolled k-tiles (C7514)"
     return compiled.metadata.shared
+
+
+def ptxas_notes(ptx: str) -> str:
+    """What ptxas -v says about a PTX module compiled for sm_90a."""
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+                              capture_output=True, text=True)
+    return done.stdout + done.stderr
 
 
 def fp8_case(kernel_name, fp8, mul, variant):
@@ -199,8 +215,8 @@ if __name__ == "__main__":
     results.update({f"block {k} {t} d={d} mask={m} {v}": block_case(k, t, d, m, v)
                     for k, t, d, m, v in BLOCK_CASES})
     results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})
-    results.update({f"fp16acc wgmma x_k_major={x} w_k_major={w} fp32={c} bias={b} tile_k={t}":
-                    fp16acc_wgmma_case(x, w, c, b, t) for x, w, c, b, t in FP16ACC_WGMMA_CASES})
+    results.update({f"fp16acc wgmma x_k_major={x} w_k_major={w} fp32={c} bias={b} tile_k={t} unrolled={u}":
+                    fp16acc_wgmma_case(x, w, c, b, t, u) for x, w, c, b, t, u in FP16ACC_WGMMA_CASES})
     results.update({f"fp8 {k} {f} mul={m} {v}": fp8_case(k, f, m, v) for k, f, m, v in FP8_CASES})
     results.update({f"pack24 {k} {t} wide={w}": pack_case(k, t, w) for k, t, w in PACK_CASES})
     print(json.dumps(results))

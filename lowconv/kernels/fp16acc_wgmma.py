@@ -5,17 +5,28 @@ Why a second kernel: the Triton kernel (fp16acc.py) reaches about 65% of cuBLAS'
 and 8192^3 on the H100: Triton 3.6 runs an fp16-accumulator wgmma synchronously and holds at most
 128 x 128 tiles. This one issues each k-tile's wgmmas asynchronously, waits for them one tile
 later, keeps STAGES - 1 tiles of TMA loads in flight, and holds 128 x 256 tiles (half the L2
-traffic per MMA of 128 x 128). ptxas still serializes the wgmmas of each warpgroup (its warning
-C7514: Triton's lowering unpacks the fp16 accumulator's registers before the wait), so two chunks
-cannot overlap: that is why one accumulator, not two. BENCHMARKS.md has the configs measured.
+traffic per MMA of 128 x 128).
+
+Keeping the wgmmas in flight: ptxas serializes every wgmma of a kernel (its note C7514) where any
+other instruction reads an accumulator register while a wgmma may still write it. Triton keeps an
+fp16 accumulator as 16-bit values, so it unpacks the packed registers wherever the accumulator is
+a loop-carried value or tied to a wait (`warpgroup_mma_wait(deps=(acc,))`), right after the
+wgmma is issued. So a chunk of at most MAX_UNROLLED_TILES k-tiles is unrolled (UNROLLED_TILES,
+one compile per chunk length) and its per-tile waits, which only free a stage for the next load,
+are tied to a small dummy tensor: the accumulator then goes from wgmma to wgmma untouched and is
+read once, after the chunk's last wait. Longer chunks (few splits of a long K) keep a loop over
+their tiles and run serialized. The cap: chains of 60 or more unrolled k-tiles gave wrong results
+on the H100 (ptxas of triton 3.6; 56 and fewer equal to the serialized kernel bit for bit, with the
+same SASS per tile), so 32 keeps a margin. BENCHMARKS.md has the configs measured.
 
 Numerics are fp16acc.py's, and on the H100 its output equals the Triton kernel's bit for bit:
 chunk c of K (CHUNK_TILES k-tiles) is summed in an fp16 accumulator by k16 MMA steps and folded
 into the tile's total (fp32, or fp16 for combine "fp16") in chunk order; then the bias in fp32 and
 one rounding to fp16. Loads past M, N or K read zeros (TMA), which add nothing; so a chunk must be
 whole k-tiles (`wgmma_tile_k`), and the last chunk may end past K.
-Triton's interpreter cannot run Gluon: the CPU suite compiles this kernel for sm_90, and the GPU
-tests compare it with the Triton kernel.
+Triton's interpreter cannot run Gluon: the CPU suite compiles this kernel for sm_90 (and checks
+that ptxas keeps the unrolled chunks' wgmmas in flight), and the GPU tests compare it with the
+Triton kernel.
 """
 import functools
 
@@ -32,6 +43,7 @@ from lowconv.kernels.tile_order import grouped_tile
 BLOCK_M, BLOCK_N = 128, 256  # each of the two warpgroups holds 64 x 256
 STAGES = 3  # k-tiles in the shared-memory ring (48 KB each at 64-wide k-tiles)
 NUM_WARPS = 8
+MAX_UNROLLED_TILES = 32  # longest chunk whose k-tiles are unrolled (see the module doc)
 
 
 def wgmma_tile_k(chunk_k: int) -> int:
@@ -83,10 +95,11 @@ def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp3
     w_desc, w_k_major = operand_descriptor(w, BLOCK_N, tile_k)
     out_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    chunk_tiles = chunk_k // tile_k
     _fp16acc_wgmma_kernel[grid](
-        x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_k // tile_k, splits,
-        HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
-        STAGES=STAGES, num_warps=NUM_WARPS)
+        x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_tiles, splits,
+        UNROLLED_TILES=chunk_tiles if chunk_tiles <= MAX_UNROLLED_TILES else 0, HAS_BIAS=bias is not None,
+        COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=STAGES, num_warps=NUM_WARPS)
 
 
 @gluon.jit
@@ -110,26 +123,49 @@ def _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n,
 
 
 @gluon.jit
-def _mma_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n, acc, use_acc,
-              X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
-    """acc (+)= k-tile i's product, issued asynchronously; returns once every MMA before it is done
-    (so the stage of tile i - 1 is free), after starting the load of tile i + STAGES - 1 into it."""
+def _issue_tile(x_smem, w_smem, ready, i, acc, use_acc, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr,
+                STAGES: gl.constexpr):
+    """acc (+)= k-tile i's product, issued asynchronously once the tile's load has landed."""
     stage = i % STAGES
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
     a = x_smem.index(stage) if X_K_MAJOR else x_smem.index(stage).permute((1, 0))
     b = w_smem.index(stage).permute((1, 0)) if W_K_MAJOR else w_smem.index(stage)
-    acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i + STAGES - 1, steps, off_m, off_n,
-               X_K_MAJOR, W_K_MAJOR, STAGES)
+    return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
+def _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, tie,
+                    UNROLLED_TILES: gl.constexpr, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The chunk's product (in flight) from a fresh accumulator. After each tile's wgmmas, the wait
+    for every earlier one frees tile i - 1's stage for the load of tile i + STAGES - 1; it is tied
+    to `tie`, not to acc, so that nothing reads the accumulator while wgmmas run (module doc)."""
+    for t in gl.static_range(UNROLLED_TILES):
+        acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, X_K_MAJOR, W_K_MAJOR, STAGES)
+        tie = warpgroup_mma_wait(num_outstanding=1, deps=(tie,))
+        _load_tile(x_desc, w_desc, x_smem, w_smem, ready, first + t + STAGES - 1, steps, off_m, off_n,
+                   X_K_MAJOR, W_K_MAJOR, STAGES)
     return acc
 
 
 @gluon.jit
-def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHUNKS,
+def _looped_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, CHUNK_TILES,
+                  X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
+    """_unrolled_chunk for chunks too long to unroll: the loop carries acc, so ptxas serializes."""
+    for t in range(CHUNK_TILES):
+        acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, X_K_MAJOR, W_K_MAJOR, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _load_tile(x_desc, w_desc, x_smem, w_smem, ready, first + t + STAGES - 1, steps, off_m, off_n,
+                   X_K_MAJOR, W_K_MAJOR, STAGES)
+    return acc
+
+
+@gluon.jit
+def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
                           HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
                           W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """One (BLOCK_M, BLOCK_N) output tile over all CHUNKS chunks of CHUNK_TILES k-tiles."""
+    """One (BLOCK_M, BLOCK_N) output tile over all CHUNKS chunks of CHUNK_TILES k-tiles (unrolled
+    when UNROLLED_TILES, which then equals CHUNK_TILES, is not 0)."""
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N)
@@ -147,14 +183,16 @@ def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHU
         _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n, X_K_MAJOR, W_K_MAJOR, STAGES)
 
     total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32 if COMBINE_FP32 else gl.float16, layout)
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float16, layout)
+    # two int32 per thread: the smallest tensor Triton's wait lowering takes as a dependency
+    tie = gl.zeros([64 * num_warps], gl.int32, gl.BlockedLayout([2], [32], [num_warps], [0]))
     for chunk in range(CHUNKS):
-        first = chunk * CHUNK_TILES
-        acc = _mma_tile(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, False,
-                        X_K_MAJOR, W_K_MAJOR, STAGES)
-        for t in range(1, CHUNK_TILES):
-            acc = _mma_tile(x_desc, w_desc, x_smem, w_smem, ready, first + t, steps, off_m, off_n, acc, True,
-                            X_K_MAJOR, W_K_MAJOR, STAGES)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float16, layout)
+        if UNROLLED_TILES > 0:
+            acc = _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, chunk * CHUNK_TILES, steps, off_m, off_n,
+                                  acc, tie, UNROLLED_TILES, X_K_MAJOR, W_K_MAJOR, STAGES)
+        else:
+            acc = _looped_chunk(x_desc, w_desc, x_smem, w_smem, ready, chunk * CHUNK_TILES, steps, off_m, off_n,
+                                acc, CHUNK_TILES, X_K_MAJOR, W_K_MAJOR, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         total = (total.to(gl.float32) + acc.to(gl.float32)).to(total.dtype)
     for stage in gl.static_range(STAGES):
