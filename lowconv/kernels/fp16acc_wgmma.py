@@ -15,9 +15,10 @@ wgmma is issued. So a chunk of at most MAX_UNROLLED_TILES k-tiles is unrolled (U
 one compile per chunk length) and its per-tile waits, which only free a stage for the next load,
 are tied to a small dummy tensor: the accumulator then goes from wgmma to wgmma untouched and is
 read once, after the chunk's last wait. Longer chunks (few splits of a long K) keep a loop over
-their tiles and run serialized. The cap: chains of 60 or more unrolled k-tiles gave wrong results
-on the H100 (ptxas of triton 3.6; 56 and fewer equal to the serialized kernel bit for bit, with the
-same SASS per tile), so 32 keeps a margin. BENCHMARKS.md has the configs measured.
+their tiles and run serialized. The cap: on the H100 (ptxas of triton 3.6), unrolled chains of 230
+or more wgmma instructions (k16 steps) gave wrong results, at 16-, 32- and 64-wide k-tiles alike,
+while chains of up to 225 equal the serialized kernel bit for bit; 32 k-tiles are at most 128
+wgmmas. BENCHMARKS.md has the configs measured.
 
 Numerics are fp16acc.py's, and on the H100 its output equals the Triton kernel's bit for bit:
 chunk c of K (CHUNK_TILES k-tiles) is summed in an fp16 accumulator by k16 MMA steps and folded
