@@ -15,10 +15,11 @@ wgmma is issued. So a chunk of at most MAX_UNROLLED_TILES k-tiles is unrolled (U
 one compile per chunk length) and its per-tile waits, which only free a stage for the next load,
 are tied to a small dummy tensor: the accumulator then goes from wgmma to wgmma untouched and is
 read once, after the chunk's last wait. Longer chunks (few splits of a long K) keep a loop over
-their tiles and run serialized. The cap: on the H100 (ptxas of triton 3.6), unrolled chains of 230
-or more wgmma instructions (k16 steps) gave wrong results, at 16-, 32- and 64-wide k-tiles alike,
-while chains of up to 225 equal the serialized kernel bit for bit; 32 k-tiles are at most 128
-wgmmas. BENCHMARKS.md has the configs measured.
+their tiles, which carries the accumulator: there ptxas waits for each tile's wgmmas before the
+loop's copies read them (its note C7517), so their tiles do not overlap. The cap: on the H100
+(ptxas of triton 3.6), unrolled chains of 230 or more wgmma instructions (k16 steps) gave wrong
+results, at 16-, 32- and 64-wide k-tiles alike, while chains of up to 225 equal the looped kernel
+bit for bit; 32 k-tiles are at most 128 wgmmas. BENCHMARKS.md has the configs measured.
 
 Numerics are fp16acc.py's, and on the H100 its output equals the Triton kernel's bit for bit:
 chunk c of K (CHUNK_TILES k-tiles) is summed in an fp16 accumulator by k16 MMA steps and folded
@@ -59,8 +60,8 @@ def wgmma_runs(x, w, multiprocessors: int) -> bool:
     output tiles for at least 3/4 of the SMs. On the H100 at auto splits, while its wgmmas still
     ran serialized, it took 0.76-0.90x the Triton kernel's time from 128 tiles up (1.09x at 144: one
     wave and a ninth), and 1.3-1.6x at 32 and 64 tiles, where the Triton kernel's smaller tiles keep
-    more SMs busy. Unrolling the chunks then cut its own time to 0.88-0.90x (4096^3, 8192^3, 13008 x 4096 x 1024,
-    S = 32), the same at one k-tile per chunk (13008 x 1024 x 4096, S = 16)."""
+    more SMs busy. Unrolling the chunks then cut its own time to 0.89-0.91x (4096^3, 8192^3, 13008 x 4096 x 1024,
+    S = 32); at one k-tile per chunk (13008 x 1024 x 4096, S = 16) it stayed the same (1.00x)."""
     if not x.is_cuda or not is_sm90(x.device):
         return False
     tiles = triton.cdiv(x.shape[0], BLOCK_M) * triton.cdiv(w.shape[0], BLOCK_N)
@@ -140,7 +141,7 @@ def _issue_tile(x_smem, w_smem, ready, i, acc, use_acc, X_K_MAJOR: gl.constexpr,
 def _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, tie,
                     UNROLLED_TILES: gl.constexpr, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr,
                     STAGES: gl.constexpr):
-    """The chunk's product (in flight) from a fresh accumulator. After each tile's wgmmas, the wait
+    """The chunk's product (in flight), acc's value ignored. After each tile's wgmmas, the wait
     for every earlier one frees tile i - 1's stage for the load of tile i + STAGES - 1; it is tied
     to `tie`, not to acc, so that nothing reads the accumulator while wgmmas run (module doc)."""
     for t in gl.static_range(UNROLLED_TILES):
@@ -154,7 +155,7 @@ def _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, 
 @gluon.jit
 def _looped_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, CHUNK_TILES,
                   X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
-    """_unrolled_chunk for chunks too long to unroll: the loop carries acc, so ptxas serializes."""
+    """_unrolled_chunk for chunks too long to unroll: the loop carries acc, so its tiles do not overlap."""
     for t in range(CHUNK_TILES):
         acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, X_K_MAJOR, W_K_MAJOR, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -188,8 +189,8 @@ def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHU
     total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32 if COMBINE_FP32 else gl.float16, layout)
     # two int32 per thread: the smallest tensor Triton's wait lowering takes as a dependency
     tie = gl.zeros([64 * num_warps], gl.int32, gl.BlockedLayout([2], [32], [num_warps], [0]))
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float16, layout)  # each chunk's first MMA ignores it
     for chunk in range(CHUNKS):
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float16, layout)
         if UNROLLED_TILES > 0:
             acc = _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, chunk * CHUNK_TILES, steps, off_m, off_n,
                                   acc, tie, UNROLLED_TILES, X_K_MAJOR, W_K_MAJOR, STAGES)
