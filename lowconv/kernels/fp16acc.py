@@ -207,8 +207,8 @@ def cublas_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     total = torch.zeros(m, n, dtype=torch.float32 if combine == "fp32" else torch.float16, device=x.device)
     with cublas_fp16_accumulation():
         for start in range(0, k, width):
-            partial = chunk_product(x[:, start:start + width], w[:, start:start + width])
-            total = (total.float() + partial.float()).to(total.dtype)
+            # one kernel: torch adds in fp32 and rounds to total's dtype (fp16 for combine "fp16")
+            total.add_(chunk_product(x[:, start:start + width], w[:, start:start + width]))
     return add_bias(total.float(), bias)
 
 
