@@ -364,6 +364,24 @@ def test_large_gemms_and_their_gradients_run_the_wgmma_kernel(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tuned_calls_skip_the_autotuner(monkeypatch):
+    """Once the autotuner has picked a config for a key, later calls launch that config directly
+    (tuned_config reads the autotuner's cache under Triton's key), with the same result; a new key
+    still goes through the autotuner."""
+    tuner = fa._tuned_for_small_m
+    x, w, b = operands(8, 2048, 4096, seed=12, device="cuda")
+    first = fa.launch_fp16acc(x, w, b, 4, "fp32")
+    calls = []
+    real_run = tuner.run
+    monkeypatch.setattr(tuner, "run", lambda *args, **kwargs: calls.append(1) or real_run(*args, **kwargs))
+    assert torch.equal(fa.launch_fp16acc(x, w, b, 4, "fp32"), first)
+    assert calls == []
+    fa.launch_fp16acc(x[:, :1024], w[:, :1024], b, 4, "fp32")  # another K, another key
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("combine", ["fp32", "fp16"])
 @pytest.mark.parametrize("m,k,n", [(1, 14336, 4096), (1, 14336, 2048), (48, 4096, 512), (256, 4096, 1024)],
                          ids=["decode, chunks in turn", "decode, chunks in parallel", "64-row tiles", "large M"])

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from lowconv.kernels import fast_launch
 from lowconv.kernels.fp16acc_wgmma import launch_fp16acc_wgmma, wgmma_runs
 from lowconv.kernels.tile_order import grouped_tile
 from lowconv.scoped_setting import ScopedSetting
@@ -147,7 +148,14 @@ def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str 
         backend = "triton" if x.is_cuda else "reference"
     if backend == "reference":
         return fp16acc_matmul_reference(x, w, bias, splits, combine)
-    return Fp16AccMatmul.apply(x, w, bias, splits, combine, backend)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
+        return Fp16AccMatmul.apply(x, w, bias, splits, combine, backend)
+    return forward_gemm(x, w, bias, splits, combine, backend)  # no graph to record: no Function's host time
+
+
+def forward_gemm(x, w, bias, splits: int, combine: str, backend: str) -> torch.Tensor:
+    """y (..., N) = x (..., K) @ w^T + bias through `backend`'s GEMM."""
+    return GEMMS[backend](x.reshape(-1, x.shape[-1]), w, bias, splits, combine).reshape(*x.shape[:-1], w.shape[0])
 
 
 class Fp16AccMatmul(torch.autograd.Function):
@@ -157,8 +165,7 @@ class Fp16AccMatmul(torch.autograd.Function):
     def forward(ctx, x, w, bias, splits, combine, backend):
         ctx.save_for_backward(x, w)
         ctx.combine, ctx.backend, ctx.has_bias = combine, backend, bias is not None
-        x2 = x.reshape(-1, x.shape[-1])
-        return GEMMS[backend](x2, w, bias, splits, combine).reshape(*x.shape[:-1], w.shape[0])
+        return forward_gemm(x, w, bias, splits, combine, backend)
 
     @staticmethod
     def backward(ctx, grad):
@@ -376,11 +383,27 @@ def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, progra
         return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), programs_per_tile
 
     if config is None and x.is_cuda:
-        tuner[grid](*args, **kwargs)
-        return
+        config = tuned_config(tuner, args)
+        if config is None:  # a new key: the autotuner times the configs and launches the best
+            tuner[grid](*args, **kwargs)
+            return
     if config is None:  # Triton's interpreter cannot time configs: the first one the pruning keeps
         config = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)))[0]
-    tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+    # Launched through fast_launch: at decode the call is bound by host time, and the autotuner
+    # plus Triton's argument binding cost more of it than the kernel takes on the GPU.
+    options = {name: value for name, value in config.all_kwargs().items() if name not in config.kwargs}
+    fast_launch.launch(tuner.fn, grid({**kwargs, **config.kwargs}), args, {**kwargs, **config.kwargs}, **options)
+
+
+def tuned_config(tuner, args):
+    """The config `tuner` has picked for these arguments (its own cache, under the key Triton 3.6
+    builds: the key arguments' values, then every tensor's dtype), or None before it has timed
+    them; a Triton whose key differs only sends every call through the autotuner."""
+    if len(tuner.configs) == 1:
+        return tuner.configs[0]
+    named = dict(zip(tuner.arg_names, args))
+    key = tuple(named[name] for name in tuner.keys) + tuple(str(a.dtype) for a in args if hasattr(a, "dtype"))
+    return tuner.cache.get(key)
 
 
 GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc}
