@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from lowconv.kernels import fast_launch
-from lowconv.kernels.operands import as_operand
+from lowconv.kernels.operands import as_operand, needs_autograd
 from lowconv.kernels.window_attention import _dot, dot_precision
 
 MASK_KINDS = ("none", "additive", "keep", "drop")  # keep: True attends; drop: True is masked out
@@ -299,7 +299,8 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
     q, k, v = (as_operand(t, dtype) for t in (q, k, v))
     masks = kernel_masks(mask, key_padding_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     lower, upper = band(layout, window, q.shape[2], k.shape[2])
-    out = BlockAttention.apply(q, k, v, masks, blocks, (lower, upper, layout != "dense"), scale)
+    args = (q, k, v, masks, blocks, (lower, upper, layout != "dense"), scale)
+    out = BlockAttention.apply(*args) if needs_autograd(q, k, v) else attention_forward(*args)[0]
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -392,17 +393,23 @@ def kernel_masks(mask, key_padding_mask, batch, heads, seq_q, seq_k):
     return KernelMasks(view, kind, padding)
 
 
+def attention_forward(q, k, v, masks, blocks, bounds, scale):
+    """The forward kernel's run: out, the row statistics (STATS, batch, heads, seq_q) and the Launch."""
+    launch = Launch(q, k, masks, blocks, bounds, scale)
+    out = launch.new_like(q)
+    # Per query row (STATS): the max its softmax's exp() was taken against, 1 / the sum, and
+    # the backward's delta, in one buffer (fewer allocations and kernel arguments: host time).
+    stats = torch.empty((STATS, *q.shape[:3]), dtype=torch.float32, device=q.device)
+    launch.run(_forward_kernel, q, k, v, out, stats, transposed=False)
+    return out, stats, launch
+
+
 class BlockAttention(torch.autograd.Function):
     """The Triton kernels; q, k, v already in the compute dtype and contiguous."""
 
     @staticmethod
     def forward(ctx, q, k, v, masks, blocks, bounds, scale):
-        launch = Launch(q, k, masks, blocks, bounds, scale)
-        out = launch.new_like(q)
-        # Per query row (STATS): the max its softmax's exp() was taken against, 1 / the sum, and
-        # the backward's delta, in one buffer (fewer allocations and kernel arguments: host time).
-        stats = torch.empty((STATS, *q.shape[:3]), dtype=torch.float32, device=q.device)
-        launch.run(_forward_kernel, q, k, v, out, stats, transposed=False)
+        out, stats, launch = attention_forward(q, k, v, masks, blocks, bounds, scale)
         ctx.save_for_backward(q, k, v, out, stats)
         ctx.launch = launch
         return out

@@ -39,6 +39,7 @@ import triton.testing
 
 from lowconv.kernels import fast_launch
 from lowconv.kernels.fp16acc_wgmma import launch_fp16acc_wgmma, wgmma_runs
+from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.tile_order import grouped_tile
 from lowconv.scoped_setting import ScopedSetting
 
@@ -148,9 +149,9 @@ def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str 
         backend = "triton" if x.is_cuda else "reference"
     if backend == "reference":
         return fp16acc_matmul_reference(x, w, bias, splits, combine)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias)):
+    if needs_autograd(x, w, bias):
         return Fp16AccMatmul.apply(x, w, bias, splits, combine, backend)
-    return forward_gemm(x, w, bias, splits, combine, backend)  # no graph to record: no Function's host time
+    return forward_gemm(x, w, bias, splits, combine, backend)
 
 
 def forward_gemm(x, w, bias, splits: int, combine: str, backend: str) -> torch.Tensor:

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from lowconv.kernels import fast_launch
-from lowconv.kernels.operands import as_operand
+from lowconv.kernels.operands import as_operand, needs_autograd
 
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -100,7 +100,8 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     else:
         coords = pack_coords(coords)
         tq, tk, tv = (as_operand(t, dtype) for t in tables)
-    out = WindowAttention.apply(q, k, v, tq, tk, tv, start, end, coords, scale)
+    args = (q, k, v, tq, tk, tv, start, end, coords, scale)
+    out = WindowAttention.apply(*args) if needs_autograd(q, k, v, tq, tk, tv) else attention_forward(*args)[0]
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -309,15 +310,20 @@ def pack_coords(coords):
     return (c[:, 0] | (c[:, 1] << 10) | (c[:, 2] << 20)).contiguous()
 
 
+def attention_forward(q, k, v, tq, tk, tv, start, end, coords, scale):
+    """The forward kernel's run: out and each row's log-sum-exp (N, h) fp32."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    Launch(q, tq, start, end, coords, scale).run(_forward_kernel, q, k, v, out, lse, tq, tk, tv)
+    return out, lse
+
+
 class WindowAttention(torch.autograd.Function):
     """The Triton kernels; inputs already in the compute dtype and contiguous."""
 
     @staticmethod
     def forward(ctx, q, k, v, tq, tk, tv, start, end, coords, scale):
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        launch = Launch(q, tq, start, end, coords, scale)
-        launch.run(_forward_kernel, q, k, v, out, lse, tq, tk, tv)
+        out, lse = attention_forward(q, k, v, tq, tk, tv, start, end, coords, scale)
         ctx.save_for_backward(q, k, v, tq, tk, tv, start, end, coords, out, lse)
         ctx.scale = scale
         return out

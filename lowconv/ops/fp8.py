@@ -22,6 +22,7 @@ from lowconv.kernels.fp8 import (
     E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale, dequantize, fp8_frozen_linear,
     quantize_weight,
 )
+from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
 
@@ -90,9 +91,9 @@ class Fp8Linear(nn.Module):
                                            self.clipped if x_scale is not None else None)
         args = (x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias, o.fast_accum,
                 self.clipped if x_scale is not None else None)
-        if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+        if needs_autograd(x, self.bias):
             return Fp8FrozenLinearFunction.apply(*args)
-        return fp8_frozen_linear(*args)  # no autograd node: less host time per call
+        return fp8_frozen_linear(*args)
 
     def linear_weight(self) -> torch.Tensor:
         """The master weight (training), or the e4m3 weight dequantized to the model's dtype."""

@@ -45,6 +45,7 @@ from lowconv.compat import sptr
 from lowconv.kernels.block_attention import (block_attention, block_attention_reference,
                                              block_layout, triton_problem)
 from lowconv.kernels.block_attention import check_inputs as check_attention_inputs
+from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
 from lowconv.ops.registry import Op, register
 from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site, dtype_name
@@ -111,7 +112,7 @@ def kernel_runs(q, v, dtype, dropout, masks=()) -> bool:
     have no dropout, take (batch, heads, seq, head_dim) only with v's head_dim q's, and pass no
     gradient to a mask (a learned bias given as the mask gets its gradient from the reference's
     autograd)."""
-    learned = torch.is_grad_enabled() and any(m is not None and m.requires_grad for m in masks)
+    learned = needs_autograd(*masks)
     return (runs_on_kernel_device(q) and q.dim() == 4 and v.shape[-1] == q.shape[-1] and dropout == 0.0
             and not learned and triton_problem(q.shape[-1], dtype) is None)
 
