@@ -1,4 +1,4 @@
-"""Tensors as the kernels take them."""
+"""Tensors as the kernels take them, and whether a call on them needs autograd."""
 import torch
 
 
