@@ -392,8 +392,9 @@ def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, progra
         config = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)))[0]
     # Launched through fast_launch: at decode the call is bound by host time, and the autotuner
     # plus Triton's argument binding cost more of it than the kernel takes on the GPU.
+    constexprs = {**kwargs, **config.kwargs}
     options = {name: value for name, value in config.all_kwargs().items() if name not in config.kwargs}
-    fast_launch.launch(tuner.fn, grid({**kwargs, **config.kwargs}), args, {**kwargs, **config.kwargs}, **options)
+    fast_launch.launch(tuner.fn, grid(constexprs), args, constexprs, **options)
 
 
 def tuned_config(tuner, args):
