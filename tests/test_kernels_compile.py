@@ -133,14 +133,15 @@ def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k, unr
 
     kernel = fw._fp16acc_wgmma_kernel
     constexprs = dict(UNROLLED_TILES=unrolled_tiles, HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32,
-                      X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=fw.STAGES, num_warps=fw.NUM_WARPS)
-    types = {"x_desc": descriptor_type([fw.BLOCK_M, tile_k] if x_k_major else [tile_k, fw.BLOCK_M]),
+                      X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=fw.STAGES, num_warps=fw.WARPGROUP)
+    types = {"x_desc": descriptor_type([fw.HALF_M, tile_k] if x_k_major else [tile_k, fw.HALF_M]),
              "w_desc": descriptor_type([fw.BLOCK_N, tile_k] if w_k_major else [tile_k, fw.BLOCK_N]),
-             "out_desc": descriptor_type([fw.BLOCK_M, fw.BLOCK_N]), "bias": "*fp16",
+             "out_desc": descriptor_type([fw.HALF_M, fw.BLOCK_N]), "bias": "*fp16",
              **{name: "i32" for name in ("M", "N", "CHUNK_TILES", "CHUNKS")}, **{name: "constexpr" for name in constexprs}}
     source = GluonASTSource(kernel, types, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fw.NUM_WARPS})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fw.WARPGROUP,
+                                                                                "maxnreg": fw.MAX_REGISTERS})
     except Exception as error:
         return f"{type(error).__name__}: {error}"[-2000:]
     notes = WGMMA_NOTES.findall(ptxas_notes(compiled.asm["ptx"]))

@@ -4,8 +4,17 @@ into a ring of shared-memory stages, wgmma with an fp16 accumulator on 128 x 256
 Why a second kernel: the Triton kernel (fp16acc.py) reaches about 65% of cuBLAS's speed at 4096^3
 and 8192^3 on the H100: Triton 3.6 runs an fp16-accumulator wgmma synchronously and holds at most
 128 x 128 tiles. This one issues each k-tile's wgmmas asynchronously, waits for them one tile
-later, keeps STAGES - 1 tiles of TMA loads in flight, and holds 128 x 256 tiles (half the L2
+later, keeps up to STAGES tiles of TMA loads in flight, and holds 128 x 256 tiles (half the L2
 traffic per MMA of 128 x 128).
+
+Warp-specialized ping-pong: one warp issues the TMA loads; two consumer warpgroups each hold 64 x 256
+of the tile (an fp32 total and an fp16 accumulator: 192 registers per thread, so the load warp
+gives its registers to them). Each chunk ends with a fold of the fp16 accumulator into the total
+(convert and add, 256 instructions per thread), during which a warpgroup issues no wgmma. Issued in
+lockstep, both warpgroups folded at once and the tensor cores idled (at 4096^3 and 32 splits, a
+fold every two k-tiles, about 15% of the time). So the consumers take turns per k-tile (an
+mbarrier each), consumer 1 one tile behind: each folds while the other's last tile of the chunk
+runs. A stage is released (an mbarrier of count 2) once both consumers' wgmmas on it completed.
 
 Keeping the wgmmas in flight: ptxas serializes every wgmma of a kernel (its note C7514) where any
 other instruction reads an accumulator register while a wgmma may still write it. Triton keeps an
@@ -16,7 +25,8 @@ one compile per chunk length) and its per-tile waits, which only free a stage fo
 are tied to a small dummy tensor: the accumulator then goes from wgmma to wgmma untouched and is
 read once, after the chunk's last wait. Longer chunks (few splits of a long K) keep a loop over
 their tiles, which carries the accumulator: there ptxas waits for each tile's wgmmas before the
-loop's copies read them (its note C7517), so their tiles do not overlap. The cap: on the H100
+loop's copies read them (its notes C7514 and C7517), so their tiles do not overlap, and the
+consumers do not take turns. The cap: on the H100
 (ptxas of triton 3.6), unrolled chains of 230 or more wgmma instructions (k16 steps) gave wrong
 results, at 16-, 32- and 64-wide k-tiles alike, while chains of up to 225 equal the looped kernel
 bit for bit; 32 k-tiles are at most 128 wgmmas. BENCHMARKS.md has the configs measured.
@@ -42,9 +52,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lowconv.kernels.tile_order import grouped_tile
 
-BLOCK_M, BLOCK_N = 128, 256  # each of the two warpgroups holds 64 x 256
+BLOCK_M, BLOCK_N = 128, 256  # each of the two consumer warpgroups holds HALF_M x 256
+HALF_M = BLOCK_M // 2
 STAGES = 3  # k-tiles in the shared-memory ring (48 KB each at 64-wide k-tiles)
-NUM_WARPS = 8
+WARPGROUP = 4  # warps
+# Registers per thread: the launch's cap over all 12 warps (two consumer warpgroups, one load warp
+# in a warpgroup of its own) fits the register file; the load warp gives its share to the consumers.
+MAX_REGISTERS = 168
+LOAD_REGISTERS = gl.constexpr(24)
+CONSUMER_REGISTERS = gl.constexpr(240)
 MAX_UNROLLED_TILES = 32  # longest chunk whose k-tiles are unrolled (see the module doc)
 
 
@@ -95,119 +111,169 @@ def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp3
     (`splits` chunks of chunk_k)."""
     m, n = x.shape[0], w.shape[0]
     tile_k = wgmma_tile_k(chunk_k)
-    x_desc, x_k_major = operand_descriptor(x, BLOCK_M, tile_k)
+    x_desc, x_k_major = operand_descriptor(x, HALF_M, tile_k)
     w_desc, w_k_major = operand_descriptor(w, BLOCK_N, tile_k)
-    out_desc = TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
+    out_desc = TensorDescriptor.from_tensor(out, [HALF_M, BLOCK_N], shared_layout(HALF_M, BLOCK_N))
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
     chunk_tiles = chunk_k // tile_k
     _fp16acc_wgmma_kernel[grid](
         x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_tiles, splits,
         UNROLLED_TILES=chunk_tiles if chunk_tiles <= MAX_UNROLLED_TILES else 0, HAS_BIAS=bias is not None,
-        COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=STAGES, num_warps=NUM_WARPS)
+        COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=STAGES,
+        num_warps=WARPGROUP, maxnreg=MAX_REGISTERS)
 
 
 @gluon.jit
-def _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n,
-               X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
-    """Starts the TMA loads of k-tile i (if i < steps) into stage i % STAGES."""
-    stage = i % STAGES
-    todo = i < steps
+def _load_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
+                    W_K_MAJOR: gl.constexpr, HALF: gl.constexpr):
+    """One warp: the TMA loads of every k-tile (both halves of x's rows, and w's) into the ring,
+    each stage once both consumers have released it. (Its parameters are _mma_partition's: the
+    workers of a warp_specialize share one signature.)"""
+    x_desc, w_desc, out_desc, bias, N = descs
+    x_smem, w_smem, out_smem = buffers
+    ready, empty, turn = bars
+    STAGES: gl.constexpr = w_smem.type.shape[0]
     TILE_K: gl.constexpr = x_desc.block_type.shape[1] if X_K_MAJOR else x_desc.block_type.shape[0]
-    k = i * TILE_K
-    bar = ready.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=todo)
-    if X_K_MAJOR:
-        tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_smem.index(stage), pred=todo)
-    else:
-        tma.async_copy_global_to_shared(x_desc, [k, off_m], bar, x_smem.index(stage), pred=todo)
-    if W_K_MAJOR:
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_smem.index(stage), pred=todo)
-    else:
-        tma.async_copy_global_to_shared(w_desc, [k, off_n], bar, w_smem.index(stage), pred=todo)
+    HALF_M: gl.constexpr = out_desc.block_type.shape[0]
+    for i in range(CHUNKS * CHUNK_TILES):
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        k = i * TILE_K
+        for half in gl.static_range(2):
+            if X_K_MAJOR:
+                tma.async_copy_global_to_shared(x_desc, [off_m + half * HALF_M, k], bar, x_smem.index(2 * stage + half))
+            else:
+                tma.async_copy_global_to_shared(x_desc, [k, off_m + half * HALF_M], bar, x_smem.index(2 * stage + half))
+        if W_K_MAJOR:
+            tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_smem.index(stage))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [k, off_n], bar, w_smem.index(stage))
 
 
 @gluon.jit
-def _issue_tile(x_smem, w_smem, ready, i, acc, use_acc, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr,
-                STAGES: gl.constexpr):
-    """acc (+)= k-tile i's product, issued asynchronously once the tile's load has landed."""
+def _issue_tile(x_smem, w_smem, ready, turn, i, acc, use_acc, HALF: gl.constexpr, X_K_MAJOR: gl.constexpr,
+                W_K_MAJOR: gl.constexpr, TURNS: gl.constexpr):
+    """acc (+)= k-tile i's product for this consumer's half of the rows, issued asynchronously
+    once the tile's load has landed and (TURNS) the other consumer has issued its previous tile."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
     stage = i % STAGES
+    if TURNS:
+        mbarrier.wait(turn.index(HALF), (i & 1) ^ 1 ^ HALF)  # consumer 0 goes first
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    a = x_smem.index(stage) if X_K_MAJOR else x_smem.index(stage).permute((1, 0))
+    a = x_smem.index(2 * stage + HALF)
+    a = a if X_K_MAJOR else a.permute((1, 0))
     b = w_smem.index(stage).permute((1, 0)) if W_K_MAJOR else w_smem.index(stage)
-    return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+    acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+    if TURNS:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    return acc
 
 
 @gluon.jit
-def _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, tie,
-                    UNROLLED_TILES: gl.constexpr, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr,
-                    STAGES: gl.constexpr):
+def _unrolled_chunk(x_smem, w_smem, ready, empty, turn, first, acc, tie, UNROLLED_TILES: gl.constexpr,
+                    HALF: gl.constexpr, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr):
     """The chunk's product (in flight), acc's value ignored. After each tile's wgmmas, the wait
-    for every earlier one frees tile i - 1's stage for the load of tile i + STAGES - 1; it is tied
-    to `tie`, not to acc, so that nothing reads the accumulator while wgmmas run (module doc)."""
+    for every earlier one lets this consumer release tile i - 1's stage; it is tied to `tie`,
+    not to acc, so that nothing reads the accumulator while wgmmas run (module doc)."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
     for t in gl.static_range(UNROLLED_TILES):
-        acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, X_K_MAJOR, W_K_MAJOR, STAGES)
+        acc = _issue_tile(x_smem, w_smem, ready, turn, first + t, acc, t > 0, HALF, X_K_MAJOR, W_K_MAJOR, True)
         tie = warpgroup_mma_wait(num_outstanding=1, deps=(tie,))
-        _load_tile(x_desc, w_desc, x_smem, w_smem, ready, first + t + STAGES - 1, steps, off_m, off_n,
-                   X_K_MAJOR, W_K_MAJOR, STAGES)
+        if t > 0:
+            mbarrier.arrive(empty.index((first + t - 1) % STAGES), count=1)
     return acc
 
 
 @gluon.jit
-def _looped_chunk(x_desc, w_desc, x_smem, w_smem, ready, first, steps, off_m, off_n, acc, CHUNK_TILES,
-                  X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr):
-    """_unrolled_chunk for chunks too long to unroll: the loop carries acc, so its tiles do not overlap."""
+def _looped_chunk(x_smem, w_smem, ready, empty, turn, first, acc, CHUNK_TILES, HALF: gl.constexpr,
+                  X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr):
+    """_unrolled_chunk for chunks too long to unroll: the loop carries acc, so its tiles do not overlap
+    (ptxas waits for each one's wgmmas), and the consumers do not take turns: that would serialize
+    the two as well."""
+    STAGES: gl.constexpr = w_smem.type.shape[0]
     for t in range(CHUNK_TILES):
-        acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, X_K_MAJOR, W_K_MAJOR, STAGES)
+        acc = _issue_tile(x_smem, w_smem, ready, turn, first + t, acc, t > 0, HALF, X_K_MAJOR, W_K_MAJOR, False)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        _load_tile(x_desc, w_desc, x_smem, w_smem, ready, first + t + STAGES - 1, steps, off_m, off_n,
-                   X_K_MAJOR, W_K_MAJOR, STAGES)
+        mbarrier.arrive(empty.index((first + t - 1) % STAGES), count=1, pred=t > 0)
     return acc
+
+
+@gluon.jit
+def _mma_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
+                   W_K_MAJOR: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup: rows HALF * HALF_M of the tile over every chunk, then its store.
+    The two consumers take turns issuing each k-tile's wgmmas, consumer 1 one tile behind: each
+    folds its chunk into the total while the other's last tile of the chunk keeps the tensor
+    cores busy (issued at once, both would fold at the same time)."""
+    x_desc, w_desc, out_desc, bias, N = descs
+    x_smem, w_smem, out_smem = buffers
+    ready, empty, turn = bars
+    STAGES: gl.constexpr = w_smem.type.shape[0]
+    HALF_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    total = gl.zeros([HALF_M, BLOCK_N], gl.float32 if COMBINE_FP32 else gl.float16, layout)
+    # two int32 per thread: the smallest tensor Triton's wait lowering takes as a dependency
+    tie = gl.zeros([256], gl.int32, gl.BlockedLayout([2], [32], [4], [0]))
+    acc = gl.zeros([HALF_M, BLOCK_N], gl.float16, layout)  # each chunk's first MMA ignores it
+    for chunk in range(CHUNKS):
+        first = chunk * CHUNK_TILES
+        if UNROLLED_TILES > 0:
+            acc = _unrolled_chunk(x_smem, w_smem, ready, empty, turn, first, acc, tie, UNROLLED_TILES, HALF,
+                                  X_K_MAJOR, W_K_MAJOR)
+        else:
+            acc = _looped_chunk(x_smem, w_smem, ready, empty, turn, first, acc, CHUNK_TILES, HALF, X_K_MAJOR, W_K_MAJOR)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((first + CHUNK_TILES - 1) % STAGES), count=1)
+        total = (total.to(gl.float32) + acc.to(gl.float32)).to(total.dtype)
+
+    y = total.to(gl.float32)
+    if HAS_BIAS:
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        y += gl.expand_dims(gl.load(bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    out = out_smem.index(HALF)
+    out.store(y.to(gl.float16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [off_m + HALF * HALF_M, off_n], out)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
                           HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
                           W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """One (BLOCK_M, BLOCK_N) output tile over all CHUNKS chunks of CHUNK_TILES k-tiles (unrolled
-    when UNROLLED_TILES, which then equals CHUNK_TILES, is not 0)."""
-    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    """One (2 HALF_M, BLOCK_N) output tile over all CHUNKS chunks of CHUNK_TILES k-tiles (unrolled
+    when UNROLLED_TILES, which then equals CHUNK_TILES, is not 0): a load warp and two consumer
+    warpgroups (the default partition takes the first half of the rows)."""
+    HALF_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
-    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N)
-    off_m = pid_m * BLOCK_M
+    pid_m, pid_n = grouped_tile(M, N, 2 * HALF_M, BLOCK_N)
+    off_m = pid_m * 2 * HALF_M
     off_n = pid_n * BLOCK_N
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, BLOCK_N, 16])
-    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.float16, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    out_smem = gl.allocate_shared_memory(gl.float16, [2, HALF_M, BLOCK_N], out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for stage in gl.static_range(STAGES):
         mbarrier.init(ready.index(stage), count=1)
-    steps = CHUNKS * CHUNK_TILES
-    for i in gl.static_range(STAGES - 1):
-        _load_tile(x_desc, w_desc, x_smem, w_smem, ready, i, steps, off_m, off_n, X_K_MAJOR, W_K_MAJOR, STAGES)
-
-    total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32 if COMBINE_FP32 else gl.float16, layout)
-    # two int32 per thread: the smallest tensor Triton's wait lowering takes as a dependency
-    tie = gl.zeros([64 * num_warps], gl.int32, gl.BlockedLayout([2], [32], [num_warps], [0]))
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float16, layout)  # each chunk's first MMA ignores it
-    for chunk in range(CHUNKS):
-        if UNROLLED_TILES > 0:
-            acc = _unrolled_chunk(x_desc, w_desc, x_smem, w_smem, ready, chunk * CHUNK_TILES, steps, off_m, off_n,
-                                  acc, tie, UNROLLED_TILES, X_K_MAJOR, W_K_MAJOR, STAGES)
-        else:
-            acc = _looped_chunk(x_desc, w_desc, x_smem, w_smem, ready, chunk * CHUNK_TILES, steps, off_m, off_n,
-                                acc, CHUNK_TILES, X_K_MAJOR, W_K_MAJOR, STAGES)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        total = (total.to(gl.float32) + acc.to(gl.float32)).to(total.dtype)
-    for stage in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(stage))
-
-    y = total.to(gl.float32)
-    if HAS_BIAS:
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        y += gl.expand_dims(gl.load(bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    out_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, BLOCK_N], out_desc.layout)
-    out_smem.store(y.to(gl.float16))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
-    tma.store_wait(pendings=0)
+        mbarrier.init(empty.index(stage), count=2)  # released by both consumers
+    for half in gl.static_range(2):
+        mbarrier.init(turn.index(half), count=1)
+    descs = (x_desc, w_desc, out_desc, bias, N)
+    buffers = (x_smem, w_smem, out_smem)
+    bars = (ready, empty, turn)
+    gl.warp_specialize([
+        (_mma_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, HAS_BIAS,
+                          COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 0)),
+        (_mma_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, HAS_BIAS,
+                          COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 1)),
+        (_load_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, HAS_BIAS,
+                           COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 0)),
+    ], [num_warps, 1], [CONSUMER_REGISTERS, LOAD_REGISTERS])
