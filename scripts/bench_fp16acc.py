@@ -50,7 +50,7 @@ SHAPES = [Shape("square", 4096, 4096, 4096), Shape("square", 8192, 8192, 8192),
           Shape("gpu_poor decode", 1, 14336, 4096), Shape("square", 1024, 1024, 1024),
           Shape("square", 2048, 2048, 2048)]
 QUICK_SHAPES = SHAPES[:3]
-SPLITS = (1, 2, 4, 8, 16, 32)
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
 EMULATED_ROWS = 16
 TINY_DIVISOR = 16  # --tiny divides every size but M = 1 by this
 BASELINE, FP16_CUBLAS, AUTO = "cuBLAS fp32-acc", "cuBLAS fp16-acc", "lowconv auto"
@@ -145,7 +145,7 @@ def kernel_pick(x, w):
     """Which kernel ran y = x w^T (the wgmma kernel's fixed tiles, or the Triton kernel's autotuner
     pick), and every config's median time from the autotuner's last tuning."""
     if x.shape[0] > fa.SMALL_M and fa.wgmma_runs(x, w, fa.multiprocessors(x.device)):
-        return f"wgmma {fw.BLOCK_M}x{fw.BLOCK_N}, {fw.STAGES} stages", {}
+        return f"wgmma {fw.BLOCK_M}x{fw.BLOCK_N}, a ring of {fw.RING_K} k-columns", {}
     return tuning(fa._tuned_for_large_m if x.shape[0] > fa.SMALL_M else fa._tuned_for_small_m)
 
 

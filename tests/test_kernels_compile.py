@@ -132,8 +132,8 @@ def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k, unr
         return mangle_type(TensorDescriptor.from_tensor(torch.zeros(512, 512, dtype=torch.float16), block, layout))
 
     kernel = fw._fp16acc_wgmma_kernel
-    constexprs = dict(UNROLLED_TILES=unrolled_tiles, HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32,
-                      X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=fw.STAGES, num_warps=fw.WARPGROUP)
+    constexprs = dict(HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
+                      **fw.schedule(unrolled_tiles or fw.MAX_UNROLLED_TILES + 1, tile_k), num_warps=fw.WARPGROUP)
     types = {"x_desc": descriptor_type([fw.HALF_M, tile_k] if x_k_major else [tile_k, fw.HALF_M]),
              "w_desc": descriptor_type([fw.BLOCK_N, tile_k] if w_k_major else [tile_k, fw.BLOCK_N]),
              "out_desc": descriptor_type([fw.HALF_M, fw.BLOCK_N]), "bias": "*fp16",

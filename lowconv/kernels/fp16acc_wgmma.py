@@ -12,9 +12,12 @@ of the tile (an fp32 total and an fp16 accumulator: 192 registers per thread, so
 gives its registers to them). Each chunk ends with a fold of the fp16 accumulator into the total
 (convert and add, 256 instructions per thread), during which a warpgroup issues no wgmma. Issued in
 lockstep, both warpgroups folded at once and the tensor cores idled (at 4096^3 and 32 splits, a
-fold every two k-tiles, about 15% of the time). So the consumers take turns per k-tile (an
-mbarrier each), consumer 1 one tile behind: each folds while the other's last tile of the chunk
-runs. A stage is released (an mbarrier of count 2) once both consumers' wgmmas on it completed.
+fold every two k-tiles, about 15% of the time). So the consumers take turns of TURN_TILES k-tiles
+(an mbarrier each; two tiles where they divide the chunk), consumer 1 a turn behind: each folds
+while the other's last turn of the chunk runs. A stage is released (an mbarrier of count 2) once
+both consumers' wgmmas on it completed. The ring holds 256 k-columns (4 stages of 64-wide k-tiles,
+192 KB): that leaves no room for a separate output buffer, so each consumer stages its output
+tile in its own x halves of the ring, which are idle by then (`schedule`).
 
 Keeping the wgmmas in flight: ptxas serializes every wgmma of a kernel (its note C7514) where any
 other instruction reads an accumulator register while a wgmma may still write it. Triton keeps an
@@ -54,7 +57,7 @@ from lowconv.kernels.tile_order import grouped_tile
 
 BLOCK_M, BLOCK_N = 128, 256  # each of the two consumer warpgroups holds HALF_M x 256
 HALF_M = BLOCK_M // 2
-STAGES = 3  # k-tiles in the shared-memory ring (48 KB each at 64-wide k-tiles)
+RING_K = BLOCK_N  # k-columns in the shared-memory ring: 4 stages of 64-wide k-tiles, 48 KB each
 WARPGROUP = 4  # warps
 # Registers per thread: the launch's cap over all 12 warps (two consumer warpgroups, one load warp
 # in a warpgroup of its own) fits the register file; the load warp gives its share to the consumers.
@@ -106,6 +109,16 @@ def operand_descriptor(t, rows: int, tile_k: int) -> tuple[TensorDescriptor, boo
     return TensorDescriptor.from_tensor(view, block, shared_layout(*block)), k_major
 
 
+def schedule(chunk_tiles: int, tile_k: int) -> dict:
+    """The kernel's constexprs for chunks of chunk_tiles k-tiles of tile_k: UNROLLED_TILES (the
+    chunk's length, or 0 for a looped chunk: module doc); TURN_TILES, the k-tiles a consumer issues
+    per turn (two where they divide the chunk: half the handovers); STAGES, the ring's depth in
+    k-tiles: RING_K columns of K. A consumer's x halves over the ring then hold RING_K x HALF_M
+    fp16, its whole output block (HALF_M x BLOCK_N) as RING_K = BLOCK_N: the epilogue reuses them."""
+    unrolled = chunk_tiles if chunk_tiles <= MAX_UNROLLED_TILES else 0
+    return dict(UNROLLED_TILES=unrolled, TURN_TILES=2 if unrolled % 2 == 0 else 1, STAGES=RING_K // tile_k)
+
+
 def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp32: bool):
     """out (M, N contiguous fp16) = x (M, K) @ w (N, K)^T + bias with the numerics of fp16acc.py
     (`splits` chunks of chunk_k)."""
@@ -118,24 +131,23 @@ def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp3
     chunk_tiles = chunk_k // tile_k
     _fp16acc_wgmma_kernel[grid](
         x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_tiles, splits,
-        UNROLLED_TILES=chunk_tiles if chunk_tiles <= MAX_UNROLLED_TILES else 0, HAS_BIAS=bias is not None,
-        COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major, STAGES=STAGES,
-        num_warps=WARPGROUP, maxnreg=MAX_REGISTERS)
+        HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
+        **schedule(chunk_tiles, tile_k), num_warps=WARPGROUP, maxnreg=MAX_REGISTERS)
 
 
 @gluon.jit
 def _load_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
-                    W_K_MAJOR: gl.constexpr, HALF: gl.constexpr):
+                    TURN_TILES: gl.constexpr, HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr,
+                    X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, HALF: gl.constexpr):
     """One warp: the TMA loads of every k-tile (both halves of x's rows, and w's) into the ring,
     each stage once both consumers have released it. (Its parameters are _mma_partition's: the
     workers of a warp_specialize share one signature.)"""
-    x_desc, w_desc, out_desc, bias, N = descs
-    x_smem, w_smem, out_smem = buffers
+    x_desc, w_desc, out_desc, bias, M, N = descs
+    x_smem, w_smem = buffers
     ready, empty, turn = bars
     STAGES: gl.constexpr = w_smem.type.shape[0]
     TILE_K: gl.constexpr = x_desc.block_type.shape[1] if X_K_MAJOR else x_desc.block_type.shape[0]
-    HALF_M: gl.constexpr = out_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = x_desc.block_type.shape[0] if X_K_MAJOR else x_desc.block_type.shape[1]
     for i in range(CHUNKS * CHUNK_TILES):
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -144,9 +156,9 @@ def _load_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNR
         k = i * TILE_K
         for half in gl.static_range(2):
             if X_K_MAJOR:
-                tma.async_copy_global_to_shared(x_desc, [off_m + half * HALF_M, k], bar, x_smem.index(2 * stage + half))
+                tma.async_copy_global_to_shared(x_desc, [off_m + half * HALF_M, k], bar, x_smem.index(half * STAGES + stage))
             else:
-                tma.async_copy_global_to_shared(x_desc, [k, off_m + half * HALF_M], bar, x_smem.index(2 * stage + half))
+                tma.async_copy_global_to_shared(x_desc, [k, off_m + half * HALF_M], bar, x_smem.index(half * STAGES + stage))
         if W_K_MAJOR:
             tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_smem.index(stage))
         else:
@@ -154,33 +166,33 @@ def _load_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNR
 
 
 @gluon.jit
-def _issue_tile(x_smem, w_smem, ready, turn, i, acc, use_acc, HALF: gl.constexpr, X_K_MAJOR: gl.constexpr,
-                W_K_MAJOR: gl.constexpr, TURNS: gl.constexpr):
+def _issue_tile(x_smem, w_smem, ready, i, acc, use_acc, HALF: gl.constexpr, X_K_MAJOR: gl.constexpr,
+                W_K_MAJOR: gl.constexpr):
     """acc (+)= k-tile i's product for this consumer's half of the rows, issued asynchronously
-    once the tile's load has landed and (TURNS) the other consumer has issued its previous tile."""
+    once the tile's load has landed."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     stage = i % STAGES
-    if TURNS:
-        mbarrier.wait(turn.index(HALF), (i & 1) ^ 1 ^ HALF)  # consumer 0 goes first
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    a = x_smem.index(2 * stage + HALF)
+    a = x_smem.index(HALF * STAGES + stage)
     a = a if X_K_MAJOR else a.permute((1, 0))
     b = w_smem.index(stage).permute((1, 0)) if W_K_MAJOR else w_smem.index(stage)
-    acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
-    if TURNS:
-        mbarrier.arrive(turn.index(1 - HALF), count=1)
-    return acc
+    return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
 
 
 @gluon.jit
 def _unrolled_chunk(x_smem, w_smem, ready, empty, turn, first, acc, tie, UNROLLED_TILES: gl.constexpr,
-                    HALF: gl.constexpr, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr):
-    """The chunk's product (in flight), acc's value ignored. After each tile's wgmmas, the wait
-    for every earlier one lets this consumer release tile i - 1's stage; it is tied to `tie`,
-    not to acc, so that nothing reads the accumulator while wgmmas run (module doc)."""
+                    TURN_TILES: gl.constexpr, HALF: gl.constexpr, X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr):
+    """The chunk's product (in flight), acc's value ignored. The consumers take turns of
+    TURN_TILES k-tiles (which divides the chunk). After each tile's wgmmas, the wait for every
+    earlier one lets this consumer release tile i - 1's stage; it is tied to `tie`, not to acc,
+    so that nothing reads the accumulator while wgmmas run (module doc)."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     for t in gl.static_range(UNROLLED_TILES):
-        acc = _issue_tile(x_smem, w_smem, ready, turn, first + t, acc, t > 0, HALF, X_K_MAJOR, W_K_MAJOR, True)
+        if t % TURN_TILES == 0:  # consumer 0 goes first
+            mbarrier.wait(turn.index(HALF), (((first + t) // TURN_TILES) & 1) ^ 1 ^ HALF)
+        acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, HALF, X_K_MAJOR, W_K_MAJOR)
+        if t % TURN_TILES == TURN_TILES - 1:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
         tie = warpgroup_mma_wait(num_outstanding=1, deps=(tie,))
         if t > 0:
             mbarrier.arrive(empty.index((first + t - 1) % STAGES), count=1)
@@ -188,14 +200,14 @@ def _unrolled_chunk(x_smem, w_smem, ready, empty, turn, first, acc, tie, UNROLLE
 
 
 @gluon.jit
-def _looped_chunk(x_smem, w_smem, ready, empty, turn, first, acc, CHUNK_TILES, HALF: gl.constexpr,
+def _looped_chunk(x_smem, w_smem, ready, empty, first, acc, CHUNK_TILES, HALF: gl.constexpr,
                   X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr):
     """_unrolled_chunk for chunks too long to unroll: the loop carries acc, so its tiles do not overlap
     (ptxas waits for each one's wgmmas), and the consumers do not take turns: that would serialize
     the two as well."""
     STAGES: gl.constexpr = w_smem.type.shape[0]
     for t in range(CHUNK_TILES):
-        acc = _issue_tile(x_smem, w_smem, ready, turn, first + t, acc, t > 0, HALF, X_K_MAJOR, W_K_MAJOR, False)
+        acc = _issue_tile(x_smem, w_smem, ready, first + t, acc, t > 0, HALF, X_K_MAJOR, W_K_MAJOR)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index((first + t - 1) % STAGES), count=1, pred=t > 0)
     return acc
@@ -203,18 +215,18 @@ def _looped_chunk(x_smem, w_smem, ready, empty, turn, first, acc, CHUNK_TILES, H
 
 @gluon.jit
 def _mma_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
-                   W_K_MAJOR: gl.constexpr, HALF: gl.constexpr):
-    """One consumer warpgroup: rows HALF * HALF_M of the tile over every chunk, then its store.
-    The two consumers take turns issuing each k-tile's wgmmas, consumer 1 one tile behind: each
-    folds its chunk into the total while the other's last tile of the chunk keeps the tensor
+                   TURN_TILES: gl.constexpr, HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr,
+                   X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warpgroup: rows HALF * HALF_M of the tile over every chunk, then their store.
+    The two consumers take turns issuing TURN_TILES k-tiles' wgmmas, consumer 1 a turn behind:
+    each folds its chunk into the total while the other's last turn of the chunk keeps the tensor
     cores busy (issued at once, both would fold at the same time)."""
-    x_desc, w_desc, out_desc, bias, N = descs
-    x_smem, w_smem, out_smem = buffers
+    x_desc, w_desc, out_desc, bias, M, N = descs
+    x_smem, w_smem = buffers
     ready, empty, turn = bars
     STAGES: gl.constexpr = w_smem.type.shape[0]
-    HALF_M: gl.constexpr = out_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    HALF_M: gl.constexpr = x_desc.block_type.shape[0] if X_K_MAJOR else x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0] if W_K_MAJOR else w_desc.block_type.shape[1]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
     total = gl.zeros([HALF_M, BLOCK_N], gl.float32 if COMBINE_FP32 else gl.float16, layout)
@@ -224,10 +236,10 @@ def _mma_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNRO
     for chunk in range(CHUNKS):
         first = chunk * CHUNK_TILES
         if UNROLLED_TILES > 0:
-            acc = _unrolled_chunk(x_smem, w_smem, ready, empty, turn, first, acc, tie, UNROLLED_TILES, HALF,
-                                  X_K_MAJOR, W_K_MAJOR)
+            acc = _unrolled_chunk(x_smem, w_smem, ready, empty, turn, first, acc, tie, UNROLLED_TILES, TURN_TILES,
+                                  HALF, X_K_MAJOR, W_K_MAJOR)
         else:
-            acc = _looped_chunk(x_smem, w_smem, ready, empty, turn, first, acc, CHUNK_TILES, HALF, X_K_MAJOR, W_K_MAJOR)
+            acc = _looped_chunk(x_smem, w_smem, ready, empty, first, acc, CHUNK_TILES, HALF, X_K_MAJOR, W_K_MAJOR)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((first + CHUNK_TILES - 1) % STAGES), count=1)
         total = (total.to(gl.float32) + acc.to(gl.float32)).to(total.dtype)
@@ -236,28 +248,30 @@ def _mma_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNRO
     if HAS_BIAS:
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         y += gl.expand_dims(gl.load(bias + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    out = out_smem.index(HALF)
-    out.store(y.to(gl.float16))
+    # The store is staged in this consumer's x halves of the ring (schedule): its wgmmas are
+    # done, every load into them has landed, and no other reads or fills them.
+    out_smem = x_smem._reinterpret(gl.float16, [2, HALF_M, BLOCK_N], out_desc.layout).index(HALF)
+    out_smem.store(y.to(gl.float16))
     fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [off_m + HALF * HALF_M, off_n], out)
+    tma.async_copy_shared_to_global(out_desc, [off_m + HALF * HALF_M, off_n], out_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHUNKS, UNROLLED_TILES: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr, X_K_MAJOR: gl.constexpr,
-                          W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                          TURN_TILES: gl.constexpr, HAS_BIAS: gl.constexpr, COMBINE_FP32: gl.constexpr,
+                          X_K_MAJOR: gl.constexpr, W_K_MAJOR: gl.constexpr, STAGES: gl.constexpr,
+                          num_warps: gl.constexpr):
     """One (2 HALF_M, BLOCK_N) output tile over all CHUNKS chunks of CHUNK_TILES k-tiles (unrolled
     when UNROLLED_TILES, which then equals CHUNK_TILES, is not 0): a load warp and two consumer
     warpgroups (the default partition takes the first half of the rows)."""
-    HALF_M: gl.constexpr = out_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    HALF_M: gl.constexpr = x_desc.block_type.shape[0] if X_K_MAJOR else x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0] if W_K_MAJOR else w_desc.block_type.shape[1]
     pid_m, pid_n = grouped_tile(M, N, 2 * HALF_M, BLOCK_N)
     off_m = pid_m * 2 * HALF_M
     off_n = pid_n * BLOCK_N
     x_smem = gl.allocate_shared_memory(gl.float16, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float16, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    out_smem = gl.allocate_shared_memory(gl.float16, [2, HALF_M, BLOCK_N], out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -266,14 +280,14 @@ def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHU
         mbarrier.init(empty.index(stage), count=2)  # released by both consumers
     for half in gl.static_range(2):
         mbarrier.init(turn.index(half), count=1)
-    descs = (x_desc, w_desc, out_desc, bias, N)
-    buffers = (x_smem, w_smem, out_smem)
+    descs = (x_desc, w_desc, out_desc, bias, M, N)
+    buffers = (x_smem, w_smem)
     bars = (ready, empty, turn)
     gl.warp_specialize([
-        (_mma_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, HAS_BIAS,
-                          COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 0)),
-        (_mma_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, HAS_BIAS,
-                          COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 1)),
-        (_load_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, HAS_BIAS,
-                           COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 0)),
+        (_mma_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, TURN_TILES,
+                          HAS_BIAS, COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 0)),
+        (_mma_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, TURN_TILES,
+                          HAS_BIAS, COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 1)),
+        (_load_partition, (descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNROLLED_TILES, TURN_TILES,
+                           HAS_BIAS, COMBINE_FP32, X_K_MAJOR, W_K_MAJOR, 0)),
     ], [num_warps, 1], [CONSUMER_REGISTERS, LOAD_REGISTERS])
