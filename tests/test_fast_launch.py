@@ -76,6 +76,22 @@ def test_argument_keys():
         fast_launch._arg_key("a string")
 
 
+def test_tensor_descriptor_keys():
+    """Gluon's descriptors: keyed by what Triton puts in their type (dtype, block shape, layout,
+    padding), not by the tensor's shape or strides, which the launcher passes at run time."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def key(t, block, padding="zero"):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+        return fast_launch._arg_key(TensorDescriptor.from_tensor(t, block, layout, padding))
+
+    a = torch.zeros(256, 512, dtype=torch.float16)
+    assert key(a, [64, 64]) == key(torch.zeros(64, 1024, dtype=torch.float16)[:, 512:], [64, 64])
+    others = [key(a, [64, 32]), key(a, [64, 16]), key(a.bfloat16(), [64, 64]), key(a, [64, 64], "nan")]
+    assert len({key(a, [64, 64]), *others}) == 5
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path; the GPU test covers CUDA")
 def test_interpreter_path_on_cpu():
     check_calls("cpu")

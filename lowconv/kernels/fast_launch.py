@@ -10,9 +10,10 @@ training step and is host-bound.
 kernel under a key at least as fine as Triton's own: each tensor's dtype and whether its address
 is 16-byte aligned; each int's type by range and whether it is 1 or a multiple of 16 (`_int_key`);
 bools, floats and None by kind; the constexprs by name and repr (1, True and 1.0 differ, as they
-do to Triton); the launch options. On a hit it calls the compiled kernel's launcher directly: it
-launches what Triton would. Arguments of any other kind (e.g. tensor descriptors), and kernels
-with pre-run hooks, always go through Triton; so does everything under TRITON_INTERPRET=1 (there
+do to Triton); Gluon's tensor descriptors by dtype, block shape, layout and padding (what Triton
+puts in their type; their shape and strides are run-time values); the launch options. On a hit it
+calls the compiled kernel's launcher directly: it launches what Triton would. Arguments of any
+other kind, and kernels with pre-run hooks, always go through Triton; so does everything under TRITON_INTERPRET=1 (there
 is no compiled kernel).
 Not followed on a hit: Triton's debug and instrumentation settings (TRITON_DEBUG, knobs) changed
 after the kernel's first launch in the process (reading them costs two environment lookups per
@@ -22,6 +23,7 @@ import torch
 from torch.nn import Parameter
 from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import JITFunction, driver
 
 # (id of the kernel, device, options, constexprs, each argument's key) -> (the kernel, compiled
@@ -51,6 +53,8 @@ def _arg_key(arg):
         return kind, arg
     if arg is None or kind is float:
         return kind
+    if kind is TensorDescriptor:
+        return kind, arg.base.dtype, *arg.block_shape, arg.layout, arg.padding
     raise TypeError  # Triton binds it: see launch
 
 

@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lowconv.kernels import fast_launch
 from lowconv.kernels.tile_order import grouped_tile
 
 BLOCK_M, BLOCK_N = 128, 256  # each of the two consumer warpgroups holds HALF_M x 256
@@ -129,10 +130,12 @@ def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp3
     out_desc = TensorDescriptor.from_tensor(out, [HALF_M, BLOCK_N], shared_layout(HALF_M, BLOCK_N))
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
     chunk_tiles = chunk_k // tile_k
-    _fp16acc_wgmma_kernel[grid](
-        x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_tiles, splits,
-        HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major, W_K_MAJOR=w_k_major,
-        **schedule(chunk_tiles, tile_k), num_warps=WARPGROUP, maxnreg=MAX_REGISTERS)
+    # Through fast_launch: Triton's argument binding takes more host time than a 2048^3 GEMM's kernel.
+    fast_launch.launch(_fp16acc_wgmma_kernel, grid, (x_desc, w_desc, out_desc, bias if bias is not None else out,
+                                                     m, n, chunk_tiles, splits),
+                       dict(HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major,
+                            W_K_MAJOR=w_k_major, **schedule(chunk_tiles, tile_k), num_warps=WARPGROUP),
+                       maxnreg=MAX_REGISTERS)
 
 
 @gluon.jit
