@@ -97,10 +97,11 @@ def test_tails_vs_float64():
 
 
 def test_auto_splits():
-    """32 chunks (64 for at most SMALL_M rows), none narrower than 64 (see auto_splits)."""
-    widths = (1, 16, 64, 65, 512, 1024, 2048, 4096, 14336)
-    assert [auto_splits(K, 65) for K in widths] == [1, 1, 1, 2, 8, 16, 32, 32, 32]
-    assert [auto_splits(K, 1) for K in widths] == [1, 1, 1, 2, 8, 16, 32, 64, 64]
+    """Chunks of 16 up to K = 1024; beyond, 32 chunks (64 for at most SMALL_M rows), none narrower
+    than 64 (see auto_splits)."""
+    widths = (1, 16, 17, 64, 100, 512, 1024, 1040, 2048, 4096, 14336)
+    assert [auto_splits(K, 65) for K in widths] == [1, 1, 2, 4, 7, 32, 64, 17, 32, 32, 32]
+    assert [auto_splits(K, 1) for K in widths] == [1, 1, 2, 4, 7, 32, 64, 17, 32, 64, 64]
     assert auto_splits(14336, 64) == 64 and auto_splits(14336, 65) == 32
 
 

@@ -47,6 +47,7 @@ BLOCK_K = 16
 AUTO_MAX_SPLITS = 32
 AUTO_MAX_SPLITS_SMALL_M = 64  # up to SMALL_M rows (decode): see auto_splits
 AUTO_MIN_CHUNK_K = 64
+AUTO_FINE_K = 1024  # up to this K, chunks of one k16 step: see auto_splits
 SMALL_M = 64  # up to this many rows: 16- or 64-row tiles, their own configs
 NARROW_TILE_N = 16
 H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
@@ -54,8 +55,8 @@ SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one
 
 
 def auto_splits(K: int, rows: int) -> int:
-    """S = min(32, ceil(K / 64)) for a GEMM of `rows` rows: 32 chunks, or fewer when that would
-    make them narrower than 64; up to 64 chunks when rows <= SMALL_M (decode, small batches).
+    """S for a GEMM of `rows` rows over K: min(32, ceil(K / 64)) chunks, up to 64 when rows <=
+    SMALL_M (decode, small batches); but for K <= AUTO_FINE_K, K / 16: chunks of one k16 MMA step.
 
     Why: an fp16 running sum loses ~2^-11 of its magnitude at every add, so on random data its
     error grows as the square root of the chain's length. cuBLAS's fp16 accumulation behaves as one
@@ -66,8 +67,15 @@ def auto_splits(K: int, rows: int) -> int:
     fp16 accumulation's from K = 2048 on (H100: 3.9e-4 at 2048, 4.9e-4 at 4096, 6.4e-4 at 8192);
     more chunks would buy little more than that floor and cost a fold of the accumulator each
     (S = 32 takes 9-17% more time than S = 1 at 4096^3 and 8192^3). Chunks narrower than 64 would
-    leave the kernel's 64-wide k-tiles partly empty, so small K gets fewer of them (K = 1024: S = 16,
-    3.9e-4, 0.33x cuBLAS fp16-acc's). For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
+    leave the kernel's 64-wide k-tiles partly empty, so K up to 2048 gets fewer of them.
+    The floor: whatever S, each chunk's result is rounded to fp16 once before the fold, which costs
+    about what the output's rounding costs, so no S gets under ~sqrt(2) x 2.1e-4 = 2.9e-4. One
+    chain's error is ~3.7e-5 sqrt(K), so 1/4 of it is above that floor only from K ~ 1024 on, and at
+    K = 1024 only with chunks of 16 (H100: 2.94e-4 against cuBLAS's 1.18e-3, 0.249x; 32-wide 0.28x,
+    64-wide 0.33x). So K <= AUTO_FINE_K takes 16-wide chunks, the least error there is, and pays a
+    fold per MMA step: on the H100 1024^3 takes 3.9x cuBLAS fp32-acc's time (S = 16: 1.45x), 13008
+    x 1024 x 4096 2.5x (S = 16: 1.27x). Pass splits = 16 for speed with 0.33x of one chain's error.
+    For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
     at K = 14336, one chain: 4.28e-3), so there S = 32 (8.2e-4) is 0.32x of it; such GEMMs read
     W once and are bound by memory, where a fold per chunk costs little, so small M takes up to 64
     chunks (K = 14336: 224 wide, 6.0e-4, 0.24x cuBLAS's; H100 kernel time at M = 1, N = 4096 in a
@@ -75,8 +83,10 @@ def auto_splits(K: int, rows: int) -> int:
     Combining in fp16 adds one fp16 rounding per chunk (about 2x the error): this rule assumes the
     default fp32 combine. BENCHMARKS.md has the measurements.
     """
+    if K <= AUTO_FINE_K:
+        return max(1, math.ceil(K / BLOCK_K))
     most = AUTO_MAX_SPLITS_SMALL_M if rows <= SMALL_M else AUTO_MAX_SPLITS
-    return max(1, min(most, math.ceil(K / AUTO_MIN_CHUNK_K)))
+    return min(most, math.ceil(K / AUTO_MIN_CHUNK_K))
 
 
 def chunks(k: int, splits: int) -> tuple[int, int]:
