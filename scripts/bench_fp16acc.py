@@ -136,7 +136,7 @@ def peer_call(peer, x, w, device):
     scope = cublas_fp16_accumulation() if peer.fp16_accumulation else contextlib.nullcontext()
     if not peer.lowconv:
         return (lambda: F.linear(x, w)), scope
-    splits = auto_splits(x.shape[1], x.shape[0]) if peer.splits == "auto" else peer.splits
+    splits = auto_splits(x.shape[1], x.shape[0], peer.combine) if peer.splits == "auto" else peer.splits
     backend = peer.backend if device.type == "cuda" else "reference"
     return (lambda: fp16acc_matmul(x, w, None, splits, peer.combine, backend)), scope
 
@@ -172,7 +172,7 @@ class Run(BudgetedRun):
         exact_rows_cpu = None if exact is None else exact[:rows].cpu()
         for peer in PEERS:
             result = Result(shape.label(), shape.dims, peer.name,
-                            auto_splits(shape.k, shape.m) if peer.splits == "auto" else peer.splits)
+                            auto_splits(shape.k, shape.m, peer.combine) if peer.splits == "auto" else peer.splits)
             blocked = self.blocked()
             if blocked:
                 result.status, result.error = "skipped", blocked

@@ -97,25 +97,37 @@ def test_tails_vs_float64():
 
 
 def test_auto_splits():
-    """Chunks of 16 up to K = 1024; beyond, 32 chunks (64 for at most SMALL_M rows), none narrower
-    than 64 (see auto_splits)."""
+    """Chunks of 16 up to K = 1024 (fp32 combine); beyond, 32 chunks (64 for at most SMALL_M rows),
+    none narrower than 64 (see auto_splits)."""
     widths = (1, 16, 17, 64, 100, 512, 1024, 1040, 2048, 4096, 14336)
     assert [auto_splits(K, 65) for K in widths] == [1, 1, 2, 4, 7, 32, 64, 17, 32, 32, 32]
     assert [auto_splits(K, 1) for K in widths] == [1, 1, 2, 4, 7, 32, 64, 17, 32, 64, 64]
     assert auto_splits(14336, 64) == 64 and auto_splits(14336, 65) == 32
+    # the fp16 combine rounds the total once per chunk: no 16-wide chunks for it
+    assert [auto_splits(K, 65, "fp16") for K in widths] == [1, 1, 1, 1, 2, 8, 16, 17, 32, 32, 32]
 
 
-def test_module_auto_splits_follow_the_rows_of_each_call(monkeypatch):
-    """One layer serves prefill and decode: "auto" is resolved per call from x's rows."""
+def auto_splits_seen(monkeypatch, in_features, options, inputs):
+    """The splits a module's calls pass to fp16acc_matmul, one per input of (rows, in_features)."""
     import lowconv.ops.fp16acc as op
 
     seen = []
     monkeypatch.setattr(op, "fp16acc_matmul", lambda x, w, b, splits, *rest: seen.append(splits) or x[..., :1])
-    module = from_site(linear_site(4096, 16), Fp16AccOptions(), {"weight": torch.zeros(16, 4096).half(),
-                                                                 "bias": torch.zeros(16).half()})
-    module(torch.zeros(1, 4096).half())
-    module(torch.zeros(3, 100, 4096).half())
-    assert seen == [64, 32]
+    module = from_site(linear_site(in_features, 16), options, {"weight": torch.zeros(16, in_features).half(),
+                                                               "bias": torch.zeros(16).half()})
+    for shape in inputs:
+        module(torch.zeros(*shape, in_features).half())
+    return seen
+
+
+def test_module_auto_splits_follow_the_rows_of_each_call(monkeypatch):
+    """One layer serves prefill and decode: "auto" is resolved per call from x's rows."""
+    assert auto_splits_seen(monkeypatch, 4096, Fp16AccOptions(), [(1,), (3, 100)]) == [64, 32]
+
+
+@pytest.mark.parametrize("combine,splits", [("fp32", 64), ("fp16", 16)])
+def test_module_auto_splits_follow_its_combine(monkeypatch, combine, splits):
+    assert auto_splits_seen(monkeypatch, 1024, Fp16AccOptions(combine=combine), [(100,)]) == [splits]
 
 
 def test_module_vs_float64_and_grads():

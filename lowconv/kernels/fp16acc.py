@@ -54,9 +54,10 @@ H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
 SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one fixed config
 
 
-def auto_splits(K: int, rows: int) -> int:
+def auto_splits(K: int, rows: int, combine: str = "fp32") -> int:
     """S for a GEMM of `rows` rows over K: min(32, ceil(K / 64)) chunks, up to 64 when rows <=
-    SMALL_M (decode, small batches); but for K <= AUTO_FINE_K, K / 16: chunks of one k16 MMA step.
+    SMALL_M (decode, small batches); but for K <= AUTO_FINE_K with the fp32 combine, K / 16: chunks
+    of one k16 MMA step.
 
     Why: an fp16 running sum loses ~2^-11 of its magnitude at every add, so on random data its
     error grows as the square root of the chain's length. cuBLAS's fp16 accumulation behaves as one
@@ -80,10 +81,11 @@ def auto_splits(K: int, rows: int) -> int:
     W once and are bound by memory, where a fold per chunk costs little, so small M takes up to 64
     chunks (K = 14336: 224 wide, 6.0e-4, 0.24x cuBLAS's; H100 kernel time at M = 1, N = 4096 in a
     CUDA graph: 43.5 us at S = 1, 45.4 at 32, 46.6 at 64, 58 at 128, cuBLAS 43.6).
-    Combining in fp16 adds one fp16 rounding per chunk (about 2x the error): this rule assumes the
-    default fp32 combine. BENCHMARKS.md has the measurements.
+    Combining in fp16 adds one fp16 rounding of the total per chunk (about 2x the error), so the
+    fp16 combine keeps 64-wide chunks at K <= AUTO_FINE_K: 16-wide ones gave 1.22e-3 at 1024^3,
+    worse than one chain, against 7.1e-4. BENCHMARKS.md has the measurements.
     """
-    if K <= AUTO_FINE_K:
+    if K <= AUTO_FINE_K and combine == "fp32":
         return max(1, math.ceil(K / BLOCK_K))
     most = AUTO_MAX_SPLITS_SMALL_M if rows <= SMALL_M else AUTO_MAX_SPLITS
     return min(most, math.ceil(K / AUTO_MIN_CHUNK_K))
@@ -186,9 +188,10 @@ class Fp16AccMatmul(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:  # (M, K) = g (M, N) @ w (N, K): "w" is w^T, (K, N)
-            grad_x = gemm(g, w.t(), None, auto_splits(g.shape[1], g.shape[0]), ctx.combine).reshape(x.shape)
+            grad_x = gemm(g, w.t(), None, auto_splits(g.shape[1], g.shape[0], ctx.combine),
+                          ctx.combine).reshape(x.shape)
         if ctx.needs_input_grad[1]:  # (N, K) = g^T (N, M) @ x (M, K): "w" is x^T, (K, M)
-            grad_w = gemm(g.t(), x2.t(), None, auto_splits(g.shape[0], g.shape[1]), ctx.combine)
+            grad_w = gemm(g.t(), x2.t(), None, auto_splits(g.shape[0], g.shape[1], ctx.combine), ctx.combine)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.float().sum(0).half()
         return grad_x, grad_w, grad_bias, None, None, None
