@@ -145,7 +145,7 @@ def _load_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNR
     """One warp: the TMA loads of every k-tile (both halves of x's rows, and w's) into the ring,
     each stage once both consumers have released it. (Its parameters are _mma_partition's: the
     workers of a warp_specialize share one signature.)"""
-    x_desc, w_desc, out_desc, bias, M, N = descs
+    x_desc, w_desc, out_desc, bias, N = descs
     x_smem, w_smem = buffers
     ready, empty, turn = bars
     STAGES: gl.constexpr = w_smem.type.shape[0]
@@ -158,10 +158,12 @@ def _load_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNR
         mbarrier.expect(bar, 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
         k = i * TILE_K
         for half in gl.static_range(2):
+            rows = off_m + half * HALF_M
+            x_stage = x_smem.index(half * STAGES + stage)
             if X_K_MAJOR:
-                tma.async_copy_global_to_shared(x_desc, [off_m + half * HALF_M, k], bar, x_smem.index(half * STAGES + stage))
+                tma.async_copy_global_to_shared(x_desc, [rows, k], bar, x_stage)
             else:
-                tma.async_copy_global_to_shared(x_desc, [k, off_m + half * HALF_M], bar, x_smem.index(half * STAGES + stage))
+                tma.async_copy_global_to_shared(x_desc, [k, rows], bar, x_stage)
         if W_K_MAJOR:
             tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_smem.index(stage))
         else:
@@ -224,7 +226,7 @@ def _mma_partition(descs, buffers, bars, off_m, off_n, CHUNK_TILES, CHUNKS, UNRO
     The two consumers take turns issuing TURN_TILES k-tiles' wgmmas, consumer 1 a turn behind:
     each folds its chunk into the total while the other's last turn of the chunk keeps the tensor
     cores busy (issued at once, both would fold at the same time)."""
-    x_desc, w_desc, out_desc, bias, M, N = descs
+    x_desc, w_desc, out_desc, bias, N = descs
     x_smem, w_smem = buffers
     ready, empty, turn = bars
     STAGES: gl.constexpr = w_smem.type.shape[0]
@@ -283,7 +285,7 @@ def _fp16acc_wgmma_kernel(x_desc, w_desc, out_desc, bias, M, N, CHUNK_TILES, CHU
         mbarrier.init(empty.index(stage), count=2)  # released by both consumers
     for half in gl.static_range(2):
         mbarrier.init(turn.index(half), count=1)
-    descs = (x_desc, w_desc, out_desc, bias, M, N)
+    descs = (x_desc, w_desc, out_desc, bias, N)
     buffers = (x_smem, w_smem)
     bars = (ready, empty, turn)
     gl.warp_specialize([
