@@ -13,8 +13,8 @@ bools, floats and None by kind; the constexprs by name and repr (1, True and 1.0
 do to Triton); Gluon's tensor descriptors by dtype, block shape, layout and padding (what Triton
 puts in their type; their shape and strides are run-time values); the launch options. On a hit it
 calls the compiled kernel's launcher directly: it launches what Triton would. Arguments of any
-other kind, and kernels with pre-run hooks, always go through Triton; so does everything under TRITON_INTERPRET=1 (there
-is no compiled kernel).
+other kind, and kernels with pre-run hooks, always go through Triton; so does everything under
+TRITON_INTERPRET=1 (there is no compiled kernel).
 Not followed on a hit: Triton's debug and instrumentation settings (TRITON_DEBUG, knobs) changed
 after the kernel's first launch in the process (reading them costs two environment lookups per
 launch), and its check that the globals a kernel reads have not changed since it was compiled.

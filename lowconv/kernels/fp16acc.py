@@ -72,11 +72,11 @@ def auto_splits(K: int, rows: int, combine: str = "fp32") -> int:
     The floor: whatever S, each chunk's result is rounded to fp16 once before the fold, which costs
     about what the output's rounding costs, so no S gets under ~sqrt(2) x 2.1e-4 = 2.9e-4. One
     chain's error is ~3.7e-5 sqrt(K), so 1/4 of it is above that floor only from K ~ 1024 on, and at
-    K = 1024 only with chunks of 16 (H100: 2.94e-4 against cuBLAS's 1.18e-3, 0.249x; 32-wide 0.28x,
+    K = 1024 only with chunks of 16 (H100: 2.94e-4 against cuBLAS's 1.18e-3, 0.248x; 32-wide 0.28x,
     64-wide 0.33x). So K <= AUTO_FINE_K takes 16-wide chunks, the least error there is, and pays a
-    fold per MMA step: on the H100 1024^3 takes 3.9x cuBLAS fp32-acc's time (S = 16: 1.45x), 13008
-    x 1024 x 4096 2.5x (S = 16: 1.27x). Pass splits = 16 for speed with 0.33x of one chain's error.
-    For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
+    fold per MMA step: on the H100 1024^3 takes about 4x cuBLAS fp32-acc's time (S = 16: 1.3-1.6x),
+    13008 x 1024 x 4096 2.5x (S = 16: 1.27x). Pass splits = 16 for speed at 0.33x of one chain's
+    error. For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
     at K = 14336, one chain: 4.28e-3), so there S = 32 (8.2e-4) is 0.32x of it; such GEMMs read
     W once and are bound by memory, where a fold per chunk costs little, so small M takes up to 64
     chunks (K = 14336: 224 wide, 6.0e-4, 0.24x cuBLAS's; H100 kernel time at M = 1, N = 4096 in a
