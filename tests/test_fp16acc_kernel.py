@@ -202,6 +202,16 @@ def test_cublas_backward_chunks_each_gradient_by_its_own_reduced_dim(chunk_calls
         assert rel_error(got, exact) < 2e-3
 
 
+@pytest.mark.parametrize("combine,grad_x_chunks", [("fp32", 64), ("fp16", 16)])
+def test_backward_splits_follow_the_combine(chunk_calls, fp16_accumulation_flag, combine, grad_x_chunks):
+    """dX reduces over N = 1024, where auto_splits depends on the combine."""
+    m, k, n = 8, 32, 1024
+    leaves = [t.clone().requires_grad_() for t in operands(m, k, n, seed=8, device="cpu")]
+    Fp16AccMatmul.apply(*leaves, 1, combine, "cublas").backward(torch.ones(m, n, dtype=torch.float16))
+    widths = [width for width, _ in chunk_calls]
+    assert widths == [k] + [n // grad_x_chunks] * grad_x_chunks + [m]  # forward, dX's chunks, dW
+
+
 def test_cublas_backend_needs_cuda_tensors():
     x, w, b = operands(2, 32, 8, device="cpu")
     with pytest.raises(ValueError, match="CUDA tensors"):

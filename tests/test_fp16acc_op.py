@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowconv.kernels.fp16acc import auto_splits, fp16acc_matmul
+from lowconv.kernels.fp16acc import auto_splits, error_ratio, fp16acc_matmul
 from lowconv.ops.fp16acc import Fp16AccOptions, check, empty, from_site
 from tests.sites import linear_site
 
@@ -97,14 +97,26 @@ def test_tails_vs_float64():
 
 
 def test_auto_splits():
-    """Chunks of 16 up to K = 1024 (fp32 combine); beyond, 32 chunks (64 for at most SMALL_M rows),
-    none narrower than 64 (see auto_splits)."""
-    widths = (1, 16, 17, 64, 100, 512, 1024, 1040, 2048, 4096, 14336)
-    assert [auto_splits(K, 65) for K in widths] == [1, 1, 2, 4, 7, 32, 64, 17, 32, 32, 32]
-    assert [auto_splits(K, 1) for K in widths] == [1, 1, 2, 4, 7, 32, 64, 17, 32, 64, 64]
+    """32 chunks (64 for at most SMALL_M rows), none narrower than 64, but 32- or 16-wide where only
+    they meet the error bar (fp32 combine; see auto_splits)."""
+    widths = (0, 1, 16, 64, 100, 512, 960, 1000, 1024, 1280, 1536, 2048, 4096, 14336)
+    assert [auto_splits(K, 65) for K in widths] == [1, 1, 1, 1, 2, 8, 15, 63, 64, 40, 48, 32, 32, 32]
+    assert [auto_splits(K, 1) for K in widths] == [1, 1, 1, 1, 2, 8, 15, 63, 64, 40, 48, 32, 64, 64]
     assert auto_splits(14336, 64) == 64 and auto_splits(14336, 65) == 32
-    # the fp16 combine rounds the total once per chunk: no 16-wide chunks for it
-    assert [auto_splits(K, 65, "fp16") for K in widths] == [1, 1, 1, 1, 2, 8, 16, 17, 32, 32, 32]
+    # the fp16 combine rounds the total once per chunk: no narrower chunks for it
+    assert [auto_splits(K, 65, "fp16") for K in widths] == [1, 1, 1, 1, 2, 8, 15, 16, 16, 20, 24, 32, 32, 32]
+
+
+@pytest.mark.parametrize("K", [512, 1024, 1280, 2048])
+def test_error_ratio_predicts_the_emulated_error(K):
+    """auto_splits chooses by error_ratio: it must predict the emulation's error over one chain's."""
+    torch.manual_seed(K)
+    x, w = torch.randn(64, K).half(), torch.randn(256, K).half()
+    exact = x.double() @ w.double().t()
+    one_chain = relative_error(fp16acc_matmul(x, w, None, 1), exact)
+    for splits in (K // 64, K // 32, K // 16):
+        measured = relative_error(fp16acc_matmul(x, w, None, splits), exact) / one_chain
+        assert abs(measured / error_ratio(K, splits) - 1) < 0.04, (splits, measured, error_ratio(K, splits))
 
 
 def auto_splits_seen(monkeypatch, in_features, options, inputs):

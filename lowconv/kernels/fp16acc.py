@@ -47,7 +47,10 @@ BLOCK_K = 16
 AUTO_MAX_SPLITS = 32
 AUTO_MAX_SPLITS_SMALL_M = 64  # up to SMALL_M rows (decode): see auto_splits
 AUTO_MIN_CHUNK_K = 64
-AUTO_FINE_K = 1024  # up to this K, chunks of one k16 step: see auto_splits
+ERROR_BAR = 0.25  # auto's aim: its error at most this of one fp16 chain's (issue 6)
+# The variance of the output's fp16 rounding over that of one k16 block's rounding in the
+# accumulator: (2.08e-4 / 2.04e-4)^2 on the H100 (cuBLAS fp32-acc's error; S = 1's fitted per block)
+OUTPUT_ROUNDING = 1.04
 SMALL_M = 64  # up to this many rows: 16- or 64-row tiles, their own configs
 NARROW_TILE_N = 16
 H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
@@ -56,8 +59,8 @@ SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one
 
 def auto_splits(K: int, rows: int, combine: str = "fp32") -> int:
     """S for a GEMM of `rows` rows over K: min(32, ceil(K / 64)) chunks, up to 64 when rows <=
-    SMALL_M (decode, small batches); but for K <= AUTO_FINE_K with the fp32 combine, K / 16: chunks
-    of one k16 MMA step.
+    SMALL_M (decode, small batches); with the fp32 combine, where that misses ERROR_BAR
+    (`error_ratio`) and 32- or 16-wide chunks meet it, the wider of those instead.
 
     Why: an fp16 running sum loses ~2^-11 of its magnitude at every add, so on random data its
     error grows as the square root of the chain's length. cuBLAS's fp16 accumulation behaves as one
@@ -67,28 +70,43 @@ def auto_splits(K: int, rows: int, combine: str = "fp32") -> int:
     of the output (2.1e-4, what fp32 accumulation also pays) the total lands at <= 1/4 of cuBLAS
     fp16 accumulation's from K = 2048 on (H100: 3.9e-4 at 2048, 4.9e-4 at 4096, 6.4e-4 at 8192);
     more chunks would buy little more than that floor and cost a fold of the accumulator each
-    (S = 32 takes 9-17% more time than S = 1 at 4096^3 and 8192^3). Chunks narrower than 64 would
-    leave the kernel's 64-wide k-tiles partly empty, so K up to 2048 gets fewer of them.
-    The floor: whatever S, each chunk's result is rounded to fp16 once before the fold, which costs
-    about what the output's rounding costs, so no S gets under ~sqrt(2) x 2.1e-4 = 2.9e-4. One
-    chain's error is ~3.7e-5 sqrt(K), so 1/4 of it is above that floor only from K ~ 1024 on, and at
-    K = 1024 only with chunks of 16 (H100: 2.94e-4 against cuBLAS's 1.18e-3, 0.248x; 32-wide 0.28x,
-    64-wide 0.33x). So K <= AUTO_FINE_K takes 16-wide chunks, the least error there is, and pays a
-    fold per MMA step: on the H100 1024^3 takes about 4x cuBLAS fp32-acc's time (S = 16: 1.3-1.6x),
-    13008 x 1024 x 4096 2.5x (S = 16: 1.27x). Pass splits = 16 for speed at 0.33x of one chain's
-    error. For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3
-    at K = 14336, one chain: 4.28e-3), so there S = 32 (8.2e-4) is 0.32x of it; such GEMMs read
-    W once and are bound by memory, where a fold per chunk costs little, so small M takes up to 64
-    chunks (K = 14336: 224 wide, 6.0e-4, 0.24x cuBLAS's; H100 kernel time at M = 1, N = 4096 in a
-    CUDA graph: 43.5 us at S = 1, 45.4 at 32, 46.6 at 64, 58 at 128, cuBLAS 43.6).
+    (S = 32 takes 9-17% more time than S = 1 at 4096^3 and 8192^3). Chunks narrower than 64 leave
+    the kernel's 64-wide k-tiles partly empty and fold more often, so they are taken only where they
+    buy the bar: from K ~ 1000 to ~2000 (K = 1024: 16-wide, 2.94e-4 against cuBLAS's 1.18e-3 on the
+    H100, 0.248x, at about 4x cuBLAS fp32-acc's time, 1.3-1.6x with S = 16; K = 1536: 32-wide).
+    Below K ~ 1000 no S meets the bar (error_ratio's floor), so the fast 64-wide chunks stay.
+    For M = 1 cuBLAS picks a kernel with shorter chains (2.54e-3 at K = 14336, one chain: 4.28e-3),
+    so there S = 32 (8.2e-4) is 0.32x of it; such GEMMs read W once and are bound by memory, where
+    a fold per chunk costs little, so small M takes up to 64 chunks (K = 14336: 224 wide, 6.0e-4,
+    0.24x cuBLAS's; H100 kernel time at M = 1, N = 4096 in a CUDA graph: 43.5 us at S = 1, 45.4 at
+    32, 46.6 at 64, 58 at 128, cuBLAS 43.6).
     Combining in fp16 adds one fp16 rounding of the total per chunk (about 2x the error), so the
-    fp16 combine keeps 64-wide chunks at K <= AUTO_FINE_K: 16-wide ones gave 1.22e-3 at 1024^3,
+    fp16 combine never takes the narrower chunks: 16-wide ones gave 1.22e-3 at 1024^3 on the H100,
     worse than one chain, against 7.1e-4. BENCHMARKS.md has the measurements.
     """
-    if K <= AUTO_FINE_K and combine == "fp32":
-        return max(1, math.ceil(K / BLOCK_K))
     most = AUTO_MAX_SPLITS_SMALL_M if rows <= SMALL_M else AUTO_MAX_SPLITS
-    return min(most, math.ceil(K / AUTO_MIN_CHUNK_K))
+    splits = max(1, min(most, math.ceil(K / AUTO_MIN_CHUNK_K)))
+    if combine != "fp32" or error_ratio(K, splits) <= ERROR_BAR:
+        return splits
+    for width in (32, 16):
+        narrower = max(1, math.ceil(K / width))
+        if error_ratio(K, narrower) <= ERROR_BAR:
+            return narrower
+    return splits
+
+
+def error_ratio(K: int, splits: int) -> float:
+    """The relative error vs float64 of `splits` chunks (fp32 combine) over that of one fp16 chain
+    over K, for random data. Model: a chain of n k16 blocks rounds its running sum n times, the j-th
+    at a magnitude ~sqrt(16 j), so its error variance grows as n(n + 1)/2; over K/(16 n) chunks the
+    relative variance is that times (n + 1)/2, plus the output's own rounding (OUTPUT_ROUNDING
+    times one block's). So the ratio is sqrt((n + 1 + 2c) / (N + 1 + 2c)), N = K/16 blocks. Its
+    floor, n = 1, reaches 1/4 only from K ~ 1000 on. Against the CPU emulation (N(0, 1) data, K from
+    512 to 4096, S from K/64 to K/16): within 3%, within 1% from K = 960 on."""
+    blocks_per_chunk, _ = chunks(K, splits)
+    blocks = max(1, math.ceil(K / BLOCK_K))
+    floor = 1 + 2 * OUTPUT_ROUNDING
+    return math.sqrt((blocks_per_chunk + floor) / (blocks + floor))
 
 
 def chunks(k: int, splits: int) -> tuple[int, int]:
