@@ -77,19 +77,24 @@ def test_argument_keys():
 
 
 def test_tensor_descriptor_keys():
-    """Gluon's descriptors: keyed by what Triton puts in their type (dtype, block shape, layout,
-    padding), not by the tensor's shape or strides, which the launcher passes at run time."""
+    """Gluon's descriptors: keyed by what Triton puts in their type (dtype, block shape, layout),
+    and padding; not by the tensor's shape or strides, which the launcher passes at run time. Equal
+    keys have equal Triton types."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
 
-    def key(t, block, padding="zero"):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-        return fast_launch._arg_key(TensorDescriptor.from_tensor(t, block, layout, padding))
+    def descriptor(t, block, swizzle=128, padding="zero"):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+        return TensorDescriptor.from_tensor(t, block, layout, padding)
 
     a = torch.zeros(256, 512, dtype=torch.float16)
-    assert key(a, [64, 64]) == key(torch.zeros(64, 1024, dtype=torch.float16)[:, 512:], [64, 64])
-    others = [key(a, [64, 32]), key(a, [64, 16]), key(a.bfloat16(), [64, 64]), key(a, [64, 64], "nan")]
-    assert len({key(a, [64, 64]), *others}) == 5
+    same = [descriptor(a, [64, 64]), descriptor(torch.zeros(64, 1024, dtype=torch.float16)[:, 512:], [64, 64])]
+    assert fast_launch._arg_key(same[0]) == fast_launch._arg_key(same[1])
+    assert mangle_type(same[0]) == mangle_type(same[1])
+    others = [descriptor(a, [64, 32]), descriptor(a, [64, 64], swizzle=64), descriptor(a.bfloat16(), [64, 64]),
+              descriptor(a, [64, 64], padding="nan")]
+    assert len({fast_launch._arg_key(d) for d in [same[0], *others]}) == 5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path; the GPU test covers CUDA")
