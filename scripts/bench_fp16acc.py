@@ -17,16 +17,17 @@ over output elements of |y - exact| / rms(exact) (relative to the output's scale
 each |exact| would make the max a measure of cancellation, not of accumulation).
 CPU emulation: lowconv's torch reference, run on the CPU on the first EMULATED_ROWS rows of x,
 against the GPU kernel's error on the same rows (the issue: within 2x).
-Times are medians of triton.testing.do_bench (L2 flushed between calls), after the first call
-(compile, autotuning), which is timed apart. The autotuner's pick is recorded per result.
+Times are medians of --rounds do_bench medians (L2 flushed between calls), the peers of a shape
+interleaved round by round, so that drifts of the clocks and of the host hit them alike; all after
+the first call (compile, autotuning), which is timed apart. The autotuner's pick is recorded per
+result.
 Writes DIR/bench_fp16acc.md and .json, rewritten after every measurement, so a run cut short still
 leaves its results; measurements past --budget-s are marked "skipped (time budget)".
 
-    PYTHONPATH=. python3 scripts/bench_fp16acc.py --out DIR [--quick] [--budget-s 200]
+    PYTHONPATH=. python3 scripts/bench_fp16acc.py --out DIR [--quick] [--budget-s 200] [--rounds 3]
     python3 scripts/bench_fp16acc.py --out DIR --device cpu --quick --tiny   # plumbing only
 """
 import argparse
-import contextlib
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,8 +42,8 @@ from tabulate import tabulate  # noqa: E402
 import lowconv.kernels.fp16acc as fa  # noqa: E402
 import lowconv.kernels.fp16acc_wgmma as fw  # noqa: E402
 from lowconv.kernels.fp16acc import auto_splits, cublas_fp16_accumulation, fp16acc_matmul  # noqa: E402
-from scripts.bench_common import (BudgetedRun, Shape, add_run_arguments, measure, run_device,  # noqa: E402
-                                  run_header, status_cell, write_outputs)
+from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments,  # noqa: E402
+                                  run_device, run_header, status_cell, write_outputs)
 
 
 # The targets' shapes first, so a run cut short by its budget still decides them.
@@ -97,7 +98,8 @@ class Result:
     max_error: float | None = None
     emulated_rel_error: float | None = None  # the CPU reference on the first EMULATED_ROWS rows
     kernel_rows_rel_error: float | None = None  # the kernel on the same rows
-    ms: float | None = None
+    ms: float | None = None  # the median of rounds_ms
+    rounds_ms: list = field(default_factory=list)  # each do_bench median, the peers interleaved by round
     workspace_mb: float | None = None
     first_call_s: float | None = None
     config: str = ""  # the autotuner's pick
@@ -132,13 +134,18 @@ def rel_error(y, exact):
 
 
 def peer_call(peer, x, w, device):
-    """The peer's forward as a no-argument call, and the context it runs (and is timed) in."""
-    scope = cublas_fp16_accumulation() if peer.fp16_accumulation else contextlib.nullcontext()
+    """The peer's forward as a no-argument call (cuBLAS fp16-acc's switches the flag on inside
+    each call: a few microseconds of host time on a GPU-bound call)."""
+    if peer.fp16_accumulation:
+        def linear_with_fp16_accumulation():
+            with cublas_fp16_accumulation():
+                return F.linear(x, w)
+        return linear_with_fp16_accumulation
     if not peer.lowconv:
-        return (lambda: F.linear(x, w)), scope
+        return lambda: F.linear(x, w)
     splits = auto_splits(x.shape[1], x.shape[0], peer.combine) if peer.splits == "auto" else peer.splits
     backend = peer.backend if device.type == "cuda" else "reference"
-    return (lambda: fp16acc_matmul(x, w, None, splits, peer.combine, backend)), scope
+    return lambda: fp16acc_matmul(x, w, None, splits, peer.combine, backend)
 
 
 def kernel_pick(x, w):
@@ -170,6 +177,7 @@ class Run(BudgetedRun):
         exact = None if self.blocked() else x.double() @ w.double().t()
         rows = min(EMULATED_ROWS, shape.m)
         exact_rows_cpu = None if exact is None else exact[:rows].cpu()
+        queued = []  # the timed calls, for interleaved_rounds
         for peer in PEERS:
             result = Result(shape.label(), shape.dims, peer.name,
                             auto_splits(shape.k, shape.m, peer.combine) if peer.splits == "auto" else peer.splits)
@@ -180,30 +188,31 @@ class Run(BudgetedRun):
                 result.status, result.error = "skipped", "needs CUDA"
             else:
                 try:
-                    self.measure(result, peer, shape, x, w, exact, exact_rows_cpu)
+                    self.measure(result, peer, x, w, exact, exact_rows_cpu, queued)
                 except Exception as error:  # noqa: BLE001 - a peer's failure is a result
                     result.status, result.error = "fails", self.failed(error)
             self.results.append(result)
             self.log(f"{result.shape} {result.peer}: {result_line(result)}")
             self.write()
+        self.interleaved_rounds(queued)
 
-    def measure(self, result, peer, shape, x, w, exact, exact_rows_cpu):
-        call, scope = peer_call(peer, x, w, self.device)
-        with scope:
-            start = time.perf_counter()
-            y = call()  # compiles and autotunes lowconv's kernel for this shape
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            first_call_s = time.perf_counter() - start
-            result.rel_error, result.median_error, result.max_error = errors(y, exact)
-            if peer.emulated:
-                rows = exact_rows_cpu.shape[0]
-                emulated = fa.fp16acc_matmul_reference(x[:rows].cpu(), w.cpu(), None, result.splits, peer.combine)
-                result.emulated_rel_error = rel_error(emulated, exact_rows_cpu)
-                result.kernel_rows_rel_error = rel_error(y[:rows].cpu(), exact_rows_cpu)
-            del y
-            timed = measure(call, self.device, self.args.warmup_ms, self.args.rep_ms)
-        result.ms, result.workspace_mb, result.first_call_s = timed["ms"], timed["workspace_mb"], first_call_s
+    def measure(self, result, peer, x, w, exact, exact_rows_cpu, queued):
+        call = peer_call(peer, x, w, self.device)
+        start = time.perf_counter()
+        y = call()  # compiles and autotunes lowconv's kernel for this shape
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - start
+        result.rel_error, result.median_error, result.max_error = errors(y, exact)
+        if peer.emulated:
+            rows = exact_rows_cpu.shape[0]
+            emulated = fa.fp16acc_matmul_reference(x[:rows].cpu(), w.cpu(), None, result.splits, peer.combine)
+            result.emulated_rel_error = rel_error(emulated, exact_rows_cpu)
+            result.kernel_rows_rel_error = rel_error(y[:rows].cpu(), exact_rows_cpu)
+        del y
+        timed = self.first_round(call, result, queued)
+        result.ms, result.rounds_ms, result.workspace_mb = timed["ms"], timed["rounds_ms"], timed["workspace_mb"]
+        result.first_call_s = first_call_s
         if peer.lowconv and peer.backend == "triton" and self.device.type == "cuda":
             result.config, result.config_ms = kernel_pick(x, w)
 
@@ -347,6 +356,7 @@ def parse_args():
                       tiny_help=f"every size but M = 1 divided by {TINY_DIVISOR}",
                       cpu_help="lowconv's CPU reference and torch's CPU matmul", budget_s=200.0,
                       warmup_ms=10.0, rep_ms=50.0)
+    add_rounds_argument(parser, "time")
     return parser.parse_args()
 
 
