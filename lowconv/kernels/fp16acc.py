@@ -102,7 +102,7 @@ def error_ratio(K: int, splits: int) -> float:
     relative variance is that times (n + 1)/2, plus the output's own rounding (OUTPUT_ROUNDING
     times one block's). So the ratio is sqrt((n + 1 + 2c) / (N + 1 + 2c)), N = K/16 blocks. Its
     floor, n = 1, reaches 1/4 only from K ~ 1000 on. Against the CPU emulation (N(0, 1) data, K from
-    512 to 4096, S from K/64 to K/16): within 3%, within 1% from K = 960 on."""
+    512 to 4096, S from K/64 to K/16): within 3%, within 1.2% from K = 960 on."""
     blocks_per_chunk, _ = chunks(K, splits)
     blocks = max(1, math.ceil(K / BLOCK_K))
     floor = 1 + 2 * OUTPUT_ROUNDING
