@@ -97,11 +97,12 @@ def auto_splits(K: int, rows: int, combine: str = "fp32") -> int:
 
 def error_ratio(K: int, splits: int) -> float:
     """The relative error vs float64 of `splits` chunks (fp32 combine) over that of one fp16 chain
-    over K, for random data. Model: a chain of n k16 blocks rounds its running sum n times, the j-th
-    at a magnitude ~sqrt(16 j), so its error variance grows as n(n + 1)/2; over K/(16 n) chunks the
-    relative variance is that times (n + 1)/2, plus the output's own rounding (OUTPUT_ROUNDING
-    times one block's). So the ratio is sqrt((n + 1 + 2c) / (N + 1 + 2c)), N = K/16 blocks. Its
-    floor, n = 1, reaches 1/4 only from K ~ 1000 on. Against the CPU emulation (N(0, 1) data, K from
+    over K, for random data. Model: a chain of n k16 blocks rounds its running sum after each block,
+    the j-th time at ~sqrt(j) times one block's magnitude, so its rounding variance is n(n + 1)/2
+    units (one block's rounding); K/(16 n) such chains against an output of K/16 blocks give a
+    relative variance of (n + 1)/2 units, plus the output's own rounding, c = OUTPUT_ROUNDING units.
+    Over one chain's (n = N = K/16): sqrt((n + 1 + 2c) / (N + 1 + 2c)). Its floor, n = 1, reaches
+    1/4 only from K ~ 1000 on. Against the CPU emulation (N(0, 1) data, K from
     512 to 4096, S from K/64 to K/16): within 3%, within 1.2% from K = 960 on."""
     blocks_per_chunk, _ = chunks(K, splits)
     blocks = max(1, math.ceil(K / BLOCK_K))
