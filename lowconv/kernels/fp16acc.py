@@ -57,6 +57,7 @@ H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
 SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one fixed config
 
 
+@functools.lru_cache(maxsize=1024)  # pure and called per forward (0.7-2 us uncached); rows vary per call
 def auto_splits(K: int, rows: int, combine: str = "fp32") -> int:
     """S for a GEMM of `rows` rows over K: min(32, ceil(K / 64)) chunks, up to 64 when rows <=
     SMALL_M (decode, small batches); with the fp32 combine, where that misses ERROR_BAR
