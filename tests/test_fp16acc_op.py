@@ -174,7 +174,8 @@ def test_from_site_equals_empty_plus_load(options):
 def test_check_reasons():
     assert check(linear_site(64, 32), Fp16AccOptions()) is None
     assert check(linear_site(64, 32, dtype="float32"), Fp16AccOptions()) == (
-        "fp16acc runs fp16 models only (site dtype is float32)")
+        "fp16acc runs fp16 models only (site dtype is float32; cast the model and its inputs "
+        "first, as `lowconv convert --dtype float16` does)")
     with pytest.raises(ValueError, match="at least 1"):
         Fp16AccOptions(splits=0)
     with pytest.raises(TypeError, match="float16"):

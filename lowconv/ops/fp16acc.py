@@ -60,7 +60,8 @@ class Fp16AccLinear(nn.Module):
 def check(site, options: Fp16AccOptions) -> str | None:
     dtype = site.compute_dtype()
     if dtype != "float16":
-        return f"fp16acc runs fp16 models only (site dtype is {dtype})"
+        return (f"fp16acc runs fp16 models only (site dtype is {dtype}; cast the model and its inputs "
+                "first, as `lowconv convert --dtype float16` does)")
     return None
 
 
