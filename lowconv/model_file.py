@@ -28,6 +28,10 @@ class ModelFile:
 
 
 def import_file(path: Path):
+    if path.is_dir():
+        raise LowconvError(f"model file {path} is a directory: give the Python file that defines "
+                           "build_model() and example_inputs() (a converted model's directory goes to "
+                           "`lowconv compare MODEL_FILE DIR`)")
     if not path.is_file():
         raise LowconvError(f"model file {path} does not exist")
     name = f"lowconv_model_{abs(hash(str(path.resolve())))}"

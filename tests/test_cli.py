@@ -63,6 +63,12 @@ def test_model_file_mistakes_name_the_file_and_function(tmp_path, capsys, body, 
     assert str(path) in err and message in err
 
 
+def test_a_directory_as_the_model_file_is_exit_2_and_says_so(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"model file {tmp_path} is a directory" in err and "lowconv compare" in err
+
+
 def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, capsys):
     out = tmp_path / "out"
     out.write_text("mine")
