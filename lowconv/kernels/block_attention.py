@@ -225,7 +225,7 @@ def block_layout(seq_q, seq_k, *, layout="dense", window=None, mask=None, key_pa
         raise ValueError("block_layout: give a mask or a key_padding_mask (a layout alone needs "
                          "no BlockLayout: the kernels loop over its band)")
     block_m, block_n = TILES.block_m, TILES.block_n
-    rows_of_tiles, cols_of_tiles = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
+    rows_of_tiles, cols_of_tiles = fast_launch.cdiv(seq_q, block_m), fast_launch.cdiv(seq_k, block_n)
     device = (mask if mask is not None else key_padding_mask).device
     # The band: a tile is live when its range of offsets i - j meets [lower, upper].
     lower, upper = band(layout, window, seq_q, seq_k)
@@ -252,7 +252,7 @@ def tile_any(allowed, block_m, block_n):
     """(..., rows of tiles, columns of tiles): whether each tile of `allowed` (..., Lq, Lk)
     (padded with False to whole tiles) holds a True."""
     *lead, seq_q, seq_k = allowed.shape
-    rows, cols = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
+    rows, cols = fast_launch.cdiv(seq_q, block_m), fast_launch.cdiv(seq_k, block_n)
     padded = F.pad(allowed, (0, cols * block_n - seq_k, 0, rows * block_m - seq_q))
     return padded.view(*lead, rows, block_m, cols, block_n).any(-1).any(-2)
 
@@ -461,9 +461,9 @@ class Launch:
             return
         tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.blocks is not None)
         if transposed:
-            grid = (triton.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
+            grid = (fast_launch.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
         else:
-            grid = (triton.cdiv(self.seq_q, tiles.block_m), self.batch * self.heads)
+            grid = (fast_launch.cdiv(self.seq_q, tiles.block_m), self.batch * self.heads)
         count, index, list_sb, list_sh = self.lists[transposed]
         fast_launch.launch(kernel, grid, (*tensors, *self.masks, count, index, *self.args, list_sb, list_sh),
                            {**self.options, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},

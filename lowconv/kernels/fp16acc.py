@@ -380,14 +380,14 @@ def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
         else:
             run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
         return out
-    if splits == 1 or triton.cdiv(n, NARROW_TILE_N) >= multiprocessors(x.device):
+    if splits == 1 or fast_launch.cdiv(n, NARROW_TILE_N) >= multiprocessors(x.device):
         run_gemm(_tuned_for_small_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32,
                  block_m=small_block_m(m))
         return out
     partials = torch.empty(splits, m, n, dtype=torch.float16, device=x.device)
     run_gemm(_tuned_for_small_m, x, w, None, partials, chunk_k, splits, 1, splits, combine_fp32,
              block_m=small_block_m(m))
-    _combine_kernel[(triton.cdiv(m * n, COMBINE_BLOCK),)](
+    _combine_kernel[(fast_launch.cdiv(m * n, COMBINE_BLOCK),)](
         partials, bias if bias is not None else partials, out, m * n, n, splits,
         HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, BLOCK=COMBINE_BLOCK)
     return out
@@ -414,7 +414,7 @@ def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, progra
                   **({} if block_m is None else {"BLOCK_M": block_m}))
 
     def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), programs_per_tile
+        return fast_launch.cdiv(m, meta["BLOCK_M"]) * fast_launch.cdiv(n, meta["BLOCK_N"]), programs_per_tile
 
     if config is None and x.is_cuda:
         config = tuned_config(tuner, args)

@@ -46,7 +46,6 @@ Triton kernel.
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
@@ -84,7 +83,7 @@ def wgmma_runs(x, w, multiprocessors: int) -> bool:
     S = 32); at one k-tile per chunk (13008 x 1024 x 4096, S = 16) it stayed the same (1.00x)."""
     if not x.is_cuda or not is_sm90(x.device):
         return False
-    tiles = triton.cdiv(x.shape[0], BLOCK_M) * triton.cdiv(w.shape[0], BLOCK_N)
+    tiles = fast_launch.cdiv(x.shape[0], BLOCK_M) * fast_launch.cdiv(w.shape[0], BLOCK_N)
     return 4 * tiles >= 3 * multiprocessors and w.shape[0] % 8 == 0 and all(
         t.data_ptr() % 16 == 0 and 1 in t.stride() and max(t.stride()) % 8 == 0 for t in (x, w))
 
@@ -130,7 +129,7 @@ def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp3
     x_desc, x_k_major = operand_descriptor(x, HALF_M, tile_k)
     w_desc, w_k_major = operand_descriptor(w, BLOCK_N, tile_k)
     out_desc = TensorDescriptor.from_tensor(out, [HALF_M, BLOCK_N], shared_layout(HALF_M, BLOCK_N))
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    grid = (fast_launch.cdiv(m, BLOCK_M) * fast_launch.cdiv(n, BLOCK_N),)
     chunk_tiles = chunk_k // tile_k
     # Through fast_launch: Triton's argument binding takes more host time than a 2048^3 GEMM's kernel.
     fast_launch.launch(_fp16acc_wgmma_kernel, grid, (x_desc, w_desc, out_desc, bias if bias is not None else out,

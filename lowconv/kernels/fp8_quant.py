@@ -169,9 +169,9 @@ def _prepare(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None):
 
 def _programs(n: int, max_programs: int):
     """(programs, steps per program) of a pass over n elements in blocks."""
-    blocks = max(1, triton.cdiv(n, BLOCK))
+    blocks = max(1, fast_launch.cdiv(n, BLOCK))
     programs = min(blocks, max_programs)
-    return programs, triton.cdiv(blocks, programs)
+    return programs, fast_launch.cdiv(blocks, programs)
 
 
 def _wide(programs: int, steps: int) -> bool:
@@ -192,7 +192,7 @@ def _amax_bits(x, k, mul, mul_axis):
 def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, amax_bits, clipped):
     """The cast pass, a program per block: with amax_bits, the scale comes from it (and is written
     to `scale`); else `scale` is given."""
-    blocks = max(1, triton.cdiv(x.numel(), BLOCK))  # one program even for an empty x: it writes the scale
+    blocks = max(1, fast_launch.cdiv(x.numel(), BLOCK))  # one program even for an empty x: it writes the scale
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     fast_launch.launch(_cast_kernel, (blocks,),
                        (x, mul, out, scale, scale if amax_bits is None else amax_bits,
@@ -208,7 +208,7 @@ def _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, amax_bits):
     an empty x."""
     m, k = x.shape
     out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
-    grid = (max(1, triton.cdiv(m, TILE_2D[0])), max(1, triton.cdiv(k, TILE_2D[1])))
+    grid = (max(1, fast_launch.cdiv(m, TILE_2D[0])), max(1, fast_launch.cdiv(k, TILE_2D[1])))
     fast_launch.launch(_cast_transposed_kernel, grid,
                        (x, mul, out_t, scale, scale if amax_bits is None else amax_bits, m, k),
                        dict(MUL=mul_axis, SCALE_FROM_AMAX=amax_bits is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
@@ -264,7 +264,7 @@ def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
         return out, scales.fill_(1.0)
     block_k = min(triton.next_power_of_2(k), BLOCK)
     block_m = max(1, BLOCK * 2 // block_k)  # ~4096 elements per program step
-    fast_launch.launch(_rowwise_kernel, (triton.cdiv(m, block_m),), (x, out, scales, m, k),
+    fast_launch.launch(_rowwise_kernel, (fast_launch.cdiv(m, block_m),), (x, out, scales, m, k),
                        dict(FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m,
                             BLOCK_K=block_k), num_warps=8)
     return out, scales

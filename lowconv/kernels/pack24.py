@@ -89,7 +89,7 @@ def pack_kept(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> torc
         raise LowconvError(f"pack_kept: src {tuple(src.shape)}, codes {tuple(codes.shape)} and out "
                            f"{tuple(out.shape)} {out.dtype} do not fit (codes (R, C/4) and out (R, C/2) contiguous)")
     block_rows, block_groups, warps = PACK_TILE
-    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 4, block_groups))
+    grid = (fast_launch.cdiv(rows, block_rows), fast_launch.cdiv(cols // 4, block_groups))
     last = (rows - 1) * abs(src.stride(0)) + (cols - 1) * abs(src.stride(1))  # src's farthest element
     fast_launch.launch(_pack_kept_kernel, grid, (src, codes, out, rows, cols // 4, src.stride(0), src.stride(1)),
                        {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups, "WIDE": wide(last, src.numel())},
@@ -118,7 +118,7 @@ def zero_unkept(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         raise LowconvError(f"zero_unkept: x {tuple(x.shape)} and codes {tuple(codes.shape)} do not fit "
                            f"(x contiguous, codes (R, C/4) contiguous)")
     block_rows, block_groups, warps = ZERO_TILE
-    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 4, block_groups))
+    grid = (fast_launch.cdiv(rows, block_rows), fast_launch.cdiv(cols // 4, block_groups))
     fast_launch.launch(_zero_unkept_kernel, grid, (x, codes, rows, cols // 4),
                        {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups, "WIDE": wide(x.numel())},
                        num_warps=warps)

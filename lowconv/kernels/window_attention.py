@@ -297,7 +297,7 @@ def launch_row_windows(offsets, n):
     if n:
         windows = len(offsets) - 1
         block = 1024
-        _row_windows_kernel[(triton.cdiv(n, block),)](
+        _row_windows_kernel[(fast_launch.cdiv(n, block),)](
             offsets, start, end, n, windows, max(1, windows.bit_length()), BLOCK=block)
     return start, end
 
@@ -397,7 +397,7 @@ class Launch:
             return
         tiles = tile_config(kernel, self.rel)
         tile = tiles.block_n if kernel is _backward_key_kernel else tiles.block_m
-        grid = (triton.cdiv(self.n, tile), self.heads)
+        grid = (fast_launch.cdiv(self.n, tile), self.heads)
         fast_launch.launch(kernel, grid, (*tensors, *self.shared, self.n, self.heads, self.g, self.scale),
                            dict(D=self.head_dim, REL=self.rel, **padded_widths(self.g),
                                 PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
