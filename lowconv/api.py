@@ -153,8 +153,9 @@ def revert(converted: nn.Module, ops: Iterable[str] | None = None) -> nn.Module:
     return reverted
 
 
-def save(converted: nn.Module, directory: str | Path) -> Path:
-    """Write directory/model.safetensors: the converted state dict, recipe and plan."""
+def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str] | None = None) -> Path:
+    """Write directory/model.safetensors: the converted state dict, recipe and plan; and any
+    `text_files` ({file name: text}, the CLI's plan and reports) beside it, all or none."""
     plan = plan_of(converted)
     metadata = {
         "lowconv.version": __version__,
@@ -162,7 +163,7 @@ def save(converted: nn.Module, directory: str | Path) -> Path:
         "lowconv.plan": plan.to_json(),
         "lowconv.model": plan.model.get("signature", ""),
     }
-    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata)
+    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata, text_files)
 
 
 def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:

@@ -31,8 +31,11 @@ REQUIRED_KEYS = (VERSION_KEY, RECIPE_KEY, PLAN_KEY, MODEL_KEY)
 MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
 
 
-def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
-    """Write `directory/model.safetensors`; an existing checkpoint is replaced only by a complete one."""
+def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                    text_files: dict[str, str] | None = None) -> Path:
+    """Write `directory/model.safetensors` and any `text_files` ({file name: text}) beside it, all
+    or none: an existing checkpoint is replaced only by a complete one, and never next to reports
+    of another run."""
     missing = [key for key in REQUIRED_KEYS if key not in metadata]
     if missing:
         raise ValueError(f"checkpoint metadata lacks {missing}")
@@ -44,13 +47,15 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     path = Path(directory) / CHECKPOINT_FILE
-    _replace_atomically(path, lambda tmp: save_file(stored, tmp, metadata=metadata))
+    writes = {path: lambda tmp: save_file(stored, tmp, metadata=metadata)}
+    for name, text in (text_files or {}).items():
+        writes[Path(directory) / name] = _text_writer(text)
+    _replace_atomically(writes)
     return path
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write a text file (report.md, report.json, plan.json) so that readers never see half of it."""
-    _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+def _text_writer(text: str) -> Callable[[Path], None]:
+    return lambda tmp: tmp.write_text(text, encoding="utf-8")
 
 
 def checkpoint_path(directory: str | Path) -> Path:
@@ -132,24 +137,45 @@ def _store_shared_once(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torc
     return stored, aliases
 
 
-def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        write(temporary)
-        with open(temporary, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    if os.name == "posix":  # the rename itself survives a crash only once the directory is synced
-        directory = os.open(path.parent, os.O_RDONLY)
+def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
+    """Write each file to a temporary file beside it and flush it to disk; once every one is
+    complete, rename them over their paths. A failure while writing (a full disk, say) leaves every
+    path as it was, with a LowconvError naming the file."""
+    for path in writes:
+        if path.is_dir():
+            raise LowconvError(f"cannot write {path}: it is a directory; nothing in {path.parent} was changed")
         try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise LowconvError(f"cannot create the directory {path.parent}: {_reason(err)}") from None
+    temporaries: dict[Path, Path] = {}
+    try:
+        for path, write in writes.items():
+            temporaries[path] = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+            try:
+                write(temporaries[path])
+                with open(temporaries[path], "rb+") as f:
+                    os.fsync(f.fileno())
+            except (OSError, SafetensorError) as err:
+                left = f"nothing in {path.parent} was changed" if len(writes) > 1 else "the file was left as it was"
+                raise LowconvError(f"cannot write {path}: {_reason(err)}; {left}") from None
+        for path, temporary in temporaries.items():
+            os.replace(temporary, path)
+    finally:
+        for temporary in temporaries.values():
+            temporary.unlink(missing_ok=True)
+    if os.name == "posix":  # the renames survive a crash only once the directories are synced
+        for parent in {path.parent for path in writes}:
+            directory = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+
+
+def _reason(err: Exception) -> str:
+    """An OSError's reason without its errno and temporary file name; other errors as they say."""
+    return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
 
 
 def _parse_aliases(text: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]:

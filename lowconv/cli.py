@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from lowconv import api, checkpoint, report as reports
+from lowconv import api, report as reports
 from lowconv.errors import LowconvError
 from lowconv.model_sources import load_model
 from lowconv.plan import Plan
@@ -117,12 +117,10 @@ def print_report(report: reports.Report) -> int:
     return 0
 
 
-def write_outputs(out: Path, report: reports.Report) -> None:
-    checkpoint.write_text_atomic(out / "report.md", reports.report_to_markdown(report))
-    checkpoint.write_text_atomic(out / "report.json", json.dumps(reports.report_to_dict(report), indent=1))
-
-
 def cmd_convert(args) -> int:
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise LowconvError(f"the output directory {out} is a file; give a directory (-o)")
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
@@ -133,12 +131,12 @@ def cmd_convert(args) -> int:
     print(plan_notes(plan))
     progress("comparing original and converted on the example inputs")
     report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
-    # Everything is computed before the first write, so a failure leaves out/ as it was.
-    out = Path(args.output)
+    # Everything is computed before the first write, and the four files replace the old ones all
+    # or none, so a failure leaves out/ as it was.
     progress(f"writing {out / 'model.safetensors'}")
-    api.save(converted, out)
-    checkpoint.write_text_atomic(out / "plan.json", plan.to_json())
-    write_outputs(out, report)
+    api.save(converted, out, text_files={
+        "plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report),
+        "report.json": json.dumps(reports.report_to_dict(report), indent=1)})
     print()
     status = print_report(report)
     progress(f"wrote {out}/model.safetensors, report.md, report.json, plan.json")

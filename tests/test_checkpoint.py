@@ -14,7 +14,6 @@ from lowconv.checkpoint import (
     model_signature,
     read_checkpoint,
     save_checkpoint,
-    write_text_atomic,
 )
 from lowconv.errors import LowconvError
 
@@ -111,7 +110,7 @@ def test_failed_save_leaves_old_checkpoint_and_no_temp_file(tmp_path, monkeypatc
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "save_file", half_written)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(LowconvError, match=f"cannot write {tmp_path / CHECKPOINT_FILE}: disk full; the file was left"):
         save_checkpoint(tmp_path, {"w": torch.zeros(4, 4)}, METADATA)
     assert os.listdir(tmp_path) == [CHECKPOINT_FILE]
     assert (tmp_path / CHECKPOINT_FILE).read_bytes() == old_bytes
@@ -119,19 +118,32 @@ def test_failed_save_leaves_old_checkpoint_and_no_temp_file(tmp_path, monkeypatc
     assert torch.equal(loaded["w"], old["w"])
 
 
-def test_write_text_atomic(tmp_path, monkeypatch):
-    path = tmp_path / "report.json"
-    write_text_atomic(path, "first ✓")
-    assert path.read_text(encoding="utf-8") == "first ✓"
+def test_text_files_replace_the_old_ones_with_the_checkpoint_all_or_none(tmp_path, monkeypatch):
+    files = {"plan.json": "plan 1 ✓", "report.md": "report 1", "report.json": "{}"}
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, files)
+    assert all((tmp_path / name).read_text(encoding="utf-8") == text for name, text in files.items())
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
 
-    def failing_replace(src, dst):
-        raise OSError("rename failed")
+    def full_disk_at_report_json(text):
+        def write(tmp):
+            if tmp.name.startswith(".report.json."):
+                raise OSError(28, "No space left on device")
+            tmp.write_text(text, encoding="utf-8")
+        return write
 
-    monkeypatch.setattr(os, "replace", failing_replace)
-    with pytest.raises(OSError, match="rename failed"):
-        write_text_atomic(path, "second")
-    assert path.read_text(encoding="utf-8") == "first ✓"
-    assert os.listdir(tmp_path) == ["report.json"]
+    monkeypatch.setattr(checkpoint, "_text_writer", full_disk_at_report_json)
+    with pytest.raises(LowconvError, match=f"cannot write {tmp_path / 'report.json'}: No space left on device; "
+                                           f"nothing in {tmp_path} was changed"):
+        save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {name: "run 2" for name in files})
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+    monkeypatch.undo()
+    (tmp_path / "plan.json").unlink()
+    (tmp_path / "plan.json").mkdir()
+    with pytest.raises(LowconvError, match="plan.json: it is a directory; nothing in"):
+        save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {name: "run 3" for name in files})
+    assert (tmp_path / CHECKPOINT_FILE).read_bytes() == before[CHECKPOINT_FILE]
+    assert sorted(os.listdir(tmp_path)) == sorted(before)
 
 
 def test_missing_directory_or_file(tmp_path):

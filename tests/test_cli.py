@@ -69,6 +69,17 @@ def test_a_directory_as_the_model_file_is_exit_2_and_says_so(tmp_path, capsys):
     assert f"model file {tmp_path} is a directory" in err and "lowconv compare" in err
 
 
+def test_a_failed_write_leaves_the_output_directory_as_it_was(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 0
+    (out / "plan.json").unlink()
+    (out / "plan.json").mkdir()  # the second run cannot write plan.json
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert main(["convert", "examples/vit.py", "fp8-row", "-o", str(out), "--device", "cpu"]) == 2
+    assert f"cannot write {out / 'plan.json'}: it is a directory" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, capsys):
     out = tmp_path / "out"
     out.write_text("mine")
