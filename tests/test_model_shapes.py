@@ -213,3 +213,26 @@ def test_model_converted_in_train_mode_is_traced_in_eval_mode_with_a_warning():
     converted.eval()
     with torch.no_grad():
         assert torch.equal(converted(q), converted(q))  # no dropout frozen in
+
+
+class ReadsWeights(nn.Module):
+    """Code that reads linears' parameters itself, beside calling the linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.free = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.inner = nn.Sequential(nn.Linear(16, 16))
+
+    def forward(self, x):
+        return self.free(self.inner(self.fc(x) + self.fc.weight.sum())) * self.inner[0].bias.norm()
+
+
+def test_a_linear_whose_parameters_other_code_reads_is_kept():
+    model, inputs = ReadsWeights().eval(), (torch.randn(4, 16),)
+    converted = lowconv.convert(model, "fp8-row", inputs)
+    decisions = {d.site["fqn"]: d for d in converted.lowconv_plan.decisions}
+    assert [d.site["fqn"] for d in converted.lowconv_plan.converted()] == ["free"]
+    assert "fc.weight is also read by other code" in decisions["fc"].reason
+    assert "inner.0.bias is also read by other code" in decisions["inner.0"].reason
+    with torch.no_grad():
+        converted(*inputs)

@@ -5,7 +5,7 @@ from torch import nn
 
 from lowconv.passes.attention import find_attention_sites
 from lowconv.passes.linear import find_linear_sites
-from lowconv.passes.trace import Trace
+from lowconv.passes.trace import Trace, join_fqn
 from lowconv.passes.window_attention import find_window_attention_sites
 from lowconv.site import Site
 
@@ -18,15 +18,27 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def read_by_traced_code(trace: Trace) -> set[str]:
+    """Full names of what the traced code reads itself (get_attr: a parameter, a buffer), beside
+    what the modules it calls read."""
+    return {join_fqn(region.fqn, node.target) for region in trace.regions if region.graph is not None
+            for node in region.graph.graph.nodes if node.op == "get_attr"}
+
+
 def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
     """Linear and attention sites of every traced region of `model`."""
     names = parameter_names(model)
+    read = read_by_traced_code(trace)
     sites = []
     for region in trace.regions:
         for site in find_linear_sites(region):
             others = [n for n in names[id(model.get_parameter(site.info.weight))] if n != site.info.weight]
             if others and site.unsupported is None:
                 site.unsupported = f"weight is tied to {', '.join(others)}; converting would untie it"
+            also_read = [n for n in (site.info.weight, site.info.bias_name) if site.module_backed and n in read]
+            if also_read and site.unsupported is None:
+                site.unsupported = (f"{' and '.join(also_read)} {'are' if len(also_read) > 1 else 'is'} also "
+                                    "read by other code of the model; converting would change what it reads")
             sites.append(site)
         taken: dict[str, set[str]] = {}  # attention sites are named per owner: one namespace per region
         sites.extend(find_attention_sites(region, taken))
