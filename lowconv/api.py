@@ -48,6 +48,11 @@ def analyze(model: nn.Module, example_inputs) -> Analysis:
 
 
 def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis, Plan]:
+    if not isinstance(model, nn.Module):
+        raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
+                           "of keyword arguments, or one tensor")
     recipe = load_recipe(recipe)
     found = analyze(model, example_inputs)
     plan = make_plan(found.sites, found.trace, recipe)

@@ -40,6 +40,9 @@ def import_file(path: Path):
     sys.modules[name] = module  # dataclasses and pickling look modules up by name
     try:
         spec.loader.exec_module(module)
+    except SystemExit as err:  # sys.exit() or argparse at import: not lowconv's own exit
+        raise LowconvError(f"{path}: importing it called sys.exit({err.code!r}) (does it parse "
+                           "command-line arguments at import?)") from None
     except Exception as err:
         raise LowconvError(f"{path}: importing it failed: {type(err).__name__}: {err}") from err
     return module
@@ -52,6 +55,8 @@ def call(module, path: Path, function: str):
                            f"and example_inputs())")
     try:
         return fn()
+    except SystemExit as err:
+        raise LowconvError(f"{path}: {function}() called sys.exit({err.code!r})") from None
     except Exception as err:
         raise LowconvError(f"{path}: {function}() failed: {type(err).__name__}: {err}") from err
 
@@ -79,6 +84,9 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
     if not isinstance(model, nn.Module):
         raise LowconvError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     inputs = call(module, path, "example_inputs")
+    if inputs is None:
+        raise LowconvError(f"{path}: example_inputs() returned None; return a tuple of forward arguments "
+                           "(() for none), a dict of keyword arguments, or one tensor")
     return placed(str(path), model, inputs, getattr(module, "LOGITS", None), device, cast)
 
 

@@ -69,6 +69,9 @@ def load_recipe(spec: str | Path | Recipe) -> Recipe:
     """A Recipe from a file path or the name of a built-in recipe."""
     if isinstance(spec, Recipe):
         return spec
+    if not isinstance(spec, (str, Path)):
+        raise LowconvError(f"recipe must be a file path, a built-in recipe's name or a Recipe, got "
+                           f"{type(spec).__name__}")
     path = Path(spec)
     if not path.is_file():
         builtins = builtin_recipes()
@@ -77,7 +80,11 @@ def load_recipe(spec: str | Path | Recipe) -> Recipe:
                 f"recipe {spec!r} is neither a file nor a built-in recipe "
                 f"(built-in: {', '.join(builtins)})")
         path = builtins[str(spec)]
-    return parse_recipe(path.read_text(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise LowconvError(f"{path}: not a TOML recipe (not UTF-8 text: {err.reason} at byte {err.start})") from None
+    return parse_recipe(text, str(path))
 
 
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:

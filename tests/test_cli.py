@@ -51,6 +51,11 @@ def test_bad_recipe_is_exit_2_with_the_file_and_key(tmp_path, capsys):
 
 @pytest.mark.parametrize("body, message", [
     ("def example_inputs():\n    return ()\n", "does not define build_model()"),
+    ("import torch\ndef build_model():\n    return torch.nn.Linear(4, 4)\ndef example_inputs():\n    return None\n",
+     "example_inputs() returned None"),
+    ("import sys\ndef build_model():\n    sys.exit(0)\ndef example_inputs():\n    return ()\n",
+     "build_model() called sys.exit(0)"),
+    ("import argparse\nargparse.ArgumentParser().parse_args()\n", "importing it called sys.exit(2)"),
     ("def build_model():\n    raise ValueError('no weights')\ndef example_inputs():\n    return ()\n",
      "build_model() failed: ValueError: no weights"),
     ("def build_model():\n    return 3\ndef example_inputs():\n    return ()\n", "not a torch.nn.Module"),
@@ -78,6 +83,13 @@ def test_a_failed_write_leaves_the_output_directory_as_it_was(tmp_path, capsys):
     assert main(["convert", "examples/vit.py", "fp8-row", "-o", str(out), "--device", "cpu"]) == 2
     assert f"cannot write {out / 'plan.json'}: it is a directory" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_recipe_that_is_not_text_is_exit_2(tmp_path, capsys):
+    recipe = tmp_path / "bin.toml"
+    recipe.write_bytes(b"\xff\xfe name='x'")
+    assert main(["inspect", "examples/vit.py", str(recipe)]) == 2
+    assert f"{recipe}: not a TOML recipe (not UTF-8 text" in capsys.readouterr().err
 
 
 def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, capsys):

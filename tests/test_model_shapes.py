@@ -236,3 +236,13 @@ def test_a_linear_whose_parameters_other_code_reads_is_kept():
     assert "inner.0.bias is also read by other code" in decisions["inner.0"].reason
     with torch.no_grad():
         converted(*inputs)
+
+
+def test_convert_names_a_wrong_argument():
+    model, inputs = nn.Linear(4, 4), (torch.randn(2, 4),)
+    with pytest.raises(LowconvError, match="example_inputs is None"):
+        lowconv.convert(model, "fp8-dynamic", None)
+    with pytest.raises(LowconvError, match="model must be a torch.nn.Module, got str"):
+        lowconv.convert("model.py", "fp8-dynamic", inputs)
+    with pytest.raises(LowconvError, match="recipe must be a file path, a built-in recipe's name or a Recipe, got int"):
+        lowconv.convert(model, 5, inputs)
