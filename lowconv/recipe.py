@@ -17,6 +17,7 @@ and the planner that gives every site the op of the first rule that matches it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -102,6 +103,8 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     gate = report.get("min_sqnr_db")
     if gate is not None:
         gate = float(expect(gate, (int, float), f"{source}: [report].min_sqnr_db"))
+        if not math.isfinite(gate):
+            raise LowconvError(f"{source}: [report].min_sqnr_db must be a finite number of dB, got {gate}")
     return Recipe(name, description, rules, text, source, gate)
 
 

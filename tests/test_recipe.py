@@ -98,6 +98,8 @@ def test_unsupported_site_is_kept_with_its_reason():
     ('[[rules]]\nop = "fp8"\noptions = { amax_reduction = "mean" }',
      "r.toml: rule 1: options.amax_reduction: got 'mean'; expected one of 'max', 'most_recent'"),
     ("[report]\nmin_sqnr_db = 'high'", "r.toml: [report].min_sqnr_db: expected int or float, got 'high'"),
+    ("[report]\nmin_sqnr_db = nan", "r.toml: [report].min_sqnr_db must be a finite number of dB, got nan"),
+    ("[report]\nmin_sqnr_db = -inf", "r.toml: [report].min_sqnr_db must be a finite number of dB, got -inf"),
     ("[report]\nmax_kl = 1", "r.toml: [report]: unknown key 'max_kl' (valid keys: min_sqnr_db)"),
 ])
 def test_recipe_mistakes_name_file_rule_key_and_choices(text, message):
