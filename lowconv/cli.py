@@ -150,8 +150,25 @@ def cmd_compare(args) -> int:
     loaded = load_model(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
     progress(f"rebuilding the converted model from {args.output}")
     converted = api.load(loaded.model, args.output, example_inputs=loaded.inputs)
+    differ = tensors_not_from(loaded.model, converted, plan)
+    if differ:
+        raise LowconvError(
+            f"{args.output}: its checkpoint holds other values than this model for {len(differ)} tensors the "
+            f"conversion kept as they were (e.g. {', '.join(differ[:3])}): it was converted from other weights "
+            f"(its plan says --seed {plan.model.get('seed', 0)}; this run built the model with --seed {seed})")
     report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     return print_report(report)
+
+
+def tensors_not_from(original: torch.nn.Module, converted: torch.nn.Module, plan: Plan) -> list[str]:
+    """Names of the tensors outside every converted site (kept as they were) whose values differ
+    between the original model and the one rebuilt from a checkpoint."""
+    sites = [d.site["fqn"] + "." for d in plan.converted()]
+    rebuilt = converted.state_dict()
+    return [name for name, t in original.state_dict().items()
+            if not any(name.startswith(site) for site in sites) and name in rebuilt
+            and rebuilt[name].shape == t.shape and rebuilt[name].dtype == t.dtype
+            and not torch.equal(rebuilt[name], t)]
 
 
 def parser() -> argparse.ArgumentParser:

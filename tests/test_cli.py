@@ -31,6 +31,11 @@ def test_convert_then_compare(tmp_path, capsys):
     assert "blocks.0.ff.0" in captured.out and "SQNR" in captured.out.upper()
     assert json.loads((out / "plan.json").read_text())["recipe"] == "fp8-dynamic"
     assert main(["compare", "examples/text_classifier.py", str(out)]) == 0
+    capsys.readouterr()
+    # Another seed builds other weights: the tensors the conversion kept no longer match.
+    assert main(["compare", "examples/text_classifier.py", str(out), "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds other values than this model" in err and "--seed 0; this run built the model with --seed 1" in err
 
 
 def test_gate_failure_exits_1(tmp_path):
