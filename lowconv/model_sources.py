@@ -21,6 +21,7 @@ import inspect
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from lowconv.errors import LowconvError
@@ -110,14 +111,31 @@ def hf_model(directory: str, spec: str):
         # The class config.json's `architectures` names (LlamaForCausalLM), else the base model.
         named = [getattr(transformers, name) for name in config.architectures or [] if hasattr(transformers, name)]
         if any((path / name).is_file() for name in HF_WEIGHTS):
-            model = (named[0] if named else transformers.AutoModel).from_pretrained(path, local_files_only=True)
+            model, loading = (named[0] if named else transformers.AutoModel).from_pretrained(
+                path, local_files_only=True, output_loading_info=True)
         else:  # a config alone: random weights, drawn under the seed
             model = named[0](config) if named else transformers.AutoModel.from_config(config)
-    except (OSError, ValueError, KeyError, ImportError, AttributeError) as err:
+            loading = None
+    except (OSError, ValueError, KeyError, ImportError, AttributeError, RuntimeError, SafetensorError) as err:
         # ImportError: a model class whose extra dependency is missing; AttributeError: a config
-        # naming something this transformers version lacks.
+        # naming something this transformers version lacks; RuntimeError: weights of other shapes;
+        # SafetensorError: a corrupt weights file.
         raise LowconvError(f"model {spec!r}: transformers cannot build it: {type(err).__name__}: {err}") from None
+    if loading is not None:
+        check_weights_loaded(model, loading, path, spec)
     return model, hf_inputs(model, config, spec), None
+
+
+def check_weights_loaded(model: nn.Module, loading: dict, path: Path, spec: str) -> None:
+    """Refuse a weights file that fits none of the model's parameters (it would run on random
+    weights). Some missing weights are normal (a task head over a base checkpoint)."""
+    missing = set(loading.get("missing_keys") or [])
+    parameters = [name for name, _ in model.named_parameters()]
+    if parameters and missing >= set(parameters):
+        unexpected = sorted(loading.get("unexpected_keys") or [])
+        held = f"; it holds {', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}" if unexpected else ""
+        raise LowconvError(f"model {spec!r}: none of the weights in {path} fit the model (it has "
+                           f"{', '.join(parameters[:3])}, ...{held})")
 
 
 def hf_inputs(model: nn.Module, config, spec: str) -> dict:

@@ -110,6 +110,26 @@ def test_hf_directory_with_weights_loads_them_and_a_saved_conversion_reloads(tra
         lowconv.load(loaded.model, tmp_path / "out")
 
 
+def test_hf_directory_with_weights_that_do_not_fit_is_refused(transformers, tmp_path):
+    from safetensors.torch import save_file
+    made = load_model("hf:examples/hf/gpt2-tiny", seed=3).model
+    for name, weights in [("foreign", {"foo.bar": torch.randn(3, 3)}), ("resized", None), ("corrupt", None)]:
+        made.save_pretrained(tmp_path / name)
+        if weights is not None:
+            save_file(weights, tmp_path / name / "model.safetensors")
+        elif name == "resized":
+            state = {k: v.contiguous() for k, v in made.state_dict().items() if k != "lm_head.weight"}
+            state["transformer.wte.weight"] = torch.randn(3, 3)
+            save_file(state, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        else:
+            (tmp_path / name / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(LowconvError, match="none of the weights in .*foreign fit the model .*it holds foo.bar"):
+        load_model(f"hf:{tmp_path / 'foreign'}")
+    for name in ("resized", "corrupt"):
+        with pytest.raises(LowconvError, match=f"hf:{tmp_path / name}'.*transformers cannot build it"):
+            load_model(f"hf:{tmp_path / name}")
+
+
 def test_cli_inspects_converts_and_compares_an_hf_directory(transformers, tmp_path, capsys):
     assert main(["inspect", "hf:examples/hf/bert-tiny", "semi-sparse"]) == 0
     out = capsys.readouterr().out
