@@ -183,6 +183,8 @@ def _parse_aliases(text: str, tensors: dict[str, torch.Tensor], path: Path) -> d
         aliases = json.loads(text)
     except json.JSONDecodeError as e:
         raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} is not valid JSON ({e})") from e
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} is not a JSON object of tensor names")
     dangling = {alias: name for alias, name in aliases.items() if name not in tensors}
     if dangling:
         raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} names tensors the file does not hold: {dangling}")

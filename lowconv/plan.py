@@ -45,6 +45,27 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
+        """The plan of to_json's text; ValueError naming the first field that is not as written."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("the plan is not a JSON object")
+        for key, kind in FIELD_KINDS.items():
+            if key in data and not isinstance(data[key], kind):
+                raise ValueError(f"{key} is not a {kind.__name__}")
+        gate = data.get("gate_min_sqnr_db")
+        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))):
+            raise ValueError(f"gate_min_sqnr_db {gate!r} is not a number")
+        for index, decision in enumerate(data.get("decisions", [])):
+            site = decision.get("site") if isinstance(decision, dict) else None
+            if not (isinstance(site, dict) and all(isinstance(site.get(key), kind) for key, kind in SITE_KINDS.items())
+                    and isinstance(site["info"].get("type"), str) and isinstance(decision.get("op"), str)
+                    and isinstance(decision.get("options"), dict)):
+                raise ValueError(f"decision {index + 1} lacks a site with {', '.join(SITE_KINDS)}, an op or options")
         data["decisions"] = [Decision(**d) for d in data["decisions"]]
         return Plan(**data)
+
+
+# What from_json checks before it builds a Plan (the rest is read as the dataclasses say).
+FIELD_KINDS = {"recipe": str, "recipe_text": str, "decisions": list, "regions": list, "none_args": dict,
+               "untraced": list, "warnings": list, "constant_args": dict, "decided": dict, "model": dict}
+SITE_KINDS = {"kind": str, "fqn": str, "region": str, "info": dict, "graph": dict, "module_backed": bool}

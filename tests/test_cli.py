@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -95,6 +96,30 @@ def test_recipe_that_is_not_text_is_exit_2(tmp_path, capsys):
     recipe.write_bytes(b"\xff\xfe name='x'")
     assert main(["inspect", "examples/vit.py", str(recipe)]) == 2
     assert f"{recipe}: not a TOML recipe (not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda plan, meta: plan.update(model=None), "the plan in its metadata is not valid .*model is not a dict"),
+    (lambda plan, meta: plan["decisions"][0]["site"].pop("fqn"), "the plan in its metadata is not valid .*decision 1"),
+    (lambda plan, meta: plan["decisions"][0]["site"]["info"].pop("type"), "not valid .*decision 1"),
+    (lambda plan, meta: plan.update(gate_min_sqnr_db="x"), "not valid .*gate_min_sqnr_db 'x' is not a number"),
+    (lambda plan, meta: meta.update({"lowconv.aliases": "[1, 2]"}), "'lowconv.aliases' is not a JSON object"),
+])
+def test_a_checkpoint_with_a_corrupt_plan_is_exit_2(tmp_path, capsys, edit, message):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    out = tmp_path / "out"
+    assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 0
+    path = out / "model.safetensors"
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    plan = json.loads(meta["lowconv.plan"])
+    edit(plan, meta)
+    meta["lowconv.plan"] = json.dumps(plan)
+    save_file(tensors, path, metadata=meta)
+    capsys.readouterr()
+    assert main(["compare", "examples/vit.py", str(out), "--device", "cpu"]) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, capsys):
