@@ -56,16 +56,29 @@ class Plan:
         if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))):
             raise ValueError(f"gate_min_sqnr_db {gate!r} is not a number")
         for index, decision in enumerate(data.get("decisions", [])):
-            site = decision.get("site") if isinstance(decision, dict) else None
-            if not (isinstance(site, dict) and all(isinstance(site.get(key), kind) for key, kind in SITE_KINDS.items())
-                    and isinstance(site["info"].get("type"), str) and isinstance(decision.get("op"), str)
-                    and isinstance(decision.get("options"), dict)):
-                raise ValueError(f"decision {index + 1} lacks a site with {', '.join(SITE_KINDS)}, an op or options")
+            problem = decision_problem(decision)
+            if problem:
+                raise ValueError(f"decision {index + 1}: {problem}")
         data["decisions"] = [Decision(**d) for d in data["decisions"]]
         return Plan(**data)
+
+
+def decision_problem(decision) -> str | None:
+    """What is wrong with a decision as read from JSON (None: nothing found)."""
+    site = decision.get("site") if isinstance(decision, dict) else None
+    if not isinstance(site, dict) or not isinstance(site.get("fqn"), str):
+        return "no site with an fqn"
+    for key, kind in SITE_KINDS.items():
+        if key in site and not isinstance(site[key], kind):
+            return f"its site's {key} is not a {kind.__name__}"
+    if "info" in site and not isinstance(site["info"].get("type"), str):
+        return "its site's info has no type"
+    if not isinstance(decision.get("op"), str) or not isinstance(decision.get("options"), dict):
+        return "no op, or options that are not an object"
+    return None
 
 
 # What from_json checks before it builds a Plan (the rest is read as the dataclasses say).
 FIELD_KINDS = {"recipe": str, "recipe_text": str, "decisions": list, "regions": list, "none_args": dict,
                "untraced": list, "warnings": list, "constant_args": dict, "decided": dict, "model": dict}
-SITE_KINDS = {"kind": str, "fqn": str, "region": str, "info": dict, "graph": dict, "module_backed": bool}
+SITE_KINDS = {"kind": str, "region": str, "info": dict, "graph": dict, "module_backed": bool}

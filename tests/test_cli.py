@@ -100,8 +100,8 @@ def test_recipe_that_is_not_text_is_exit_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda plan, meta: plan.update(model=None), "the plan in its metadata is not valid .*model is not a dict"),
-    (lambda plan, meta: plan["decisions"][0]["site"].pop("fqn"), "the plan in its metadata is not valid .*decision 1"),
-    (lambda plan, meta: plan["decisions"][0]["site"]["info"].pop("type"), "not valid .*decision 1"),
+    (lambda plan, meta: plan["decisions"][0]["site"].pop("fqn"), "the plan in its metadata is not valid .*decision 1: no site with an fqn"),
+    (lambda plan, meta: plan["decisions"][0]["site"]["info"].pop("type"), "not valid .*decision 1: its site's info has no type"),
     (lambda plan, meta: plan.update(gate_min_sqnr_db="x"), "not valid .*gate_min_sqnr_db 'x' is not a number"),
     (lambda plan, meta: meta.update({"lowconv.aliases": "[1, 2]"}), "'lowconv.aliases' is not a JSON object"),
 ])
