@@ -286,6 +286,11 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     args, kwargs = normalize_inputs(inputs)
     reference, traced = run_eval(original, args, kwargs), run_eval(tapped, args, kwargs)
     for name, ref, test in paired_outputs(reference, traced):
+        nonfinite = int((~torch.isfinite(ref)).sum()) if ref.is_floating_point() else 0
+        if nonfinite:
+            raise LowconvError(
+                f"the model's own output ({name}) holds {nonfinite} NaN or Inf values on these inputs, so no "
+                f"accuracy can be measured against it: check its weights and the example inputs")
         metrics = reports.tensor_metrics(ref, test)
         if not metrics.sqnr_db >= TRACE_FIDELITY_DB:
             raise LowconvError(

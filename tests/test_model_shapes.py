@@ -246,3 +246,13 @@ def test_convert_names_a_wrong_argument():
         lowconv.convert("model.py", "fp8-dynamic", inputs)
     with pytest.raises(LowconvError, match="recipe must be a file path, a built-in recipe's name or a Recipe, got int"):
         lowconv.convert(model, 5, inputs)
+
+
+def test_a_model_whose_own_output_is_nan_is_named_as_such():
+    model = nn.Sequential(nn.Linear(16, 16))
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    inputs = (torch.randn(2, 16),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    with pytest.raises(LowconvError, match=r"the model's own output \(output\) holds 2 NaN or Inf values"):
+        lowconv.compare(model, converted, inputs)
