@@ -116,10 +116,16 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
     if not observers:
         return
     progress(f"calibrating {len(observers)} modules")
+    if isinstance(batches, torch.Tensor) or not isinstance(batches, Iterable):
+        raise LowconvError(f"calibration must be an iterable of example inputs (each a tuple of forward "
+                           f"arguments, a dict of keyword arguments or one tensor), got {type(batches).__name__}")
     for m in observers:
         m.begin_calibration()
-    for batch in batches:
+    seen = 0
+    for seen, batch in enumerate(batches, 1):
         run_eval(model, *normalize_inputs(batch))
+    if not seen:
+        raise LowconvError("calibration holds no batch: static scales need at least one")
     for m in observers:
         m.end_calibration()
 

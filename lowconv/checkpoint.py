@@ -154,6 +154,7 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
             temporaries[path] = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
             try:
                 write(temporaries[path])
+                os.chmod(temporaries[path], _file_mode(path))
                 with open(temporaries[path], "rb+") as f:
                     os.fsync(f.fileno())
             except (OSError, SafetensorError) as err:
@@ -171,6 +172,16 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
                 os.fsync(directory)
             finally:
                 os.close(directory)
+
+
+def _file_mode(path: Path) -> int:
+    """The permissions `path` keeps (a new file: what the umask gives, as for any file the user
+    writes; safetensors' save_file creates its file 0600 whatever the umask)."""
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _reason(err: Exception) -> str:

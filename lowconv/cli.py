@@ -118,6 +118,8 @@ def print_report(report: reports.Report) -> int:
 
 
 def cmd_convert(args) -> int:
+    if not args.output.strip():
+        raise LowconvError("-o: give the output directory's path (it was empty)")
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise LowconvError(f"the output directory {out} is a file; give a directory (-o)")

@@ -243,3 +243,16 @@ def test_a_plan_written_before_notes_constants_and_decisions_existed_still_loads
     plan = Plan.from_json(json.dumps(old))
     assert plan.decisions[0].note == "" and plan.constant_args == {} and plan.decided == {}
     assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_a_new_checkpoint_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, {"report.md": "r"})
+        assert path.stat().st_mode & 0o777 == 0o644 and (tmp_path / "report.md").stat().st_mode & 0o777 == 0o644
+        os.chmod(path, 0o640)
+        save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA)
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)

@@ -256,3 +256,14 @@ def test_a_model_whose_own_output_is_nan_is_named_as_such():
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
     with pytest.raises(LowconvError, match=r"the model's own output \(output\) holds 2 NaN or Inf values"):
         lowconv.compare(model, converted, inputs)
+
+
+@pytest.mark.parametrize("calibration, message", [
+    ([], "calibration holds no batch"),
+    (5, "calibration must be an iterable of example inputs .* got int"),
+    (torch.randn(4, 16), "calibration must be an iterable of example inputs .* got Tensor"),
+])
+def test_static_scales_need_real_calibration_batches(calibration, message):
+    model, inputs = nn.Sequential(nn.Linear(16, 16)), (torch.randn(2, 16),)
+    with pytest.raises(LowconvError, match=message):
+        lowconv.convert(model, "fp8-static", inputs, calibration=calibration)
