@@ -178,9 +178,11 @@ def fits(value, allowed) -> bool:
 
 
 def describe(allowed: list) -> str:
-    parts = [repr(a[1]) if isinstance(a, tuple) else f"a{'n' if a is int else ''} {a.__name__}"
-             for a in allowed]
-    return "one of " + ", ".join(parts) if len(parts) > 1 else parts[0]
+    """The allowed values in TOML's words: None, which TOML cannot write, is leaving the key out."""
+    parts = [repr(a[1]) if isinstance(a, tuple) else f"a{'n' if a is int else ''} {toml_name(a.__name__)}"
+             for a in allowed if a is not type(None)]
+    text = "one of " + ", ".join(parts) if len(parts) > 1 else parts[0]
+    return text + (" (or leave the key out)" if type(None) in allowed else "")
 
 
 def expect(value, types_, where: str):
@@ -197,7 +199,8 @@ def toml_name(python_names: str) -> str:
 def unknown_keys(data: dict, valid: set[str], where: str) -> None:
     for key in data:
         if key not in valid:
-            raise LowconvError(f"{where}: unknown key {key!r} (valid keys: {', '.join(sorted(valid))})")
+            choices = f"valid keys: {', '.join(sorted(valid))}" if valid else "it takes none"
+            raise LowconvError(f"{where}: unknown key {key!r} ({choices})")
 
 
 def pattern_matches(pattern: str, site: Site) -> bool:

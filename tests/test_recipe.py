@@ -101,6 +101,9 @@ def test_unsupported_site_is_kept_with_its_reason():
     ("[report]\nmin_sqnr_db = nan", "r.toml: [report].min_sqnr_db must be a finite number of dB, got nan"),
     ("[report]\nmin_sqnr_db = -inf", "r.toml: [report].min_sqnr_db must be a finite number of dB, got -inf"),
     ("[report]\nmax_kl = 1", "r.toml: [report]: unknown key 'max_kl' (valid keys: min_sqnr_db)"),
+    ('[[rules]]\nop = "keep"\noptions = { a = 1 }', "r.toml: rule 1: options: unknown key 'a' (it takes none)"),
+    ('[[rules]]\nop = "sparse_attention"\noptions = { window = 2.5 }',
+     "r.toml: rule 1: options.window: got 2.5; expected an int (or leave the key out)"),
 ])
 def test_recipe_mistakes_name_file_rule_key_and_choices(text, message):
     with pytest.raises(LowconvError) as err:
