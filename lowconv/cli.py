@@ -148,7 +148,11 @@ def cmd_convert(args) -> int:
 def cmd_compare(args) -> int:
     plan, _ = api.read_plan(args.output)
     seed = args.seed if args.seed is not None else plan.model.get("seed", 0)
-    dtype = args.dtype or plan.model.get("dtype")
+    converted_dtype = plan.model.get("dtype")
+    if args.dtype and converted_dtype and args.dtype != converted_dtype:
+        raise LowconvError(f"{args.output} was converted with --dtype {converted_dtype}; compare it with the "
+                           f"same (leave --dtype out to reuse it), not {args.dtype}")
+    dtype = args.dtype or converted_dtype
     loaded = load_model(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
     progress(f"rebuilding the converted model from {args.output}")
     converted = api.load(loaded.model, args.output, example_inputs=loaded.inputs)

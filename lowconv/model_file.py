@@ -87,15 +87,20 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
     if inputs is None:
         raise LowconvError(f"{path}: example_inputs() returned None; return a tuple of forward arguments "
                            "(() for none), a dict of keyword arguments, or one tensor")
-    return placed(str(path), model, inputs, getattr(module, "LOGITS", None), device, cast)
+    logits = getattr(module, "LOGITS", None)
+    if logits is not None and not isinstance(logits, bool):
+        raise LowconvError(f"{path}: LOGITS must be True or False, got {logits!r}")
+    return placed(str(path), model, inputs, logits, device, cast)
 
 
 def checked_cast(dtype: str | None, seed) -> torch.dtype | None:
     """The dtype to cast a model and its inputs to (None: as built), after checking the options."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise LowconvError(f"dtype {dtype!r} is not one of: {', '.join(FLOAT_DTYPES)}")
-    if not isinstance(seed, int):
+    if not isinstance(seed, int) or isinstance(seed, bool):
         raise LowconvError(f"seed {seed!r} is not an integer")
+    if not -2 ** 63 <= seed < 2 ** 64:  # what torch.manual_seed takes
+        raise LowconvError(f"seed {seed} is out of range (-2^63 to 2^64 - 1)")
     return FLOAT_DTYPES[dtype] if dtype else None
 
 

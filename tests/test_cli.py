@@ -62,6 +62,8 @@ def test_bad_recipe_is_exit_2_with_the_file_and_key(tmp_path, capsys):
     ("import sys\ndef build_model():\n    sys.exit(0)\ndef example_inputs():\n    return ()\n",
      "build_model() called sys.exit(0)"),
     ("import argparse\nargparse.ArgumentParser().parse_args()\n", "importing it called sys.exit(2)"),
+    ("import torch\nLOGITS = 'yes'\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
+     "def example_inputs():\n    return torch.randn(2, 4)\n", "LOGITS must be True or False, got 'yes'"),
     ("def build_model():\n    raise ValueError('no weights')\ndef example_inputs():\n    return ()\n",
      "build_model() failed: ValueError: no weights"),
     ("def build_model():\n    return 3\ndef example_inputs():\n    return ()\n", "not a torch.nn.Module"),
@@ -120,6 +122,16 @@ def test_a_checkpoint_with_a_corrupt_plan_is_exit_2(tmp_path, capsys, edit, mess
     capsys.readouterr()
     assert main(["compare", "examples/vit.py", str(out), "--device", "cpu"]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_compare_with_another_dtype_or_a_seed_out_of_range_is_exit_2(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["convert", "examples/vit.py", "fp16acc", "-o", str(out), "--device", "cpu", "--dtype", "float16"]) == 0
+    capsys.readouterr()
+    assert main(["compare", "examples/vit.py", str(out), "--device", "cpu", "--dtype", "bfloat16"]) == 2
+    assert "was converted with --dtype float16" in capsys.readouterr().err
+    assert main(["inspect", "examples/vit.py", "--seed", str(2 ** 70)]) == 2
+    assert "out of range" in capsys.readouterr().err
 
 
 def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, capsys):
