@@ -137,16 +137,16 @@ def plan_of(converted: nn.Module) -> Plan:
     return plan
 
 
-def revert(converted: nn.Module, ops: Iterable[str] | None = None) -> nn.Module:
-    """A copy of a converted model whose converted linears (those of the ops named in `ops`;
-    default every linear op) are plain nn.Linear layers with the weights they compute with: a
+def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.Module:
+    """A copy of a converted model whose converted linears (those of the ops named in `ops`, one
+    name or several; default every linear op) are plain nn.Linear layers with the weights they compute with: a
     2:4 layer's pruned weight (its dense weight under a runtime mask), an fp8 layer's dequantized
     weight (its master weight in training). The plan says `dense` for them, so save and load keep
     them that way. For "train sparse, finish dense": convert, fine-tune, revert, fine-tune.
     """
     plan = plan_of(converted)
     linear_ops = sorted(name for name, op in OPS.items() if op.kind == "linear" and name != "dense")
-    wanted = set(linear_ops if ops is None else ops)
+    wanted = set(linear_ops if ops is None else [ops] if isinstance(ops, str) else ops)
     if wanted - set(linear_ops):
         raise LowconvError(f"revert: {sorted(wanted - set(linear_ops))} are not linear ops that revert undoes "
                            f"(valid choices: {', '.join(linear_ops)})")

@@ -66,6 +66,8 @@ def test_revert_only_the_ops_named():
     ops = {d.fqn: d.op for d in plan_of(reverted).decisions}
     assert "dense" in ops.values() and "fp8" in ops.values() and "semi_sparse" not in ops.values()
     assert all(isinstance(reverted.get_submodule(fqn), Fp8Linear) for fqn, op in ops.items() if op == "fp8")
+    one = lowconv.revert(converted, ops="semi_sparse")  # one op by name, as a string
+    assert {d.fqn: d.op for d in plan_of(one).decisions} == ops
 
 
 def test_reverted_fp8_linear_holds_the_dequantized_weight():
