@@ -139,8 +139,10 @@ def _store_shared_once(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torc
 
 def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
     """Write each file to a temporary file beside it and flush it to disk; once every one is
-    complete, rename them over their paths. A failure while writing (a full disk, say) leaves every
-    path as it was, with a LowconvError naming the file."""
+    complete, rename them over their paths, the old files moved aside first and put back if a
+    rename fails. A failure (a full disk, a file that cannot be replaced) leaves every path as it
+    was, with a LowconvError naming the file; a crash during the renames can leave hidden
+    `.NAME.*.old` files beside them."""
     for path in writes:
         if path.is_dir():
             raise LowconvError(f"cannot write {path}: it is a directory; nothing in {path.parent} was changed")
@@ -148,23 +150,41 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise LowconvError(f"cannot create the directory {path.parent}: {_reason(err)}") from None
+    left = "nothing in {} was changed" if len(writes) > 1 else "the file was left as it was"
+    token = secrets.token_hex(4)
     temporaries: dict[Path, Path] = {}
+    moved_aside: list[tuple[Path, Path | None]] = []  # (path, its old file's new name or None)
     try:
         for path, write in writes.items():
-            temporaries[path] = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+            temporaries[path] = path.with_name(f".{path.name}.{token}.tmp")
             try:
                 write(temporaries[path])
-                os.chmod(temporaries[path], _file_mode(path))
                 with open(temporaries[path], "rb+") as f:
                     os.fsync(f.fileno())
+                os.chmod(temporaries[path], _file_mode(path))
             except (OSError, SafetensorError) as err:
-                left = f"nothing in {path.parent} was changed" if len(writes) > 1 else "the file was left as it was"
-                raise LowconvError(f"cannot write {path}: {_reason(err)}; {left}") from None
+                raise LowconvError(f"cannot write {path}: {_reason(err)}; {left.format(path.parent)}") from None
         for path, temporary in temporaries.items():
-            os.replace(temporary, path)
+            try:
+                old = path.with_name(f".{path.name}.{token}.old") if path.exists() else None
+                if old is not None:
+                    os.replace(path, old)
+                moved_aside.append((path, old))
+                os.replace(temporary, path)
+            except OSError as err:
+                for done, old in reversed(moved_aside):
+                    if old is not None:
+                        os.replace(old, done)
+                    else:
+                        done.unlink(missing_ok=True)
+                moved_aside.clear()
+                raise LowconvError(f"cannot replace {path}: {_reason(err)}; {left.format(path.parent)}") from None
     finally:
         for temporary in temporaries.values():
             temporary.unlink(missing_ok=True)
+        for _, old in moved_aside:
+            if old is not None:
+                old.unlink(missing_ok=True)
     if os.name == "posix":  # the renames survive a crash only once the directories are synced
         for parent in {path.parent for path in writes}:
             directory = os.open(parent, os.O_RDONLY)

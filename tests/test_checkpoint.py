@@ -256,3 +256,21 @@ def test_a_new_checkpoint_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(
         assert path.stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(umask)
+
+
+def test_a_failed_rename_puts_back_the_files_already_replaced(tmp_path, monkeypatch):
+    files = {"plan.json": "plan 1", "report.md": "report 1"}
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, files)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    replace = os.replace
+
+    def report_md_is_not_ours(src, dst):  # as in a sticky directory where another user owns it
+        if str(src).endswith("report.md"):
+            raise PermissionError(1, "Operation not permitted")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", report_md_is_not_ours)
+    with pytest.raises(LowconvError, match=f"cannot replace {tmp_path / 'report.md'}: Operation not permitted; "
+                                           f"nothing in {tmp_path} was changed"):
+        save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {name: "run 2" for name in files})
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
