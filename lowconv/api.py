@@ -116,9 +116,13 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
     if not observers:
         return
     progress(f"calibrating {len(observers)} modules")
-    if isinstance(batches, torch.Tensor) or not isinstance(batches, Iterable):
+    try:  # iter(), not isinstance(Iterable): a map-style Dataset iterates through __getitem__
+        if isinstance(batches, torch.Tensor):
+            raise TypeError
+        batches = iter(batches)
+    except TypeError:
         raise LowconvError(f"calibration must be an iterable of example inputs (each a tuple of forward "
-                           f"arguments, a dict of keyword arguments or one tensor), got {type(batches).__name__}")
+                           f"arguments, a dict of keyword arguments or one tensor), got {type(batches).__name__}") from None
     for m in observers:
         m.begin_calibration()
     seen = 0

@@ -149,32 +149,37 @@ def cmd_compare(args) -> int:
     plan, _ = api.read_plan(args.output)
     seed = args.seed if args.seed is not None else plan.model.get("seed", 0)
     converted_dtype = plan.model.get("dtype")
-    if args.dtype and converted_dtype and args.dtype != converted_dtype:
-        raise LowconvError(f"{args.output} was converted with --dtype {converted_dtype}; compare it with the "
-                           f"same (leave --dtype out to reuse it), not {args.dtype}")
+    if args.dtype and args.dtype != converted_dtype:
+        made = f"with --dtype {converted_dtype}" if converted_dtype else "without --dtype (as the model file builds it)"
+        raise LowconvError(f"{args.output} was converted {made}; compare it the same way (leave --dtype out to "
+                           f"reuse that), not with --dtype {args.dtype}")
     dtype = args.dtype or converted_dtype
     loaded = load_model(args.model, device=pick_device(args.device), dtype=dtype, seed=seed)
     progress(f"rebuilding the converted model from {args.output}")
     converted = api.load(loaded.model, args.output, example_inputs=loaded.inputs)
-    differ = tensors_not_from(loaded.model, converted, plan)
+    differ = parameters_not_from(loaded.model, converted, plan)
     if differ:
+        seeds = plan.model.get("seed", 0), seed
+        why = f" (it was converted with --seed {seeds[0]}, this run used --seed {seeds[1]})" if seeds[0] != seeds[1] else ""
         raise LowconvError(
-            f"{args.output}: its checkpoint holds other values than this model for {len(differ)} tensors the "
-            f"conversion kept as they were (e.g. {', '.join(differ[:3])}): it was converted from other weights "
-            f"(its plan says --seed {plan.model.get('seed', 0)}; this run built the model with --seed {seed})")
+            f"{args.output}: its checkpoint holds other values than this model for {len(differ)} "
+            f"parameter{'s' if len(differ) > 1 else ''} the conversion kept as {'they were' if len(differ) > 1 else 'it was'} "
+            f"(e.g. {', '.join(differ[:3])}): it was converted from other weights{why}")
     report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     return print_report(report)
 
 
-def tensors_not_from(original: torch.nn.Module, converted: torch.nn.Module, plan: Plan) -> list[str]:
-    """Names of the tensors outside every converted site (kept as they were) whose values differ
-    between the original model and the one rebuilt from a checkpoint."""
+def parameters_not_from(original: torch.nn.Module, converted: torch.nn.Module, plan: Plan) -> list[str]:
+    """Names of the parameters outside every converted site (kept as they were) whose values
+    differ between the original model and the one rebuilt from a checkpoint (NaN equal to NaN).
+    Buffers are left out: one made with torch.empty holds other bytes on every build."""
     sites = [d.site["fqn"] + "." for d in plan.converted()]
-    rebuilt = converted.state_dict()
-    return [name for name, t in original.state_dict().items()
+    rebuilt = dict(converted.named_parameters())
+    return [name for name, t in original.named_parameters()
             if not any(name.startswith(site) for site in sites) and name in rebuilt
             and rebuilt[name].shape == t.shape and rebuilt[name].dtype == t.dtype
-            and not torch.equal(rebuilt[name], t)]
+            and not torch.equal(rebuilt[name], t)
+            and not torch.allclose(rebuilt[name], t, rtol=0, atol=0, equal_nan=True)]
 
 
 def parser() -> argparse.ArgumentParser:

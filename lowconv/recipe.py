@@ -179,7 +179,7 @@ def fits(value, allowed) -> bool:
 
 def describe(allowed: list) -> str:
     """The allowed values in TOML's words: None, which TOML cannot write, is leaving the key out."""
-    parts = [repr(a[1]) if isinstance(a, tuple) else f"a{'n' if a is int else ''} {toml_name(a.__name__)}"
+    parts = [repr(a[1]) if isinstance(a, tuple) else f"a{'n' if a in (int, list) else ''} {toml_name(a.__name__)}"
              for a in allowed if a is not type(None)]
     text = "one of " + ", ".join(parts) if len(parts) > 1 else parts[0]
     return text + (" (or leave the key out)" if type(None) in allowed else "")
@@ -192,8 +192,12 @@ def expect(value, types_, where: str):
     return value
 
 
+TOML_NAMES = {"dict": "table", "list": "array", "str": "string", "int": "integer", "bool": "boolean"}
+
+
 def toml_name(python_names: str) -> str:
-    return python_names.replace("dict", "table").replace("list", "array").replace("str", "string")
+    """Python type names (e.g. "int or float") in TOML's words ("integer or float")."""
+    return re.sub(r"\w+", lambda m: TOML_NAMES.get(m.group(), m.group()), python_names)
 
 
 def unknown_keys(data: dict, valid: set[str], where: str) -> None:

@@ -196,8 +196,9 @@ class BudgetedRun:
     def interleaved_rounds(self, queued):
         """Rounds 2..args.rounds of some peers' timed calls (a list of (result, call), each result
         measured once), the peers interleaved round by round, so that drifts of clocks, power and
-        the host's load hit them alike; each result's ms becomes the median of its rounds_ms. Each
-        round takes the peers in its own shuffled order (seeded by the round): in a fixed order each
+        the host's load hit them alike; each result's ms becomes the median of its rounds_ms. Each of
+        these rounds takes the peers in its own shuffled order (seeded by the round; round 1, taken
+        by first_round beside each peer's checks, keeps the peers' order): in a fixed order each
         peer always followed the same neighbour (two identical calls, fp16acc's auto and S = 32 at
         4096^3, read 1.14x and 1.04x cuBLAS in one such run on the H100). A call that fails in a later round marks
         its result failed and leaves the rounds."""

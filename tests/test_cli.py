@@ -36,7 +36,19 @@ def test_convert_then_compare(tmp_path, capsys):
     # Another seed builds other weights: the tensors the conversion kept no longer match.
     assert main(["compare", "examples/text_classifier.py", str(out), "--seed", "1"]) == 2
     err = capsys.readouterr().err
-    assert "holds other values than this model" in err and "--seed 0; this run built the model with --seed 1" in err
+    assert "holds other values than this model" in err and "converted with --seed 0, this run used --seed 1" in err
+
+
+def test_compare_passes_a_model_with_a_buffer_of_uninitialized_memory(tmp_path):
+    model = tmp_path / "m.py"
+    model.write_text("import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n"
+                     "        super().__init__(); self.fc = nn.Linear(16, 16); self.norm = nn.LayerNorm(16)\n"
+                     "        self.register_buffer('scratch', torch.empty(4096))\n"
+                     "    def forward(self, x):\n        return self.norm(self.fc(x))\n"
+                     "def build_model():\n    return M().eval()\ndef example_inputs():\n    return torch.randn(4, 16)\n")
+    out = tmp_path / "out"
+    assert main(["convert", str(model), "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 0
+    assert main(["compare", str(model), str(out), "--device", "cpu"]) == 0
 
 
 def test_gate_failure_exits_1(tmp_path):
@@ -130,6 +142,10 @@ def test_compare_with_another_dtype_or_a_seed_out_of_range_is_exit_2(tmp_path, c
     capsys.readouterr()
     assert main(["compare", "examples/vit.py", str(out), "--device", "cpu", "--dtype", "bfloat16"]) == 2
     assert "was converted with --dtype float16" in capsys.readouterr().err
+    assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["compare", "examples/vit.py", str(out), "--device", "cpu", "--dtype", "bfloat16"]) == 2
+    assert "was converted without --dtype" in capsys.readouterr().err
     assert main(["inspect", "examples/vit.py", "--seed", str(2 ** 70)]) == 2
     assert "out of range" in capsys.readouterr().err
 

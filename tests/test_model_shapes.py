@@ -267,3 +267,11 @@ def test_static_scales_need_real_calibration_batches(calibration, message):
     model, inputs = nn.Sequential(nn.Linear(16, 16)), (torch.randn(2, 16),)
     with pytest.raises(LowconvError, match=message):
         lowconv.convert(model, "fp8-static", inputs, calibration=calibration)
+
+
+def test_a_map_style_dataset_calibrates():
+    model, inputs = nn.Sequential(nn.Linear(16, 16)), (torch.randn(2, 16),)
+    dataset = torch.utils.data.TensorDataset(torch.randn(3, 2, 16))  # items are 1-tuples: forward args
+    converted = lowconv.convert(model, "fp8-static", inputs, calibration=dataset)
+    with torch.no_grad():
+        assert torch.isfinite(converted(*inputs)).all()

@@ -86,10 +86,10 @@ def test_unsupported_site_is_kept_with_its_reason():
     ('[[rules]]\nop = "fp8"\nmodules = "a"', "r.toml: rule 1: modules: expected array, got 'a'"),
     ('[[rules]]\nop = "fp8"\noptions = { scaling = "lazy" }',
      "r.toml: rule 1: options.scaling: got 'lazy'; expected one of 'dynamic', 'static', 'delayed'"),
-    ('[[rules]]\nop = "fp8"\noptions = { fast_accum = 1 }', "r.toml: rule 1: options.fast_accum: got 1; expected a bool"),
+    ('[[rules]]\nop = "fp8"\noptions = { fast_accum = 1 }', "r.toml: rule 1: options.fast_accum: got 1; expected a boolean"),
     ('[[rules]]\nop = "fp8"\noptions = { speed = 1 }', "r.toml: rule 1: options: unknown key 'speed' (valid keys: "),
     ('[[rules]]\nop = "fp16acc"\noptions = { splits = "many" }',
-     "r.toml: rule 1: options.splits: got 'many'; expected one of an int, 'auto'"),
+     "r.toml: rule 1: options.splits: got 'many'; expected one of an integer, 'auto'"),
     ('[[rules]]\nop = "fp16acc"\noptions = { splits = 0 }', "r.toml: rule 1: options.splits: must be at least 1 (got 0)"),
     ('[[rules]]\nop = "fp8"\noptions = { amax_history_len = -2 }',
      "r.toml: rule 1: options.amax_history_len: must be in [1, 1024] (got -2)"),
@@ -97,13 +97,13 @@ def test_unsupported_site_is_kept_with_its_reason():
      "r.toml: rule 1: options.amax_history_len: must be in [1, 1024] (got 5000)"),
     ('[[rules]]\nop = "fp8"\noptions = { amax_reduction = "mean" }',
      "r.toml: rule 1: options.amax_reduction: got 'mean'; expected one of 'max', 'most_recent'"),
-    ("[report]\nmin_sqnr_db = 'high'", "r.toml: [report].min_sqnr_db: expected int or float, got 'high'"),
+    ("[report]\nmin_sqnr_db = 'high'", "r.toml: [report].min_sqnr_db: expected integer or float, got 'high'"),
     ("[report]\nmin_sqnr_db = nan", "r.toml: [report].min_sqnr_db must be a finite number of dB, got nan"),
     ("[report]\nmin_sqnr_db = -inf", "r.toml: [report].min_sqnr_db must be a finite number of dB, got -inf"),
     ("[report]\nmax_kl = 1", "r.toml: [report]: unknown key 'max_kl' (valid keys: min_sqnr_db)"),
     ('[[rules]]\nop = "keep"\noptions = { a = 1 }', "r.toml: rule 1: options: unknown key 'a' (it takes none)"),
     ('[[rules]]\nop = "sparse_attention"\noptions = { window = 2.5 }',
-     "r.toml: rule 1: options.window: got 2.5; expected an int (or leave the key out)"),
+     "r.toml: rule 1: options.window: got 2.5; expected an integer (or leave the key out)"),
 ])
 def test_recipe_mistakes_name_file_rule_key_and_choices(text, message):
     with pytest.raises(LowconvError) as err:

@@ -341,7 +341,7 @@ def test_layout_options_parse_with_their_defaults():
     ('layout = "local", window = 0', r"options.window: must be a whole number >= 1 \(got 0\)"),
     ('layout = "causal", window = 8', r"options.window: goes with layout = \"local\" only \(layout is 'causal'\)"),
     ('window = 8', r"options.window: goes with layout = \"local\" only \(layout is 'auto'\)"),
-    ('layout = "local", window = 2.5', r"options.window: got 2.5; expected an int \(or leave the key out\)"),
+    ('layout = "local", window = 2.5', r"options.window: got 2.5; expected an integer \(or leave the key out\)"),
 ])
 def test_bad_layout_options_name_the_option_and_the_choices(options, message):
     with pytest.raises(LowconvError, match=message):
