@@ -57,6 +57,9 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
     found = analyze(model, example_inputs)
     plan = make_plan(found.sites, found.trace, recipe)
     plan.warnings += nested_tensor_warnings(found.model, plan)
+    if hasattr(model, PLAN_ATTR):
+        plan.warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
+                             "modules now and are not found again; convert the original model to change them")
     plan.model = {"signature": checkpoint.model_signature(model.state_dict())}
     return found, plan
 

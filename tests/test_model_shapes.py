@@ -275,3 +275,11 @@ def test_a_map_style_dataset_calibrates():
     converted = lowconv.convert(model, "fp8-static", inputs, calibration=dataset)
     with torch.no_grad():
         assert torch.isfinite(converted(*inputs)).all()
+
+
+def test_converting_a_converted_model_warns_that_its_sites_are_gone():
+    model, inputs = nn.Sequential(nn.Linear(16, 16)), (torch.randn(2, 16),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    again = lowconv.convert(converted, "fp8-dynamic", inputs)
+    assert any("this model was made by lowconv" in w for w in again.lowconv_plan.warnings)
+    assert not any("made by lowconv" in w for w in converted.lowconv_plan.warnings)
