@@ -70,6 +70,9 @@ class Site:
     output_node: fx.Node | None = field(default=None, repr=False, compare=False)
     nodes: list[fx.Node] = field(default_factory=list, repr=False, compare=False)
     module_backed: bool = field(default=False, compare=False)  # site is a whole submodule at fqn
+    # Other traced code reads the device of the site module's weight or bias (`self.fc.weight.device`):
+    # an op whose module keeps no such tensor cannot take the site.
+    reads_parameter_device: bool = field(default=False, compare=False)
 
     def compute_dtype(self) -> str:
         """The dtype the site computes in: its input's as traced, else its parameters'."""
@@ -88,6 +91,7 @@ class Site:
             "output": asdict(self.output) if self.output else None,
             "unsupported": self.unsupported,
             "module_backed": self.module_backed,
+            "reads_parameter_device": self.reads_parameter_device,
             "graph": self.graph_signature(),
         }
 

@@ -283,3 +283,25 @@ def test_converting_a_converted_model_warns_that_its_sites_are_gone():
     again = lowconv.convert(converted, "fp8-dynamic", inputs)
     assert any("this model was made by lowconv" in w for w in again.lowconv_plan.warnings)
     assert not any("made by lowconv" in w for w in converted.lowconv_plan.warnings)
+
+
+class ReadsWeightDevice(nn.Module):
+    """Code that reads a linear's weight only for its device (a common way to place new tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) + torch.ones(16, device=self.fc.weight.device)
+
+
+def test_a_linear_whose_weight_device_other_code_reads_converts_where_the_op_keeps_a_weight():
+    model, inputs = ReadsWeightDevice().eval(), (torch.randn(4, 16),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert [d.site["fqn"] for d in converted.lowconv_plan.converted()] == ["fc"]
+    with torch.no_grad():
+        assert torch.isfinite(converted(*inputs)).all()
+    recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "semi_sparse"\n', "r.toml")
+    [decision] = lowconv.convert(model, recipe, inputs).lowconv_plan.decisions
+    assert decision.op == "keep" and "reads this layer's weight (its device)" in decision.reason

@@ -229,6 +229,9 @@ def module_class(options: SemiSparseOptions) -> type[nn.Module]:
 
 
 def check(site, options: SemiSparseOptions) -> str | None:
+    if site.reads_parameter_device and issubclass(module_class(options), CompressedSemiSparseLinear):
+        return ("other code of the model reads this layer's weight (its device), and the compressed 2:4 "
+                "layer keeps no weight tensor (training = true keeps one)")
     info = linear_info(site)
     if info.in_features % 4:
         return (f"2:4 sparsity needs in_features divisible by 4 "

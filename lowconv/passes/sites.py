@@ -18,11 +18,19 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def read_by_traced_code(trace: Trace) -> set[str]:
+def read_by_traced_code(trace: Trace) -> dict[str, bool]:
     """Full names of what the traced code reads itself (get_attr: a parameter, a buffer), beside
-    what the modules it calls read."""
-    return {join_fqn(region.fqn, node.target) for region in trace.regions if region.graph is not None
-            for node in region.graph.graph.nodes if node.op == "get_attr"}
+    what the modules it calls read, each with whether only its device is read."""
+    reads: dict[str, bool] = {}
+    for region in trace.regions:
+        for node in region.graph.graph.nodes if region.graph is not None else ():
+            if node.op == "get_attr":
+                device_only = bool(node.users) and all(
+                    user.op == "call_function" and user.target is getattr and user.args[1:] == ("device",)
+                    for user in node.users)
+                name = join_fqn(region.fqn, node.target)
+                reads[name] = reads.get(name, True) and device_only
+    return reads
 
 
 def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
@@ -35,7 +43,9 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
             others = [n for n in names[id(model.get_parameter(site.info.weight))] if n != site.info.weight]
             if others and site.unsupported is None:
                 site.unsupported = f"weight is tied to {', '.join(others)}; converting would untie it"
-            also_read = [n for n in (site.info.weight, site.info.bias_name) if site.module_backed and n in read]
+            own = [n for n in (site.info.weight, site.info.bias_name) if site.module_backed and n in read]
+            also_read = [n for n in own if not read[n]]
+            site.reads_parameter_device = bool(own) and not also_read
             if also_read and site.unsupported is None:
                 site.unsupported = (f"{' and '.join(also_read)} {'are' if len(also_read) > 1 else 'is'} also "
                                     "read by other code of the model; converting would change what it reads")
