@@ -124,8 +124,8 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
             raise TypeError
         batches = iter(batches)
     except TypeError:
-        raise LowconvError(f"calibration must be an iterable of example inputs (each a tuple of forward "
-                           f"arguments, a dict of keyword arguments or one tensor), got {type(batches).__name__}") from None
+        raise LowconvError(f"calibration must be an iterable of example inputs (each a tuple of forward arguments, "
+                           f"a dict of keyword arguments or one tensor), got {type(batches).__name__}") from None
     for m in observers:
         m.begin_calibration()
     seen = 0
@@ -146,9 +146,9 @@ def plan_of(converted: nn.Module) -> Plan:
 
 def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.Module:
     """A copy of a converted model whose converted linears (those of the ops named in `ops`, one
-    name or several; default every linear op) are plain nn.Linear layers with the weights they compute with: a
-    2:4 layer's pruned weight (its dense weight under a runtime mask), an fp8 layer's dequantized
-    weight (its master weight in training). The plan says `dense` for them, so save and load keep
+    name or several; default every linear op) are plain nn.Linear layers with the weights they
+    compute with: a 2:4 layer's pruned weight (its dense weight under a runtime mask), an fp8
+    layer's dequantized weight (its master weight in training). The plan says `dense` for them, so save and load keep
     them that way. For "train sparse, finish dense": convert, fine-tune, revert, fine-tune.
     """
     plan = plan_of(converted)

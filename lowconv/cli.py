@@ -159,12 +159,13 @@ def cmd_compare(args) -> int:
     converted = api.load(loaded.model, args.output, example_inputs=loaded.inputs)
     differ = parameters_not_from(loaded.model, converted, plan)
     if differ:
-        seeds = plan.model.get("seed", 0), seed
-        why = f" (it was converted with --seed {seeds[0]}, this run used --seed {seeds[1]})" if seeds[0] != seeds[1] else ""
-        raise LowconvError(
-            f"{args.output}: its checkpoint holds other values than this model for {len(differ)} "
-            f"parameter{'s' if len(differ) > 1 else ''} the conversion kept as {'they were' if len(differ) > 1 else 'it was'} "
-            f"(e.g. {', '.join(differ[:3])}): it was converted from other weights{why}")
+        converted_seed = plan.model.get("seed", 0)
+        why = f" (it was converted with --seed {converted_seed}, this run used --seed {seed})" \
+            if converted_seed != seed else ""
+        kept = f"{len(differ)} parameters the conversion kept as they were" if len(differ) > 1 else \
+            "a parameter the conversion kept as it was"
+        raise LowconvError(f"{args.output}: its checkpoint holds other values than this model for {kept} "
+                           f"(e.g. {', '.join(differ[:3])}): it was converted from other weights{why}")
     report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     return print_report(report)
 
