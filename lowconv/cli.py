@@ -149,7 +149,8 @@ def cmd_compare(args) -> int:
     plan, _ = api.read_plan(args.output)
     seed = args.seed if args.seed is not None else plan.model.get("seed", 0)
     converted_dtype = plan.model.get("dtype")
-    if args.dtype and args.dtype != converted_dtype:
+    # Only `lowconv convert` records its --dtype (None: none given); a checkpoint saved from Python has none.
+    if args.dtype and "dtype" in plan.model and args.dtype != converted_dtype:
         made = f"with --dtype {converted_dtype}" if converted_dtype else "without --dtype (as the model file builds it)"
         raise LowconvError(f"{args.output} was converted {made}; compare it the same way (leave --dtype out to "
                            f"reuse that), not with --dtype {args.dtype}")
