@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lowconv.errors import LowconvError
+from lowconv.version import __version__
 
 CHECKPOINT_FILE = "model.safetensors"
 
@@ -82,6 +83,10 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     missing = [key for key in REQUIRED_KEYS if key not in metadata]
     if missing:
         raise LowconvError(f"{path} is not a complete lowconv checkpoint: its metadata lacks {missing}")
+    written_by = _version(metadata[VERSION_KEY])
+    if written_by is None or written_by > _version(__version__):
+        raise LowconvError(f"{path} was written by lowconv {metadata[VERSION_KEY]!r}, which this lowconv "
+                           f"{__version__} does not know: read it with that version or a later one")
     aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
     for alias, stored_name in aliases.items():
         tensors[alias] = tensors[stored_name]
@@ -202,6 +207,12 @@ def _file_mode(path: Path) -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    """"1.2.3" as (1, 2, 3); None if it is not such a version."""
+    parts = text.split(".")
+    return tuple(map(int, parts)) if all(part.isdigit() for part in parts) else None
 
 
 def _reason(err: Exception) -> str:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -274,3 +275,12 @@ def test_a_failed_rename_puts_back_the_files_already_replaced(tmp_path, monkeypa
                                            f"nothing in {tmp_path} was changed"):
         save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {name: "run 2" for name in files})
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+@pytest.mark.parametrize("version", ["99.0", "0.1.0-dev", ""])
+def test_a_checkpoint_of_an_unknown_or_newer_version_is_refused(tmp_path, version):
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, {**METADATA, "lowconv.version": version})
+    with pytest.raises(LowconvError, match=f"was written by lowconv '{re.escape(version)}', which this lowconv"):
+        read_checkpoint(tmp_path)
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, {**METADATA, "lowconv.version": "0.0.9"})
+    read_checkpoint(tmp_path)  # an older one is read
