@@ -305,3 +305,17 @@ def test_a_linear_whose_weight_device_other_code_reads_converts_where_the_op_kee
     recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "semi_sparse"\n', "r.toml")
     [decision] = lowconv.convert(model, recipe, inputs).lowconv_plan.decisions
     assert decision.op == "keep" and "reads this layer's weight (its device)" in decision.reason
+
+
+@pytest.mark.parametrize("rule", ['op = "fp8"\noptions = { training = true }',
+                                  'op = "fp8"\noptions = { training = true, scaling = "delayed" }',
+                                  'op = "semi_sparse"\noptions = { target = "activation" }',
+                                  'op = "semi_sparse"\noptions = { training = true }'])
+def test_an_empty_batch_runs_forward_and_backward(rule):
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)), torch.randn(8, 64)
+    converted = lowconv.convert(model, lowconv.recipe.parse_recipe(f"[[rules]]\n{rule}\n", "r.toml"), (x,))
+    empty = torch.randn(0, 64, requires_grad=True)
+    y = converted(empty)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert empty.grad.shape == (0, 64)

@@ -285,7 +285,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
-        return y.reshape(*x.shape[:-1], -1)
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # not -1: an empty batch has no size to infer
 
     @staticmethod
     @once_differentiable  # the backward's FP8 GEMMs and casts have no derivatives of their own
@@ -299,7 +299,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if needs_x:  # dX (M, K) = (dY * w_scale^T) (M, N) @ W_fp8 (N, K); W^T (K, N) is fp8_linear's w
             per_column = w_scale.float().reshape(-1).expand(g.shape[1])  # W's row scales (or its one scale)
             g_fp8, g_scale = quantize_tensorwise(g, E5M2, per_column, "columns")
-            grad_x = fp8_linear(g_fp8, g_scale, w_t, unit, None, x_dtype).reshape(*grad.shape[:-1], -1)
+            grad_x = fp8_linear(g_fp8, g_scale, w_t, unit, None, x_dtype).reshape(*grad.shape[:-1], w_t.shape[0])
         if needs_w:  # dW (N, K) = (dY * x_scale)^T (N, M) @ x_fp8 (M, K); x^T (K, M) is fp8_linear's w
             per_row = x_scale.float().reshape(-1).expand(g.shape[0])  # x's row scales (or its one scale)
             g_t, g_scale = quantize_transposed(g, E5M2, per_row, "rows")

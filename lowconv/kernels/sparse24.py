@@ -39,7 +39,7 @@ def mask_24(x: torch.Tensor) -> torch.Tensor:
     """
     if x.shape[-1] % 4:
         raise ValueError(f"2:4 sparsity needs the last dim divisible by 4, got shape {tuple(x.shape)}")
-    groups = x.detach().abs().reshape(*x.shape[:-1], -1, 4)
+    groups = x.detach().abs().reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
     order = groups.argsort(dim=-1, descending=True, stable=True)
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, order[..., :2], True)
     return mask.reshape(x.shape)
