@@ -1,7 +1,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+import lowconv
 from lowconv.kernels.fp8 import (
     E4M3, E5M2, FP8_MAX, quantize_rowwise, quantize_tensorwise, quantize_weight, quantize_with_scale,
 )
@@ -269,3 +271,16 @@ def test_inference_module_passes_gradients_straight_through_to_its_input():
     expected = grad_out.double() @ w_used
     assert (x.grad.double() - expected).norm() / expected.norm() < 1e-6
     assert torch.allclose(module.bias.grad.double(), grad_out.double().sum(0), rtol=1e-5)
+
+
+def test_module_casts_keep_the_e4m3_weight():
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).eval(), torch.randn(8, 64)
+    converted = lowconv.convert(model, "fp8-dynamic", (x,))
+    with torch.no_grad():
+        before = converted(x)
+        assert torch.equal(converted.float()(x), before)  # a no-op cast changes nothing
+        half = converted.half()
+        assert half[0].weight.dtype == torch.float8_e4m3fn and half[0].weight_scale.dtype == torch.float16
+        y = half(x.half())
+    # x rounded to fp16 moves some of its e4m3 roundings: the two runs differ by fp8's own error (~2%)
+    assert y.dtype == torch.float16 and (y.float() - before).norm() / before.norm() < 0.05

@@ -71,6 +71,16 @@ class Fp8Linear(nn.Module):
         self.calibrating = False
         self.calibration_amax = None
 
+    def _apply(self, fn, recurse=True):
+        """Module-wide casts (.half(), .float(), .to(dtype)) cast every floating tensor, the e4m3
+        weight too, which would lose its scale; it keeps its dtype and follows only the device.
+        (The scale, the bias and the input scales take the new dtype as the model's other tensors.)"""
+        weight = None if self.options.training else self.weight
+        super()._apply(fn, recurse)
+        if weight is not None and self.weight.dtype != E4M3:
+            self.weight = weight.to(self.weight.device)
+        return self
+
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
         if self.options.training:
