@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from lowconv import checkpoint, report as reports
 from lowconv.errors import LowconvError
@@ -101,7 +101,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         decision.note = module.plan_note() if hasattr(module, "plan_note") else ""
     converted = rewrite(found.model, found.trace, found.sites, modules)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
-    setattr(converted, PLAN_ATTR, plan)
+    attach_plan(converted, plan)
     return converted
 
 
@@ -137,6 +137,14 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
         m.end_calibration()
 
 
+def attach_plan(converted: nn.Module, plan: Plan) -> None:
+    """Keep the plan on the converted model, also through copy.deepcopy: a GraphModule's deepcopy
+    keeps only the attributes its meta lists (torch.fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY)."""
+    setattr(converted, PLAN_ATTR, plan)
+    if isinstance(converted, fx.GraphModule):
+        converted.meta.setdefault("_user_preserved_attributes", {})[PLAN_ATTR] = plan
+
+
 def plan_of(converted: nn.Module) -> Plan:
     plan = getattr(converted, PLAN_ATTR, None)
     if plan is None:
@@ -167,7 +175,7 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
                                       f"{decision.reason})")
         decisions.append(decision)
-    setattr(reverted, PLAN_ATTR, replace(plan, decisions=decisions))
+    attach_plan(reverted, replace(plan, decisions=decisions))
     return reverted
 
 
@@ -227,7 +235,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         problem = module.loaded_state_problem() if hasattr(module, "loaded_state_problem") else None
         if problem:
             raise LowconvError(f"{path}: {fqn}: {problem}")
-    setattr(converted, PLAN_ATTR, plan)
+    attach_plan(converted, plan)
     return converted
 
 

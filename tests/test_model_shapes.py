@@ -319,3 +319,12 @@ def test_an_empty_batch_runs_forward_and_backward(rule):
     assert y.shape == (0, 32)
     y.sum().backward()
     assert empty.grad.shape == (0, 64)
+
+
+def test_a_deepcopy_of_a_rewritten_graph_keeps_the_plan():
+    model, inputs = MupAttention().eval(), (torch.randn(2, 8, 64),)
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    assert isinstance(converted, torch.fx.GraphModule)  # the attention site rewrote the graph
+    copied = copy.deepcopy(converted)
+    assert copied.lowconv_plan == converted.lowconv_plan
+    lowconv.revert(copied)
