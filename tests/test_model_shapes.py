@@ -328,3 +328,15 @@ def test_a_deepcopy_of_a_rewritten_graph_keeps_the_plan():
     copied = copy.deepcopy(converted)
     assert copied.lowconv_plan == converted.lowconv_plan
     lowconv.revert(copied)
+
+
+@pytest.mark.parametrize("rule", ['op = "fp8"', 'op = "fp8"\noptions = { training = true }',
+                                  'op = "semi_sparse"', 'op = "semi_sparse"\noptions = { training = true }',
+                                  'op = "semi_sparse"\noptions = { mask = "runtime" }'])
+def test_converted_linears_answer_autocast_as_nn_linear_does(rule):
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)), torch.randn(8, 64)
+    converted = lowconv.convert(model, lowconv.recipe.parse_recipe(f"[[rules]]\n{rule}\n", "r.toml"), (x,))
+    with torch.autocast("cpu", torch.bfloat16):
+        want, got = model(x), converted(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    got.float().sum().backward()  # differentiable through the cast

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lowconv.kernels.fp16acc import auto_splits, fp16acc_matmul
-from lowconv.ops.linear_site import linear_from_site, linear_info
+from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info
 from lowconv.ops.registry import Op, register
 
 
@@ -41,7 +41,8 @@ class Fp16AccLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.options.backend if x.is_cuda else "reference"
-        return fp16acc_matmul(x, self.weight, self.bias, self.splits_for(x), self.options.combine, backend)
+        return in_autocast_dtype(fp16acc_matmul(x, self.weight, self.bias, self.splits_for(x), self.options.combine,
+                                                backend))
 
     def splits_for(self, x: torch.Tensor) -> int:
         """The chunks of K for this input: "auto" depends on its rows (decode takes more)."""

@@ -23,7 +23,7 @@ from lowconv.kernels.fp8 import (
     quantize_weight,
 )
 from lowconv.kernels.operands import needs_autograd
-from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
+from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
 
 
@@ -92,8 +92,9 @@ class Fp8Linear(nn.Module):
             self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.calibrating:
-            return self.calibration_forward(x)
+        return in_autocast_dtype(self.calibration_forward(x) if self.calibrating else self.fp8_forward(x))
+
+    def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         x_scale = self.fixed_input_scale(x)
         o = self.options
         if o.training:

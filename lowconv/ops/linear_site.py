@@ -13,6 +13,15 @@ def site_dtype(site: Site) -> torch.dtype:
     return getattr(torch, site.compute_dtype())
 
 
+def in_autocast_dtype(y: torch.Tensor) -> torch.Tensor:
+    """y in autocast's dtype where autocast is on for y's device, as nn.Linear's output would be;
+    else y. The ops compute in their own precision (fp8, 2:4, fp16 accumulation) either way."""
+    device = y.device.type
+    if torch.is_autocast_enabled(device) and y.is_floating_point():
+        return y.to(torch.get_autocast_dtype(device))
+    return y
+
+
 def linear_info(site: Site) -> LinearInfo:
     if not isinstance(site.info, LinearInfo):
         raise ValueError(f"site {site.fqn!r} is not a linear site ({type(site.info).__name__})")

@@ -29,7 +29,7 @@ from lowconv.kernels.sparse24 import (
     BackendChoice, GemmCase, SparseLinearFunction, TrainingGemms, choose_backend, compress_bitmask,
     decompress_bitmask, mask_24, mask_24_transposable, prune_24_straight_through, semi_sparse_linear,
 )
-from lowconv.ops.linear_site import linear_from_site, linear_info, site_dtype
+from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
 
 
@@ -130,8 +130,8 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_cusparselt(x, self.compressed.dtype):
-            return self.sparse_weight().linear(x, self.bias, self.tuned(x))
-        return semi_sparse_linear(x, self.dense(), self.bias)
+            return in_autocast_dtype(self.sparse_weight().linear(x, self.bias, self.tuned(x)))
+        return in_autocast_dtype(semi_sparse_linear(x, self.dense(), self.bias))
 
     def _apply(self, fn, recurse=True):
         self.sparse = None  # .to() / .cuda() / .half() move or cast the buffers: rebuilt from them
@@ -174,8 +174,8 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         if self.runs_cusparselt(x, self.weight.dtype):
             if self.gemms is None:
                 self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
-            return SparseLinearFunction.apply(x, self.weight, self.mask, self.bias, self.gemms)
-        return semi_sparse_linear(x, self.weight * self.mask, self.bias)
+            return in_autocast_dtype(SparseLinearFunction.apply(x, self.weight, self.mask, self.bias, self.gemms))
+        return in_autocast_dtype(semi_sparse_linear(x, self.weight * self.mask, self.bias))
 
     def _apply(self, fn, recurse=True):
         self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
@@ -204,8 +204,8 @@ class RuntimeSemiSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.options.target == "activation":
-            return semi_sparse_linear(prune_24_straight_through(x), self.weight, self.bias)
-        return semi_sparse_linear(x, prune_24_straight_through(self.weight), self.bias)
+            return in_autocast_dtype(semi_sparse_linear(prune_24_straight_through(x), self.weight, self.bias))
+        return in_autocast_dtype(semi_sparse_linear(x, prune_24_straight_through(self.weight), self.bias))
 
     def linear_weight(self) -> torch.Tensor:
         """The dense weight, not its pruned view: reverting a runtime mask goes back to dense
