@@ -39,11 +39,14 @@ def test_convert_then_compare(tmp_path, capsys):
     assert "holds other values than this model" in err and "converted with --seed 0, this run used --seed 1" in err
 
 
-def test_compare_passes_a_model_with_a_buffer_of_uninitialized_memory(tmp_path):
+def test_compare_passes_a_model_with_per_build_buffers_and_a_nan_parameter(tmp_path):
+    """A buffer that differs on every build (as torch.empty's memory may) and a NaN parameter
+    (NaN != NaN) are not 'other weights'."""
     model = tmp_path / "m.py"
-    model.write_text("import torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n"
+    model.write_text("import time, torch\nfrom torch import nn\nclass M(nn.Module):\n    def __init__(self):\n"
                      "        super().__init__(); self.fc = nn.Linear(16, 16); self.norm = nn.LayerNorm(16)\n"
-                     "        self.register_buffer('scratch', torch.empty(4096))\n"
+                     "        self.register_buffer('built_at', torch.tensor([float(time.perf_counter_ns())]))\n"
+                     "        self.unused = nn.Parameter(torch.tensor([float('nan')]))\n"
                      "    def forward(self, x):\n        return self.norm(self.fc(x))\n"
                      "def build_model():\n    return M().eval()\ndef example_inputs():\n    return torch.randn(4, 16)\n")
     out = tmp_path / "out"
