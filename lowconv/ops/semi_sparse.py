@@ -130,8 +130,10 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_cusparselt(x, self.compressed.dtype):
-            return in_autocast_dtype(self.sparse_weight().linear(x, self.bias, self.tuned(x)))
-        return in_autocast_dtype(semi_sparse_linear(x, self.dense(), self.bias))
+            y = self.sparse_weight().linear(x, self.bias, self.tuned(x))
+        else:
+            y = semi_sparse_linear(x, self.dense(), self.bias)
+        return in_autocast_dtype(y)
 
     def _apply(self, fn, recurse=True):
         self.sparse = None  # .to() / .cuda() / .half() move or cast the buffers: rebuilt from them
@@ -174,8 +176,10 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         if self.runs_cusparselt(x, self.weight.dtype):
             if self.gemms is None:
                 self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
-            return in_autocast_dtype(SparseLinearFunction.apply(x, self.weight, self.mask, self.bias, self.gemms))
-        return in_autocast_dtype(semi_sparse_linear(x, self.weight * self.mask, self.bias))
+            y = SparseLinearFunction.apply(x, self.weight, self.mask, self.bias, self.gemms)
+        else:
+            y = semi_sparse_linear(x, self.weight * self.mask, self.bias)
+        return in_autocast_dtype(y)
 
     def _apply(self, fn, recurse=True):
         self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
@@ -204,8 +208,10 @@ class RuntimeSemiSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.options.target == "activation":
-            return in_autocast_dtype(semi_sparse_linear(prune_24_straight_through(x), self.weight, self.bias))
-        return in_autocast_dtype(semi_sparse_linear(x, prune_24_straight_through(self.weight), self.bias))
+            y = semi_sparse_linear(prune_24_straight_through(x), self.weight, self.bias)
+        else:
+            y = semi_sparse_linear(x, prune_24_straight_through(self.weight), self.bias)
+        return in_autocast_dtype(y)
 
     def linear_weight(self) -> torch.Tensor:
         """The dense weight, not its pruned view: reverting a runtime mask goes back to dense
