@@ -4,6 +4,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from lowconv.errors import LowconvError
+from lowconv.model_file import checked_cast
+from lowconv.passes.trace import is_constant
+
 
 @dataclass
 class Decision:
@@ -59,6 +63,9 @@ class Plan:
             problem = decision_problem(decision)
             if problem:
                 raise ValueError(f"decision {index + 1}: {problem}")
+        problem = traced_args_problem(data) or model_problem(data.get("model", {}))
+        if problem:
+            raise ValueError(problem)
         data["decisions"] = [Decision(**d) for d in data["decisions"]]
         return Plan(**data)
 
@@ -75,6 +82,28 @@ def decision_problem(decision) -> str | None:
         return "its site's info has no type"
     if not isinstance(decision.get("op"), str) or not isinstance(decision.get("options"), dict):
         return "no op, or options that are not an object"
+    return None
+
+
+def traced_args_problem(data: dict) -> str | None:
+    """What is wrong with the arguments a plan traces as constants (None: nothing found); tracing
+    again takes them as they are, where a wrong kind fails deep inside torch.fx."""
+    for fqn, names in data.get("none_args", {}).items():
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            return f"none_args of {fqn or '(whole model)'} is not a list of argument names"
+    for fqn, values in data.get("constant_args", {}).items():
+        if not isinstance(values, dict) or not all(map(is_constant, values.values())):
+            return f"constant_args of {fqn or '(whole model)'} is not an object of bools, numbers and strings"
+    return None
+
+
+def model_problem(model: dict) -> str | None:
+    """What is wrong with the seed and dtype the plan says the original was built with (None:
+    nothing found); compare builds the model again with them."""
+    try:
+        checked_cast(model.get("dtype"), model.get("seed", 0))
+    except LowconvError as err:
+        return f"model: {err}"
     return None
 
 

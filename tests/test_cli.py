@@ -121,6 +121,10 @@ def test_recipe_that_is_not_text_is_exit_2(tmp_path, capsys):
     (lambda plan, meta: plan["decisions"][0]["site"]["info"].pop("type"), "not valid .*decision 1: its site's info has no type"),
     (lambda plan, meta: plan.update(gate_min_sqnr_db="x"), "not valid .*gate_min_sqnr_db 'x' is not a number"),
     (lambda plan, meta: meta.update({"lowconv.aliases": "[1, 2]"}), "'lowconv.aliases' is not a JSON object"),
+    (lambda plan, meta: plan.update(none_args={"": 5}), r"not valid .*none_args of \(whole model\) is not a list"),
+    (lambda plan, meta: plan.update(constant_args={"blocks.0": {"x": [1]}}), "not valid .*constant_args of blocks.0 is not"),
+    (lambda plan, meta: plan["model"].update(seed="7"), "not valid .*model: seed '7' is not an integer"),
+    (lambda plan, meta: plan["model"].update(dtype="float8"), "not valid .*model: dtype 'float8' is not one of: float32"),
 ])
 def test_a_checkpoint_with_a_corrupt_plan_is_exit_2(tmp_path, capsys, edit, message):
     from safetensors import safe_open
