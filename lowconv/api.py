@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from lowconv import checkpoint, report as reports
 from lowconv.errors import LowconvError
+from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
 from lowconv.passes.rewrite import rewrite, set_module, site_params, tap_sites
@@ -18,7 +19,7 @@ from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
-from lowconv.site import Site, TensorMeta
+from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
 from lowconv.version import __version__
 
 PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
@@ -215,8 +216,13 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     """
     plan, tensors = read_plan(directory)
     path = checkpoint.checkpoint_path(directory)
-    signature = checkpoint.model_signature(model.state_dict())
-    if plan.model.get("signature") not in (None, signature):
+    state = model.state_dict()
+    if plan.model.get("signature") not in (None, checkpoint.model_signature(state)):
+        made_in = [name for name, dtype in FLOAT_DTYPES.items()
+                   if checkpoint.model_signature(cast_floating(state, dtype)) == plan.model["signature"]]
+        if made_in:
+            raise LowconvError(f"{path} was converted from this model in {made_in[0]}: load it with the model "
+                               "in that dtype (a cast made after the conversion is applied from the checkpoint)")
         raise LowconvError(
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
@@ -229,6 +235,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         site = sites[decision.fqn]
         modules[site.fqn] = op.empty(site, options).to(site_device(site, work))
     converted = rewrite(work, trace, list(sites.values()), modules)
+    cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)
     for fqn, module in modules.items():
@@ -237,6 +244,23 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
             raise LowconvError(f"{path}: {fqn}: {problem}")
     attach_plan(converted, plan)
     return converted
+
+
+def cast_like(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """A model saved after a module-wide cast (.half(), .to(torch.bfloat16)) holds its floating
+    tensors in another dtype than the original it is rebuilt from: cast the rebuilt model the same
+    way. Only where each side has one floating dtype (FP8 weights aside, which casts keep)."""
+    def floating_dtypes(values) -> set[torch.dtype]:
+        return {t.dtype for t in values if t.is_floating_point() and t.dtype not in (E4M3, E5M2)}
+    saved, built = floating_dtypes(tensors.values()), floating_dtypes(model.state_dict().values())
+    if len(saved) == 1 and len(built) == 1 and saved != built:
+        model.to(saved.pop())
+
+
+def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` with its floating tensors as empty meta tensors of `dtype` (for model_signature)."""
+    return {name: torch.empty(t.shape, dtype=dtype, device="meta")
+            if isinstance(t, torch.Tensor) and t.is_floating_point() else t for name, t in state.items()}
 
 
 def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> tuple[Trace, dict[str, Site]]:

@@ -80,6 +80,19 @@ def test_load_refuses_a_different_model(tmp_path):
         lowconv.load(other, tmp_path)
 
 
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "semi-sparse", "keep-all"])
+def test_a_model_cast_after_conversion_loads_from_the_original(recipe, tmp_path):
+    loaded = load_model_file("examples/vit.py")
+    converted = lowconv.convert(loaded.model, recipe, loaded.inputs).to(torch.bfloat16)
+    lowconv.save(converted, tmp_path)
+    again = lowconv.load(loaded.model, tmp_path)  # the float32 original
+    inputs = [x.to(torch.bfloat16) for x in loaded.inputs]
+    assert {t.dtype for t in again.state_dict().values()} == {t.dtype for t in converted.state_dict().values()}
+    assert torch.equal(run(again, inputs), run(converted, inputs))
+    with pytest.raises(LowconvError, match="was converted from this model in float32: load it with the model in"):
+        lowconv.load(loaded.model.to(torch.bfloat16), tmp_path)
+
+
 def edit_checkpoint(directory, edit):
     """Rewrite directory's model.safetensors with edit(tensors) applied, its metadata kept."""
     from safetensors import safe_open
