@@ -163,10 +163,11 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
         for path, write in writes.items():
             temporaries[path] = path.with_name(f".{path.name}.{token}.tmp")
             try:
+                mode = _file_mode(path, temporaries[path])
                 write(temporaries[path])
                 with open(temporaries[path], "rb+") as f:
                     os.fsync(f.fileno())
-                os.chmod(temporaries[path], _file_mode(path))
+                os.chmod(temporaries[path], mode)
             except (OSError, SafetensorError) as err:
                 raise LowconvError(f"cannot write {path}: {_reason(err)}; {left.format(path.parent)}") from None
         for path, temporary in temporaries.items():
@@ -199,14 +200,17 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
                 os.close(directory)
 
 
-def _file_mode(path: Path) -> int:
-    """The permissions `path` keeps (a new file: what the umask gives, as for any file the user
-    writes; safetensors' save_file creates its file 0600 whatever the umask)."""
+def _file_mode(path: Path, temporary: Path) -> int:
+    """The permissions `path` keeps: its own, or for a new file what the umask gives any file the
+    user writes, read from `temporary` created as such a file (safetensors' save_file creates its
+    file 0600 whatever the umask; reading the umask itself means setting it, for every thread)."""
     if path.exists():
         return path.stat().st_mode & 0o777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    descriptor = os.open(temporary, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o666)
+    try:
+        return os.fstat(descriptor).st_mode & 0o777
+    finally:
+        os.close(descriptor)
 
 
 def _version(text: str) -> tuple[int, ...] | None:

@@ -247,14 +247,16 @@ def test_a_plan_written_before_notes_constants_and_decisions_existed_still_loads
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
-def test_a_new_checkpoint_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(tmp_path):
-    umask = os.umask(0o022)
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_a_new_checkpoint_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(tmp_path, umask, mode):
+    umask = os.umask(umask)
     try:
         path = save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, {"report.md": "r"})
-        assert path.stat().st_mode & 0o777 == 0o644 and (tmp_path / "report.md").stat().st_mode & 0o777 == 0o644
-        os.chmod(path, 0o640)
+        assert path.stat().st_mode & 0o777 == mode and (tmp_path / "report.md").stat().st_mode & 0o777 == mode
+        os.chmod(path, 0o600)
         save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA)
-        assert path.stat().st_mode & 0o777 == 0o640
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "report.md"]
     finally:
         os.umask(umask)
 
