@@ -240,9 +240,10 @@ def region_of(model, inputs, shapes, buffers=False) -> trace.Region:
 def replace_sites(region, sites, dtype) -> fx.GraphModule:
     """The rewrite's replace_in_graph: the op's module under site.fqn, what became dead dropped."""
     gm = region.graph
+    replaced = {}
     for site in sites:
         module = sa.from_site(site, sa.SparseAttentionOptions(dtype=dtype), {})
-        replace_in_graph(gm, site, relative(site.fqn, region), module)
+        replace_in_graph(gm, site, relative(site.fqn, region), module, replaced)
     gm.graph.lint()
     gm.recompile()
     return gm.eval()

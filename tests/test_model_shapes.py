@@ -340,3 +340,27 @@ def test_converted_linears_answer_autocast_as_nn_linear_does(rule):
         want, got = model(x), converted(x)
     assert got.dtype == want.dtype == torch.bfloat16
     got.float().sum().backward()  # differentiable through the cast
+
+
+class Chained(nn.Module):
+    """Sites that read each other's outputs: a low-rank pair of F.linear, and q, k, v straight
+    from F.linear into SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.down, self.up = nn.Parameter(torch.randn(16, 64) / 8), nn.Parameter(torch.randn(64, 16) / 4)
+        self.wq, self.wk, self.wv = (nn.Parameter(torch.randn(64, 64) / 8) for _ in range(3))
+
+    def forward(self, x):
+        h = F.linear(F.linear(x, self.down), self.up)
+        return F.scaled_dot_product_attention(F.linear(h, self.wq), F.linear(h, self.wk), F.linear(h, self.wv))
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "mixed"])
+def test_sites_that_read_each_others_outputs_convert(recipe, tmp_path):
+    model, inputs = Chained().eval(), (torch.randn(2, 8, 64),)
+    converted = roundtrip(model, inputs, recipe, tmp_path)
+    fqns = {d.fqn for d in converted.lowconv_plan.converted()}
+    assert {"down", "up", "wq", "wk", "wv"} <= fqns and ("attention" in fqns) == (recipe == "mixed")
+    report = lowconv.compare(model, converted, inputs)
+    assert report.passed and report.outputs[0].metrics.sqnr_db > 20

@@ -60,15 +60,21 @@ def site_params(site: Site, model: nn.Module) -> dict[str, torch.Tensor]:
     return {}
 
 
-def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module) -> None:
+def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module,
+                     replaced: dict[fx.Node, fx.Node]) -> None:
+    """`replaced` maps the output nodes of the region's sites already replaced to their calls
+    (a site's args, taken when it was found, can be another site's output: F.linear(F.linear(x, a), b));
+    this site's is added."""
     if site.module_backed:
         set_module(gm, rel, module)
         return
     graph = gm.graph
     with graph.inserting_before(site.output_node):
         # create_node, not call_module: the module is registered once the old attributes are gone
-        call = graph.create_node("call_module", rel, args=tuple(site.args))
+        args = fx.node.map_arg(tuple(site.args), lambda node: replaced.get(node, node))
+        call = graph.create_node("call_module", rel, args=args)
     site.output_node.replace_all_uses_with(call)
+    replaced[site.output_node] = call
     read = {a for node in site.nodes for a in node.all_input_nodes if a.op == "get_attr"} - set(site.nodes)
     erase_unread(graph, list(reversed(site.nodes)))
     for node in read:  # the site's weights and buffers that nothing reads any more
@@ -106,9 +112,9 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
             for site in todo:
                 model = set_module(model, site.fqn, modules[site.fqn])
             continue
-        gm = region.graph
+        gm, replaced = region.graph, {}
         for site in todo:
-            replace_in_graph(gm, site, relative(site.fqn, region), modules[site.fqn])
+            replace_in_graph(gm, site, relative(site.fqn, region), modules[site.fqn], replaced)
         drop_pair_layouts(gm)  # once all of the region's sites are in: a kept chain's layout stays
         gm.delete_all_unused_submodules()
         gm.graph.lint()
