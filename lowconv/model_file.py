@@ -35,6 +35,11 @@ def import_file(path: Path):
     if not path.is_file():
         raise LowconvError(f"model file {path} does not exist")
     name = f"lowconv_model_{abs(hash(str(path.resolve())))}"
+    # As `python FILE` does: the file's directory first on the import path, so that it imports the
+    # modules beside it (kept there: build_model() and the model's code may import them later).
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look modules up by name

@@ -1,5 +1,6 @@
 import json
 import re
+import sys
 
 import pytest
 
@@ -89,6 +90,21 @@ def test_model_file_mistakes_name_the_file_and_function(tmp_path, capsys, body, 
     assert main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and message in err
+
+
+def test_a_model_file_imports_the_modules_beside_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "sibling_net_of_a_model_file.py").write_text(
+        "from torch import nn\nclass Net(nn.Sequential):\n    def __init__(self):\n"
+        "        super().__init__(nn.Linear(64, 32))\n")
+    model = tmp_path / "model.py"
+    model.write_text("import torch\nfrom sibling_net_of_a_model_file import Net\n"
+                     "def build_model():\n    return Net().eval()\ndef example_inputs():\n    return torch.randn(4, 64)\n")
+    try:
+        assert main(["inspect", str(model), "fp8-dynamic"]) == 0
+    finally:
+        sys.modules.pop("sibling_net_of_a_model_file", None)
+    assert "fp8" in capsys.readouterr().out
 
 
 def test_a_directory_as_the_model_file_is_exit_2_and_says_so(tmp_path, capsys):
