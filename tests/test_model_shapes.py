@@ -364,3 +364,25 @@ def test_sites_that_read_each_others_outputs_convert(recipe, tmp_path):
     assert {"down", "up", "wq", "wk", "wv"} <= fqns and ("attention" in fqns) == (recipe == "mixed")
     report = lowconv.compare(model, converted, inputs)
     assert report.passed and report.outputs[0].metrics.sqnr_db > 20
+
+
+class KeywordCalls(nn.Module):
+    """An nn.Linear and an F.linear called with keyword arguments, as their signatures allow."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.w, self.b = nn.Parameter(torch.randn(32, 64) / 8), nn.Parameter(torch.zeros(32))
+
+    def forward(self, x):
+        return F.linear(input=self.fc(input=x), weight=self.w, bias=self.b)
+
+
+@pytest.mark.parametrize("recipe, dtype", [("fp8-dynamic", torch.float32), ("semi_sparse", torch.float32),
+                                           ("fp16acc", torch.float16)])
+def test_linears_called_with_keywords_convert(recipe, dtype, tmp_path):
+    model, inputs = KeywordCalls().eval().to(dtype), (torch.randn(4, 64, dtype=dtype),)
+    if recipe == "semi_sparse":  # every linear, not only the MLPs the built-in recipe takes
+        recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "semi_sparse"\n', "r.toml")
+    converted = roundtrip(model, inputs, recipe, tmp_path)
+    assert {d.fqn for d in converted.lowconv_plan.converted()} == {"fc", "w"}

@@ -39,10 +39,10 @@ class Fp16AccLinear(nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = self.options.backend if x.is_cuda else "reference"
-        return in_autocast_dtype(fp16acc_matmul(x, self.weight, self.bias, self.splits_for(x), self.options.combine,
-                                                backend))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        backend = self.options.backend if input.is_cuda else "reference"
+        return in_autocast_dtype(fp16acc_matmul(input, self.weight, self.bias, self.splits_for(input),
+                                                self.options.combine, backend))
 
     def splits_for(self, x: torch.Tensor) -> int:
         """The chunks of K for this input: "auto" depends on its rows (decode takes more)."""

@@ -91,8 +91,8 @@ class Fp8Linear(nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return in_autocast_dtype(self.calibration_forward(x) if self.calibrating else self.fp8_forward(x))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        return in_autocast_dtype(self.calibration_forward(input) if self.calibrating else self.fp8_forward(input))
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         x_scale = self.fixed_input_scale(x)

@@ -128,11 +128,11 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
             self.dense_weight = self.dense_weight.new_empty(0)
         return self.sparse
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.runs_cusparselt(x, self.compressed.dtype):
-            y = self.sparse_weight().linear(x, self.bias, self.tuned(x))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        if self.runs_cusparselt(input, self.compressed.dtype):
+            y = self.sparse_weight().linear(input, self.bias, self.tuned(input))
         else:
-            y = semi_sparse_linear(x, self.dense(), self.bias)
+            y = semi_sparse_linear(input, self.dense(), self.bias)
         return in_autocast_dtype(y)
 
     def _apply(self, fn, recurse=True):
@@ -172,13 +172,13 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         if weight.is_cuda and self.rows:
             self.decide(weight.device, self.rows, weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.runs_cusparselt(x, self.weight.dtype):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        if self.runs_cusparselt(input, self.weight.dtype):
             if self.gemms is None:
                 self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
-            y = SparseLinearFunction.apply(x, self.weight, self.mask, self.bias, self.gemms)
+            y = SparseLinearFunction.apply(input, self.weight, self.mask, self.bias, self.gemms)
         else:
-            y = semi_sparse_linear(x, self.weight * self.mask, self.bias)
+            y = semi_sparse_linear(input, self.weight * self.mask, self.bias)
         return in_autocast_dtype(y)
 
     def _apply(self, fn, recurse=True):
@@ -206,11 +206,11 @@ class RuntimeSemiSparseLinear(nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
         if self.options.target == "activation":
-            y = semi_sparse_linear(prune_24_straight_through(x), self.weight, self.bias)
+            y = semi_sparse_linear(prune_24_straight_through(input), self.weight, self.bias)
         else:
-            y = semi_sparse_linear(x, prune_24_straight_through(self.weight), self.bias)
+            y = semi_sparse_linear(input, prune_24_straight_through(self.weight), self.bias)
         return in_autocast_dtype(y)
 
     def linear_weight(self) -> torch.Tensor:

@@ -37,7 +37,7 @@ def parameter_at(region: Region, node) -> nn.Parameter | None:
 
 def module_site(region: Region, fqn: str, linear: nn.Linear, node: fx.Node | None) -> Site:
     if node is not None:
-        meta_in, meta_out = tensor_meta(node.args[0]), tensor_meta(node)
+        meta_in, meta_out = tensor_meta(linear_input(node)), tensor_meta(node)
     else:
         args = region.example_args or ()
         meta_in = value_meta(args[0]) if args else None
@@ -56,12 +56,17 @@ def module_site(region: Region, fqn: str, linear: nn.Linear, node: fx.Node | Non
                 output_node=node, module_backed=True)
 
 
+def linear_input(node: fx.Node):
+    """The input of an nn.Linear's or F.linear's call, given by position or as `input=`."""
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
 def match_functional(node: fx.Node, region: Region):
     """(form, x, weight node, bias node or None, output node, nodes) for a functional linear."""
     if node.op != "call_function":
         return None
     if node.target is F.linear:
-        x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        x, w = linear_input(node), node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         if parameter_at(region, w) is None or (b is not None and parameter_at(region, b) is None):
             return None
