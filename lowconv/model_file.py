@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,13 +68,15 @@ def call(module, path: Path, function: str):
 
 
 def to_device(value, device: torch.device, dtype: torch.dtype | None):
-    """Move tensors (nested in tuples, lists, dicts) to device; cast floating ones to dtype."""
+    """Move tensors (nested in tuples, named tuples, lists, dicts and other mappings, which become
+    dicts) to device; cast floating ones to dtype."""
     if isinstance(value, torch.Tensor):
         value = value.to(device)
         return value.to(dtype) if dtype is not None and value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device, dtype) for v in value)
-    if isinstance(value, dict):
+        items = [to_device(v, device, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, Mapping):
         return {k: to_device(v, device, dtype) for k, v in value.items()}
     return value
 

@@ -107,6 +107,25 @@ def test_a_model_file_imports_the_modules_beside_it(tmp_path, capsys, monkeypatc
     assert "fp8" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("inputs, forward", [
+    ("(Batch(torch.randn(3, 32), torch.randn(3, 32)),)", "def forward(self, b):\n        return self.fc(b.x) + b.y\n"),
+    ("UserDict(x=torch.randn(3, 32), y=torch.randn(3, 32))", "def forward(self, x, y):\n        return self.fc(x) + y\n"),
+])
+def test_example_inputs_in_named_tuples_and_mappings(tmp_path, capsys, inputs, forward):
+    """A named tuple as an argument; a mapping that is not a dict (a tokenizer's BatchEncoding)
+    as the keyword arguments."""
+    model = tmp_path / "model.py"
+    model.write_text("import collections, torch\nfrom collections import UserDict\nfrom torch import nn\n"
+                     "Batch = collections.namedtuple('Batch', 'x y')\n"
+                     "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                     f"        self.fc = nn.Linear(32, 32)\n    {forward}"
+                     "def build_model():\n    return Net().eval()\n"
+                     f"def example_inputs():\n    return {inputs}\n")
+    assert main(["convert", str(model), "fp8-dynamic", "-o", str(tmp_path / "out")]) == 0
+    assert main(["compare", str(model), str(tmp_path / "out")]) == 0
+    assert "fc" in capsys.readouterr().out
+
+
 def test_a_directory_as_the_model_file_is_exit_2_and_says_so(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import operator
 import types
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -437,8 +438,9 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
-    """example_inputs as (args, kwargs): a tuple/list is args, a dict is kwargs, else one arg."""
-    if isinstance(example_inputs, dict):
+    """example_inputs as (args, kwargs): a tuple/list is args, a dict (any mapping: a tokenizer's
+    BatchEncoding) is kwargs, else one arg."""
+    if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
