@@ -83,9 +83,9 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
             progress: Callable[[str], None] = no_progress) -> nn.Module:
     """A converted copy of `model`, as the recipe (a path, a built-in name or a Recipe) says.
 
-    example_inputs: a tuple of forward args, a dict (any mapping, e.g. a tokenizer's output) of kwargs or one tensor; it drives shape
-    propagation and calibration (static/delayed FP8 scales) unless `calibration` (an iterable
-    of such inputs) is given.
+    example_inputs: a tuple of forward args, a dict of kwargs (or any mapping: a tokenizer's
+    output) or one tensor; it drives shape propagation and calibration (static/delayed FP8
+    scales) unless `calibration` (an iterable of such inputs) is given.
     """
     progress("tracing and finding sites")
     found, plan = plan_conversion(model, recipe, example_inputs)
