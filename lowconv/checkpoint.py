@@ -60,14 +60,17 @@ def _text_writer(text: str) -> Callable[[Path], None]:
 
 
 def checkpoint_path(directory: str | Path) -> Path:
-    """directory/model.safetensors, or the file itself when a user points at it."""
+    """directory/model.safetensors, or the file itself when a user points at it (an output
+    directory may itself be named *.safetensors)."""
     directory = Path(directory)
-    return directory if directory.suffix == ".safetensors" else directory / CHECKPOINT_FILE
+    return directory if directory.suffix == ".safetensors" and not directory.is_dir() else directory / CHECKPOINT_FILE
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (aliases restored) and the metadata of a lowconv output directory."""
     path = checkpoint_path(directory)
+    if path == Path(directory) and not path.is_file():
+        raise LowconvError(f"{path} does not exist")
     if not path.is_file():
         raise LowconvError(f"no {path.name} in {path.parent}/: is this a lowconv output directory?")
     try:

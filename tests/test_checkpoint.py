@@ -152,6 +152,15 @@ def test_missing_directory_or_file(tmp_path):
         read_checkpoint(tmp_path / "nowhere")
     with pytest.raises(LowconvError, match=str(tmp_path)):
         read_checkpoint(tmp_path)
+    with pytest.raises(LowconvError, match=r"nowhere\.safetensors does not exist"):
+        read_checkpoint(tmp_path / "nowhere.safetensors")
+
+
+def test_an_output_directory_named_like_a_checkpoint_file(tmp_path):
+    out = tmp_path / "converted.safetensors"
+    save_checkpoint(out, {"w": torch.ones(2)}, METADATA)
+    assert torch.equal(read_checkpoint(out)[0]["w"], torch.ones(2))
+    assert torch.equal(read_checkpoint(out / CHECKPOINT_FILE)[0]["w"], torch.ones(2))
 
 
 def test_truncated_file(tmp_path):
