@@ -27,6 +27,7 @@ class TensorMetrics:
     inf: int  # Infs in test
     numel: int
     new_nonfinite: int  # elements that are finite in ref but NaN/Inf in test
+    changed_inf: int = 0  # elements that are +-Inf in ref (masked logits) and not the same in test
 
 
 @dataclass
@@ -82,6 +83,10 @@ def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
             f"cannot compare an original tensor of shape {tuple(ref.shape)} with a converted one of shape {tuple(test.shape)}"
         )
     x, y = _float64_pair(ref, test)
+    nan, inf, new_nonfinite = int(torch.isnan(y).sum()), int(torch.isinf(y).sum()), int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
+    infinite = torch.isinf(x)  # where the original is +-Inf the converted must match; the rest is measured
+    changed_inf = int((y[infinite] != x[infinite]).sum())
+    x, y = x[~infinite], y[~infinite]
     diff = x - y
     ref_norm = torch.linalg.vector_norm(x)
     test_norm = torch.linalg.vector_norm(y)
@@ -100,10 +105,11 @@ def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
         cosine=cosine,
         rel_l2=rel_l2,
         max_abs=float(diff.abs().max()) if diff.numel() else 0.0,
-        nan=int(torch.isnan(y).sum()),
-        inf=int(torch.isinf(y).sum()),
-        numel=y.numel(),
-        new_nonfinite=int((torch.isfinite(x) & ~torch.isfinite(y)).sum()),
+        nan=nan,
+        inf=inf,
+        numel=ref.numel(),
+        new_nonfinite=new_nonfinite,
+        changed_inf=changed_inf,
     )
 
 
@@ -206,6 +212,8 @@ def gate_failures(report: Report) -> list[str]:
         m = row.metrics
         if m.new_nonfinite:
             failures.append(f"{row.name}: {m.new_nonfinite} NaN/Inf values where the original output is finite")
+        if m.changed_inf:
+            failures.append(f"{row.name}: {m.changed_inf} values differ where the original output is +-Inf")
         # `not >=` so that a NaN SQNR fails too.
         if gate is not None and not m.sqnr_db >= gate:
             failures.append(f"{row.name}: SQNR {_db(m.sqnr_db)} dB is below the gate of {_db(gate)} dB")

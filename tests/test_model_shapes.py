@@ -254,8 +254,28 @@ def test_a_model_whose_own_output_is_nan_is_named_as_such():
         model[0].weight[0, 0] = float("nan")
     inputs = (torch.randn(2, 16),)
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
-    with pytest.raises(LowconvError, match=r"the model's own output \(output\) holds 2 NaN or Inf values"):
+    with pytest.raises(LowconvError, match=r"the model's own output \(output\) holds 2 NaN values"):
         lowconv.compare(model, converted, inputs)
+
+
+class MaskedLogits(nn.Module):
+    """Logits of illegal actions set to -inf, as in constrained decoding or RL action masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.register_buffer("legal", torch.arange(64) < 48)
+
+    def forward(self, x):
+        return self.fc(x).masked_fill(~self.legal, float("-inf"))
+
+
+def test_an_output_with_inf_is_compared_where_it_is_finite():
+    model, inputs = MaskedLogits().eval(), (torch.randn(4, 64),)
+    report = lowconv.compare(model, lowconv.convert(model, "fp8-dynamic", inputs), inputs, logits=True)
+    out = report.outputs[0]
+    assert report.passed and 20 < out.metrics.sqnr_db < 40 and out.metrics.changed_inf == 0
+    assert out.logits.kl < 0.1
 
 
 @pytest.mark.parametrize("calibration, message", [

@@ -85,6 +85,17 @@ def test_nan_and_inf_are_counted_and_poison_the_metrics():
     assert tensor_metrics(ref, test).new_nonfinite == 2
 
 
+def test_inf_in_the_original_must_be_matched_and_the_rest_is_measured():
+    ref = torch.tensor([1.0, 2.0, -math.inf, math.inf])
+    m = tensor_metrics(ref, torch.tensor([1.0, 2.5, -math.inf, math.inf]))
+    assert m.changed_inf == 0 and m.new_nonfinite == 0 and m.max_abs == 0.5 and m.numel == 4
+    assert m.sqnr_db == pytest.approx(20 * math.log10(math.sqrt(5) / 0.5))
+    m = tensor_metrics(ref, torch.tensor([1.0, 2.0, 3.0, -math.inf]))
+    assert m.changed_inf == 2 and m.sqnr_db == math.inf
+    report = Report(sites=[], outputs=[OutputRow("output", m)])
+    assert gate_failures(report) == ["output: 2 values differ where the original output is +-Inf"]
+
+
 def test_shape_mismatch_names_both_shapes():
     with pytest.raises(ValueError, match=r"\(2, 3\).*\(3, 2\)"):
         tensor_metrics(torch.zeros(2, 3), torch.zeros(3, 2))
