@@ -82,7 +82,7 @@ def load_recipe(spec: str | Path | Recipe) -> Recipe:
                 f"(built-in: {', '.join(builtins)})")
         path = builtins[str(spec)]
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except UnicodeDecodeError as err:
         raise LowconvError(f"{path}: not a TOML recipe (not UTF-8 text: {err.reason} at byte {err.start})") from None
     return parse_recipe(text, str(path))

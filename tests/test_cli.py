@@ -143,6 +143,13 @@ def test_a_failed_write_leaves_the_output_directory_as_it_was(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+def test_a_recipe_that_starts_with_a_byte_order_mark_reads(tmp_path, capsys):
+    recipe = tmp_path / "bom.toml"
+    recipe.write_bytes('[[rules]]\nop = "fp8"\n'.encode("utf-8-sig"))
+    assert main(["inspect", "examples/vit.py", str(recipe)]) == 0
+    assert "fp8" in capsys.readouterr().out
+
+
 def test_recipe_that_is_not_text_is_exit_2(tmp_path, capsys):
     recipe = tmp_path / "bin.toml"
     recipe.write_bytes(b"\xff\xfe name='x'")
