@@ -1,7 +1,6 @@
 """cuSPARSELt's 2:4 GEMM through lowconv's plan-caching binding, on CUDA (run on the lent GPU by
 scripts/gpu_check.sh): products against float64 of the masked dense product, gradients of
 fixed-mask training, plan reuse, graph capture, and the op's backend choice."""
-import time
 
 import pytest
 import torch
@@ -76,21 +75,20 @@ def test_sparse_linear_takes_3d_and_transposed_inputs(dtype):
     assert relative_error(weight.linear(sliced, b), ref) < TOLERANCE[dtype]
 
 
-def test_plans_are_made_once_per_shape_and_calls_are_cheap_on_the_host():
+def test_plans_are_made_once_per_shape_and_later_calls_run_only_the_matmul(monkeypatch):
     x, w, b = operands(64, 4096, 4096, torch.float16)
     weight = SparseWeight(w)
     weight.linear(x, b)
     weight.linear(x, b)
     weight.linear(x[:32], b)
     assert len(weight.gemm.plans) == 2
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(50):
+    called = []
+    library_call = weight.gemm.lib.call
+    monkeypatch.setattr(weight.gemm.lib, "call", lambda name, *args: called.append(name) or library_call(name, *args))
+    for _ in range(5):
         weight.linear(x, b)
-    host_ms = (time.perf_counter() - start) / 50 * 1e3
-    torch.cuda.synchronize()
-    # torch._cslt_sparse_mm spends 0.4-1 ms of host time per call making its plan (h100-anchors.md)
-    assert host_ms < 0.15, host_ms
+    # torch._cslt_sparse_mm makes descriptors and a plan on every call: 0.4-1 ms of host time (h100-anchors.md)
+    assert called == ["cusparseLtMatmul"] * 5
 
 
 def test_sparse_linear_replays_in_a_cuda_graph():
