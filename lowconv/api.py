@@ -14,7 +14,7 @@ from lowconv.errors import LowconvError
 from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
-from lowconv.passes.rewrite import rewrite, set_module, site_params, tap_sites
+from lowconv.passes.rewrite import keep_frozen, rewrite, set_module, site_params, tap_sites
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
 from lowconv.plan import Plan
@@ -97,7 +97,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
-        module = op.from_site(site, options, site_params(site, found.model))
+        module = keep_frozen(op.from_site(site, options, site_params(site, found.model)), site.frozen)
         modules[site.fqn] = module.to(site_device(site, found.model))
         decision.note = module.plan_note() if hasattr(module, "plan_note") else ""
     converted = rewrite(found.model, found.trace, found.sites, modules)
@@ -171,7 +171,8 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
     for decision in plan.decisions:
         if decision.op in wanted:
             module = reverted.get_submodule(decision.fqn)
-            set_module(reverted, decision.fqn, linear_holding(module.linear_weight().detach(), module.bias))
+            linear = linear_holding(module.linear_weight().detach(), module.bias)
+            set_module(reverted, decision.fqn, keep_frozen(linear, decision.site.get("frozen", [])))
             decision = replace(decision, op="dense", options={}, rule=None,
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
                                       f"{decision.reason})")
@@ -233,7 +234,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         op = OPS[decision.op]
         options = parse_options(op.options, decision.options, f"{path}: {decision.fqn}")
         site = sites[decision.fqn]
-        modules[site.fqn] = op.empty(site, options).to(site_device(site, work))
+        modules[site.fqn] = keep_frozen(op.empty(site, options), site.frozen).to(site_device(site, work))
     converted = rewrite(work, trace, list(sites.values()), modules)
     cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)

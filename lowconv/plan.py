@@ -110,4 +110,4 @@ def model_problem(model: dict) -> str | None:
 # What from_json checks before it builds a Plan (the rest is read as the dataclasses say).
 FIELD_KINDS = {"recipe": str, "recipe_text": str, "decisions": list, "regions": list, "none_args": dict,
                "untraced": list, "warnings": list, "constant_args": dict, "decided": dict, "model": dict}
-SITE_KINDS = {"kind": str, "region": str, "info": dict, "graph": dict, "module_backed": bool}
+SITE_KINDS = {"kind": str, "region": str, "info": dict, "graph": dict, "module_backed": bool, "frozen": list}

@@ -73,6 +73,7 @@ class Site:
     # Other traced code reads the device of the site module's weight or bias (`self.fc.weight.device`):
     # an op whose module keeps no such tensor cannot take the site.
     reads_parameter_device: bool = field(default=False, compare=False)
+    frozen: list[str] = field(default_factory=list)  # op module parameters to keep requires_grad off
 
     def compute_dtype(self) -> str:
         """The dtype the site computes in: its input's as traced, else its parameters'."""
@@ -92,6 +93,7 @@ class Site:
             "unsupported": self.unsupported,
             "module_backed": self.module_backed,
             "reads_parameter_device": self.reads_parameter_device,
+            "frozen": self.frozen,
             "graph": self.graph_signature(),
         }
 

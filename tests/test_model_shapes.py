@@ -406,3 +406,63 @@ def test_linears_called_with_keywords_convert(recipe, dtype, tmp_path):
         recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "semi_sparse"\n', "r.toml")
     converted = roundtrip(model, inputs, recipe, tmp_path)
     assert {d.fqn for d in converted.lowconv_plan.converted()} == {"fc", "w"}
+
+
+@pytest.mark.parametrize("op, options", [("fp8", "{ training = true }"), ("fp8", "{}"),
+                                         ("semi_sparse", "{ training = true }"), ("dense", "{}")])
+def test_frozen_parameters_stay_frozen(op, options, tmp_path):
+    model, inputs = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)), (torch.randn(8, 32),)
+    model[0].requires_grad_(False)
+    recipe = lowconv.recipe.parse_recipe(f'[[rules]]\nop = "{op}"\noptions = {options}\n', "r.toml")
+    converted = lowconv.convert(model, recipe, inputs)
+    lowconv.save(converted, tmp_path)
+    trainable = {name for name, p in converted.named_parameters() if p.requires_grad}
+    assert trainable and not {name for name in trainable if name.startswith("0.")}
+    assert {n for n, p in lowconv.load(model, tmp_path).named_parameters() if p.requires_grad} == trainable
+    reverted = lowconv.revert(converted) if op != "dense" else converted
+    assert not any(p.requires_grad for p in reverted[0].parameters())
+    assert reverted[2].bias.requires_grad
+
+
+def test_frozen_attention_projections_stay_frozen():
+    model, inputs = TinyMha().eval(), (torch.randn(2, 5, 32),)
+    model.mha.in_proj_weight.requires_grad_(False)
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    assert {n for n, p in converted.named_parameters() if not p.requires_grad} == {"mha.in_proj_weight"}
+
+
+class TinyMha(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+class SharedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.b.bias = self.a.bias
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_bias_shared_by_two_linears_keeps_both():
+    model, inputs = SharedBias(), (torch.randn(4, 32),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert not converted.lowconv_plan.converted()
+    assert all("bias is tied to" in d.reason for d in converted.lowconv_plan.decisions)
+
+
+@pytest.mark.parametrize("parametrize", ["weight_norm", "spectral_norm"])
+def test_a_parametrized_linear_is_kept_with_the_reason(parametrize):
+    model, inputs = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval(), (torch.randn(8, 32),)
+    getattr(torch.nn.utils.parametrizations, parametrize)(model[0])
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    decisions = {d.fqn: d for d in converted.lowconv_plan.decisions}
+    assert decisions["0"].op == "keep" and "computed on access" in decisions["0"].reason
+    assert decisions["2"].op == "fp8"
+    assert torch.allclose(converted(*inputs), model(*inputs), atol=0.1)

@@ -60,6 +60,15 @@ def site_params(site: Site, model: nn.Module) -> dict[str, torch.Tensor]:
     return {}
 
 
+def keep_frozen(module: nn.Module, frozen: list[str]) -> nn.Module:
+    """`module` with requires_grad off on its parameters named in `frozen` (a site's: those whose
+    originals the user froze, so that a frozen backbone stays frozen)."""
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return module
+
+
 def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module,
                      replaced: dict[fx.Node, fx.Node]) -> None:
     """`replaced` maps the output nodes of the region's sites already replaced to their calls

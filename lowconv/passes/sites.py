@@ -33,6 +33,27 @@ def read_by_traced_code(trace: Trace) -> dict[str, bool]:
     return reads
 
 
+def own_parameters(site: Site) -> list[tuple[str, str]]:
+    """A linear site's (name in its op module, full name in the model): weight, and bias if any."""
+    return [(kind, target) for kind, target in (("weight", site.info.weight), ("bias", site.info.bias_name))
+            if target is not None]
+
+
+def shared_or_computed(model: nn.Module, site: Site, names: dict[int, list[str]]) -> str | None:
+    """Why a linear site's op module cannot hold its weight or bias (None: it can): the tensor is
+    tied to another name, or computed on access (torch.nn.utils.parametrize)."""
+    for kind, target in own_parameters(site):
+        try:
+            param = model.get_parameter(target)
+        except AttributeError:  # a property: weight_norm, spectral_norm or another parametrization
+            return (f"{kind} is computed on access (torch.nn.utils.parametrize: weight_norm, spectral_norm, "
+                    "...), not a parameter; converting would drop that")
+        others = [n for n in names[id(param)] if n != target]
+        if others:
+            return f"{kind} is tied to {', '.join(others)}; converting would untie it"
+    return None
+
+
 def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
     """Linear and attention sites of every traced region of `model`."""
     names = parameter_names(model)
@@ -40,9 +61,10 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
     sites = []
     for region in trace.regions:
         for site in find_linear_sites(region):
-            others = [n for n in names[id(model.get_parameter(site.info.weight))] if n != site.info.weight]
-            if others and site.unsupported is None:
-                site.unsupported = f"weight is tied to {', '.join(others)}; converting would untie it"
+            site.unsupported = site.unsupported or shared_or_computed(model, site, names)
+            if site.unsupported is None:
+                site.frozen = [kind for kind, target in own_parameters(site)
+                               if not model.get_parameter(target).requires_grad]
             own = [n for n in (site.info.weight, site.info.bias_name) if site.module_backed and n in read]
             also_read = [n for n in own if not read[n]]
             site.reads_parameter_device = bool(own) and not also_read
@@ -51,6 +73,8 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
                                     "read by other code of the model; converting would change what it reads")
             sites.append(site)
         taken: dict[str, set[str]] = {}  # attention sites are named per owner: one namespace per region
-        sites.extend(find_attention_sites(region, taken))
-        sites.extend(find_window_attention_sites(region, taken))
+        for site in [*find_attention_sites(region, taken), *find_window_attention_sites(region, taken)]:
+            if site.module_backed:  # nn.MultiheadAttention: its projections
+                site.frozen = [n for n, p in model.get_submodule(site.fqn).named_parameters() if not p.requires_grad]
+            sites.append(site)
     return sites
