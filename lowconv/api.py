@@ -41,9 +41,18 @@ class Analysis:
     sites: list[Site]
 
 
+def copy_of(model: nn.Module) -> nn.Module:
+    """The copy lowconv works on, leaving the user's model as it is."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as err:  # e.g. torch.nn.utils.weight_norm's and prune's hooks hold non-leaf tensors
+        raise LowconvError(f"the model cannot be copied (lowconv works on a copy and leaves yours as it is): "
+                           f"{type(err).__name__}: {err}") from err
+
+
 def analyze(model: nn.Module, example_inputs) -> Analysis:
     """Trace a copy of `model` and find its sites (the user's model is never touched)."""
-    work = copy.deepcopy(model)
+    work = copy_of(model)
     trace = trace_model(work, example_inputs)
     return Analysis(work, trace, find_sites(work, trace))
 
@@ -227,7 +236,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         raise LowconvError(
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
-    work = copy.deepcopy(model)
+    work = copy_of(model)
     trace, sites = refind_sites(work, plan, example_inputs, str(path))
     modules = {}
     for decision in plan.converted():
@@ -320,7 +329,7 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     The sites are seen through a traced copy; that copy must compute what the original does,
     or tracing changed the model (data-dependent code frozen) and no number would mean anything.
     """
-    work = copy.deepcopy(original)
+    work = copy_of(original)
     trace, sites = refind_sites(work, plan, inputs, "compare")
     calls: dict[str, SiteCall] = {}
 

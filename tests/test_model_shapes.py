@@ -466,3 +466,11 @@ def test_a_parametrized_linear_is_kept_with_the_reason(parametrize):
     assert decisions["0"].op == "keep" and "computed on access" in decisions["0"].reason
     assert decisions["2"].op == "fp8"
     assert torch.allclose(converted(*inputs), model(*inputs), atol=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm is deprecated")
+def test_a_model_that_cannot_be_copied_is_a_lowconv_error():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+    torch.nn.utils.weight_norm(model[0])  # the legacy form: its hook holds a non-leaf weight
+    with pytest.raises(LowconvError, match="the model cannot be copied .*RuntimeError: Only Tensors created"):
+        lowconv.convert(model, "fp8-dynamic", (torch.randn(8, 32),))
