@@ -468,7 +468,7 @@ def test_a_parametrized_linear_is_kept_with_the_reason(parametrize):
     assert torch.allclose(converted(*inputs), model(*inputs), atol=0.1)
 
 
-@pytest.mark.filterwarnings("ignore:.*weight_norm is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 def test_a_model_that_cannot_be_copied_is_a_lowconv_error():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
     torch.nn.utils.weight_norm(model[0])  # the legacy form: its hook holds a non-leaf weight
