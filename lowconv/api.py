@@ -14,7 +14,7 @@ from lowconv.errors import LowconvError
 from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
-from lowconv.passes.rewrite import keep_frozen, rewrite, set_module, site_params, tap_sites
+from lowconv.passes.rewrite import keep_frozen, rewrite, site_params, swap_module, tap_sites
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
 from lowconv.plan import Plan
@@ -181,7 +181,7 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
         if decision.op in wanted:
             module = reverted.get_submodule(decision.fqn)
             linear = linear_holding(module.linear_weight().detach(), module.bias)
-            set_module(reverted, decision.fqn, keep_frozen(linear, decision.site.get("frozen", [])))
+            swap_module(reverted, decision.fqn, keep_frozen(linear, decision.site.get("frozen", [])))
             decision = replace(decision, op="dense", options={}, rule=None,
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
                                       f"{decision.reason})")

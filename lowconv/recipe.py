@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lowconv.errors import LowconvError
 from lowconv.ops import OPS
-from lowconv.passes.trace import Trace, has_fused_path
+from lowconv.passes.trace import Trace, has_fused_path, hooked_inside
 from lowconv.plan import Decision, Plan
 from lowconv.site import Site
 
@@ -260,6 +260,12 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         f"inputs' shapes, dtypes and flags (at {', '.join(dict.fromkeys(d.rpartition(': ')[0] for d in r.decided))}): "
         f"the converted region checks them on every call and raises on inputs that branch otherwise"
         for r in trace.regions if r.decided and r.fqn in rewritten
+    ]
+    warnings += [
+        f"region {r.fqn or '(whole model)'} was traced through {', '.join(hooked)}, which "
+        f"{'has' if len(hooked) == 1 else 'have'} hooks: tracing ran them once, on symbolic values, so what they "
+        f"compute is now part of the converted region and what they do besides (recording, printing) will not happen"
+        for r in trace.regions if r.fqn in rewritten and (hooked := hooked_inside(r))
     ]
     return Plan(
         recipe=recipe.name,

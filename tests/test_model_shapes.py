@@ -474,3 +474,26 @@ def test_a_model_that_cannot_be_copied_is_a_lowconv_error():
     torch.nn.utils.weight_norm(model[0])  # the legacy form: its hook holds a non-leaf weight
     with pytest.raises(LowconvError, match="the model cannot be copied .*RuntimeError: Only Tensors created"):
         lowconv.convert(model, "fp8-dynamic", (torch.randn(8, 32),))
+
+
+def test_hooks_on_swapped_modules_still_run():
+    model, inputs = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval(), (torch.randn(8, 32),)
+    model[2].register_forward_hook(lambda module, args, output: output + 100)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert converted[2].__class__.__name__ != "Linear" and 99 < converted(*inputs).mean() < 101
+    assert lowconv.compare(model, converted, inputs).passed
+    assert 99 < lowconv.revert(converted)(*inputs).mean() < 101
+
+
+def test_hooks_of_a_traced_region_run_at_its_root_and_are_warned_about_inside():
+    from lowconv.model_file import load_model_file
+    loaded = load_model_file("examples/vit.py")
+    seen = []
+    loaded.model.register_forward_hook(lambda *args: seen.append("root"))
+    loaded.model.blocks[0].attn.register_forward_hook(lambda *args: seen.append("attn"))
+    converted = lowconv.convert(loaded.model, "sparse-attention-bf16", loaded.inputs)
+    seen.clear()
+    converted(*loaded.inputs)
+    assert seen == ["root"]
+    assert any("traced through blocks.0.attn, which has hooks: tracing ran them once" in w
+               for w in converted.lowconv_plan.warnings)

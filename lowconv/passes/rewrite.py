@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lowconv.passes.trace import Region, Trace, has_fused_path
+from lowconv.passes.trace import HOOKS, Region, Trace, has_fused_path, has_hooks
 from lowconv.passes.window_rows import drop_pair_layouts
 from lowconv.site import Site
 
@@ -38,6 +38,20 @@ def set_module(root: nn.Module, fqn: str, module: nn.Module) -> nn.Module:
         delattr(parent, name)  # a plain attribute or buffer would shadow the module
     setattr(parent, name, module)
     return root
+
+
+def swap_module(root: nn.Module, fqn: str, module: nn.Module) -> nn.Module:
+    """set_module, the old module's hooks moved onto `module`: where a module is swapped whole (a
+    site module for its op module, a region for its traced graph) its hooks still run, on the
+    module that now takes its inputs and gives its output."""
+    old = root.get_submodule(fqn) if fqn else root
+    if has_hooks(old):
+        for name in HOOKS:
+            getattr(module, name).update(getattr(old, name))
+            getattr(old, name).clear()
+        if old._backward_hooks:
+            module._is_full_backward_hook = old._is_full_backward_hook
+    return set_module(root, fqn, module)
 
 
 def delete_attr(root: nn.Module, target: str) -> None:
@@ -75,7 +89,7 @@ def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module
     (a site's args, taken when it was found, can be another site's output: F.linear(F.linear(x, a), b));
     this site's is added."""
     if site.module_backed:
-        set_module(gm, rel, module)
+        swap_module(gm, rel, module)
         return
     graph = gm.graph
     with graph.inserting_before(site.output_node):
@@ -119,7 +133,7 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         if all(s.module_backed for s in todo) and not has_fused_path(region.module):
             # swaps only: the model keeps its own classes
             for site in todo:
-                model = set_module(model, site.fqn, modules[site.fqn])
+                model = swap_module(model, site.fqn, modules[site.fqn])
             continue
         gm, replaced = region.graph, {}
         for site in todo:
@@ -130,7 +144,7 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         gm.recompile()
         gm.train(region.module.training)
         keep_buffers_out_of_state_dict(gm, region.module)
-        model = set_module(model, region.fqn, gm)
+        model = swap_module(model, region.fqn, gm)
     leave_fused_paths(model, modules.values())
     return model
 
@@ -197,5 +211,5 @@ def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.M
             site.output_node.replace_all_uses_with(tap, delete_user_cb=lambda user, tap=tap: user is not tap)
         gm.recompile()
         gm.train(region.module.training)
-        model = set_module(model, region.fqn, gm)
+        model = swap_module(model, region.fqn, gm)
     return model

@@ -88,6 +88,23 @@ def is_site_module(module: nn.Module) -> bool:
     return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in SITE_MODULES)
 
 
+# The hooks a user registers on a module (register_forward_hook, ..._pre_hook, ...full_backward_hook).
+HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+         "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, name) for name in HOOKS)
+
+
+def hooked_inside(region: "Region") -> list[str]:
+    """Modules below a traced region's root that tracing went into (not called from the graph)
+    and that have hooks: tracing ran those hooks once, on symbolic values."""
+    called = [node.target for node in region.graph.graph.nodes if node.op == "call_module"]
+    return [join_fqn(region.fqn, name) for name, module in region.module.named_modules()
+            if name and has_hooks(module) and not any(name == c or name.startswith(c + ".") for c in called)]
+
+
 @dataclass
 class Region:
     fqn: str  # path of the module in the model; "" is the whole model
