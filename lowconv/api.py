@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -316,11 +317,11 @@ def run_eval(model: nn.Module, args: tuple, kwargs: dict) -> object:
 
 @dataclass
 class SiteCall:
-    """What one site saw on its first call: its inputs and its output."""
+    """What one site saw: the inputs of its first call, and its output on every call."""
 
     args: tuple
     kwargs: dict
-    output: torch.Tensor
+    outputs: list[torch.Tensor]
 
 
 def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[str, SiteCall]]:
@@ -334,8 +335,7 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     calls: dict[str, SiteCall] = {}
 
     def record(fqn, output, args, kwargs):
-        if fqn not in calls:
-            calls[fqn] = SiteCall(args, kwargs, first_tensor(output).clone())
+        calls.setdefault(fqn, SiteCall(args, kwargs, [])).outputs.append(first_tensor(output).clone())
 
     tapped = tap_sites(work, trace, list(sites.values()), record)
     args, kwargs = normalize_inputs(inputs)
@@ -355,12 +355,12 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     return reference, calls
 
 
-def run_converted(converted: nn.Module, fqns: list[str], inputs) -> tuple[object, dict[str, torch.Tensor]]:
-    """The converted model's outputs, and each op module's output."""
-    outputs: dict[str, torch.Tensor] = {}
+def run_converted(converted: nn.Module, fqns: list[str], inputs) -> tuple[object, dict[str, list[torch.Tensor]]]:
+    """The converted model's outputs, and each op module's output on every call."""
+    outputs: dict[str, list[torch.Tensor]] = {}
 
     def hook(module, args, output, fqn):
-        outputs.setdefault(fqn, first_tensor(output).clone())
+        outputs.setdefault(fqn, []).append(first_tensor(output).clone())
 
     handles = [converted.get_submodule(fqn).register_forward_hook(
         lambda m, a, o, fqn=fqn: hook(m, a, o, fqn)) for fqn in fqns]
@@ -392,9 +392,11 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     out_converted, site_outputs = run_converted(converted, fqns, inputs)
     stats = {fqn: {k: v - before[k] for k, v in ops[fqn].report_stats().items()}  # this run's counts
              for fqn, before in counters.items()}
-    in_model = {fqn: (calls[fqn].output, site_outputs[fqn]) for fqn in fqns
-                if fqn in calls and fqn in site_outputs}
-    alone = {fqn: (calls[fqn].output, first_tensor(run_eval(ops[fqn], calls[fqn].args, calls[fqn].kwargs)))
+    in_model, notes = {}, {}
+    for fqn in fqns:
+        if fqn in calls and fqn in site_outputs:
+            in_model[fqn], notes[fqn] = worst_call(calls[fqn].outputs, site_outputs[fqn])
+    alone = {fqn: (calls[fqn].outputs[0], first_tensor(run_eval(ops[fqn], calls[fqn].args, calls[fqn].kwargs)))
              for fqn in in_model}
     outputs = paired_outputs(out_original, out_converted)
     perf = None
@@ -410,4 +412,20 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(
         in_model, {d.fqn: d.op for d in plan.converted()}, outputs, site_alone=alone,
-        gate_min_sqnr_db=gate, logits=logits, site_stats=stats, perf=perf, recipe=plan.recipe)
+        gate_min_sqnr_db=gate, logits=logits, site_stats=stats, perf=perf, recipe=plan.recipe, site_notes=notes)
+
+
+def worst_call(original: list[torch.Tensor], converted: list[torch.Tensor]) -> tuple[tuple, str]:
+    """A site's (original, converted) output on the call where they differ most (lowest SQNR; a
+    NaN or a change of shape ranks lowest), and a note when the site was called more than once."""
+    pairs = list(zip(original, converted))
+
+    def sqnr(pair) -> float:
+        value = reports.tensor_metrics(*pair).sqnr_db if pair[0].shape == pair[1].shape else math.nan
+        return -math.inf if math.isnan(value) else value
+
+    worst = min(range(len(pairs)), key=lambda i: sqnr(pairs[i]))
+    note = "" if len(pairs) == 1 else f"the worst of {len(pairs)} calls (call {worst + 1})"
+    if len(original) != len(converted):
+        note = f"called {len(original)} times in the original, {len(converted)} in the converted model; {note}"
+    return pairs[worst], note

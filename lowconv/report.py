@@ -83,7 +83,8 @@ def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
             f"cannot compare an original tensor of shape {tuple(ref.shape)} with a converted one of shape {tuple(test.shape)}"
         )
     x, y = _float64_pair(ref, test)
-    nan, inf, new_nonfinite = int(torch.isnan(y).sum()), int(torch.isinf(y).sum()), int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
+    nan, inf = int(torch.isnan(y).sum()), int(torch.isinf(y).sum())
+    new_nonfinite = int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
     infinite = torch.isinf(x)  # where the original is +-Inf the converted must match; the rest is measured
     changed_inf = int((y[infinite] != x[infinite]).sum())
     x, y = x[~infinite], y[~infinite]
@@ -166,9 +167,11 @@ def build_report(
     perf: Perf | None = None,
     title: str = "",
     recipe: str = "",
+    site_notes: dict[str, str] | None = None,
 ) -> Report:
     """site_pairs: fqn -> (original, converted) output of each site in the model; site_alone: the
-    same with the op run on the original's inputs; site_ops: fqn -> op name, in plan order.
+    same with the op run on the original's inputs; site_ops: fqn -> op name, in plan order;
+    site_notes: fqn -> what to say of the measurement (e.g. which of several calls it is).
 
     logits: None -> logit metrics for outputs named "...logits"; True -> for every output with
     ndim >= 2 (last dim = classes); False -> never.
@@ -176,7 +179,7 @@ def build_report(
     unplanned = [fqn for fqn in site_pairs if fqn not in site_ops]
     if unplanned:
         raise ValueError(f"captured sites that have no op: {unplanned}")
-    site_stats, site_alone = site_stats or {}, site_alone or {}
+    site_stats, site_alone, site_notes = site_stats or {}, site_alone or {}, site_notes or {}
     sites = []
     for fqn, op in site_ops.items():
         stats = {name: float(value) for name, value in site_stats.get(fqn, {}).items()}
@@ -186,9 +189,10 @@ def build_report(
         elif site_pairs[fqn][0].shape != site_pairs[fqn][1].shape:  # data-dependent shapes (routing)
             ref, test = site_pairs[fqn]
             note = f"output shapes differ: original {tuple(ref.shape)}, converted {tuple(test.shape)}"
+            note = "; ".join(filter(None, (site_notes.get(fqn), note)))
             sites.append(SiteRow(fqn, op, None, alone, stats, note=note))
         else:
-            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), alone, stats))
+            sites.append(SiteRow(fqn, op, tensor_metrics(*site_pairs[fqn]), alone, stats, note=site_notes.get(fqn, "")))
     outputs = []
     for name, ref, test in output_pairs:
         logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None

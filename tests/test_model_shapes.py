@@ -497,3 +497,34 @@ def test_hooks_of_a_traced_region_run_at_its_root_and_are_warned_about_inside():
     assert seen == ["root"]
     assert any("traced through blocks.0.attn, which has hooks: tracing ran them once" in w
                for w in converted.lowconv_plan.warnings)
+
+
+class Looped(nn.Module):
+    """One linear applied four times: its error grows from call to call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for _ in range(4):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+def test_a_site_called_several_times_reports_its_worst_call():
+    from lowconv.report import tensor_metrics
+    model, inputs = Looped().eval(), (torch.randn(8, 64),)
+    converted = lowconv.convert(model, lowconv.recipe.parse_recipe('[[rules]]\nop = "semi_sparse"\n', "r.toml"), inputs)
+    [row] = lowconv.compare(model, converted, inputs).sites
+    outputs = {}
+    for name, net in (("original", model), ("converted", converted)):
+        fc = net.get_submodule("fc")
+        handle = fc.register_forward_hook(lambda m, a, o, name=name: outputs.setdefault(name, []).append(o))
+        with torch.no_grad():
+            net(*inputs)
+        handle.remove()
+    per_call = [tensor_metrics(a, b).sqnr_db for a, b in zip(outputs["original"], outputs["converted"])]
+    assert len(per_call) == 4 and row.metrics.sqnr_db == pytest.approx(min(per_call))
+    assert row.note == f"the worst of 4 calls (call {per_call.index(min(per_call)) + 1})"
+    assert row.alone.sqnr_db == pytest.approx(per_call[0])
