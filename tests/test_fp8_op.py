@@ -197,6 +197,28 @@ def test_delayed_history_updates_only_in_training_mode():
     assert module.report_stats() == {"clipped": 64 + 2 * float((x.abs() > 2).sum()), "elements": 2 * 5 * 64 + 2 * 64}
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_delayed_scaling_under_activation_checkpointing(reentrant):
+    """The recompute in the backward computes what the forward did, and records no amax again."""
+    from torch.utils.checkpoint import checkpoint
+    params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+    inputs = [torch.randn(8, 64) * step for step in (1, 2, 3)]
+    runs = []
+    for checkpointed in (False, True):
+        module = from_site(linear_site(64, 32, dtype="float32"),
+                           Fp8Options(scaling="delayed", amax_history_len=3, training=True), params).train()
+        grads = []
+        for x in inputs:
+            x = x.clone().requires_grad_()
+            y = checkpoint(module, x, use_reentrant=reentrant) if checkpointed else module(x)
+            y.pow(2).mean().backward()
+            grads += [x.grad, module.weight.grad.clone()]
+        runs.append((module.amax_history.tolist(), grads))
+    (history, grads), (history_checkpointed, grads_checkpointed) = runs
+    assert history == history_checkpointed and history[2] > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_checkpointed))
+
+
 def test_delayed_most_recent_reduction_scales_by_the_last_steps_amax():
     site = linear_site(64, 32, dtype="float32")
     params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}

@@ -62,6 +62,7 @@ class Fp8Linear(nn.Module):
             self._input_scale_checked = False
         if options.scaling == "delayed":
             self.register_buffer("amax_history", torch.zeros(options.amax_history_len))
+            self.last_scale = None  # the last forward's x scale, for activation checkpointing's recompute
         if options.scaling != "dynamic":
             # Saturation counters for report_stats; run-time state, not part of the checkpoint. The
             # quantizer adds to `clipped` on the device; `elements` is known on the host (so a
@@ -123,12 +124,16 @@ class Fp8Linear(nn.Module):
                                        "(begin_calibration, run inputs, end_calibration) or load a checkpoint")
                 self._input_scale_checked = True
             scale = self.input_scale
+        elif torch._C._current_graph_task_id() != -1 and self.last_scale is not None:
+            # Called inside a backward pass: activation checkpointing recomputes the forward, which
+            # must compute what it did (the same scale) and not record x in the history again.
+            scale = self.last_scale
         else:
             amax = abs_max(x.reshape(-1)).float().reshape(1)
             past = self.amax_history[:1] if self.options.amax_reduction == "most_recent" else \
                 self.amax_history.max().reshape(1)
             # An empty history (never calibrated, first step) falls back to the current amax.
-            scale = amax_to_scale(torch.where(past > 0, past, amax), E4M3)
+            scale = self.last_scale = amax_to_scale(torch.where(past > 0, past, amax), E4M3)
             if self.training:  # only training updates the history, so eval outputs are reproducible
                 self.amax_history.copy_(torch.cat([amax, self.amax_history[:-1]]))
         self.elements += x.numel()
