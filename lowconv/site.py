@@ -43,6 +43,9 @@ class AttentionInfo:
     scale: float | None = None  # None: 1/sqrt(head_dim), SDPA's default
     mask: str = "none"  # "none" | "additive" | "keep" (bool, True attends) | "drop" (bool, True is masked out)
     causal: bool = False
+    # causal stands for a mask that tracing saw cover the scores, sliced to as many queries as keys
+    # (nanoGPT's bias[:, :, :T, :T]): it holds where they are as many, or one query sees every key
+    causal_from_mask: bool = False
     dropout: float = 0.0
     rel_pos: str = "none"  # window attention: "none" | "contextual" (SpTr's relative position tables)
     # nn.MultiheadAttention only: how the module was built (the op rebuilds it from these).

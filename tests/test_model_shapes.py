@@ -529,3 +529,37 @@ def test_a_site_called_several_times_reports_its_worst_call():
     assert len(per_call) == 4 and row.metrics.sqnr_db == pytest.approx(min(per_call))
     assert row.note == f"the worst of 4 calls (call {per_call.index(min(per_call)) + 1})"
     assert row.alone.sqnr_db == pytest.approx(per_call[0])
+
+
+class CachedDecoding(nn.Module):
+    """A causal mask sliced to the queries' count (nanoGPT), which a KV-cache step of one query
+    against more keys broadcasts: that query sees every key."""
+
+    def __init__(self, sdpa: bool):
+        super().__init__()
+        self.sdpa = sdpa
+        self.register_buffer("bias", torch.ones(16, 16, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v):
+        t = q.size(-2)
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:t, :t])
+        scores = (q @ k.transpose(-2, -1) * k.size(-1) ** -0.5).masked_fill(~self.bias[:t, :t], float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_a_causal_mask_sliced_to_the_queries_holds_at_a_decoding_step(sdpa):
+    def qkv(queries, keys):
+        return [torch.randn(2, 4, n, 16) for n in (queries, keys, keys)]
+
+    model = CachedDecoding(sdpa).eval()
+    recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
+    converted = lowconv.convert(model, recipe, qkv(8, 8))
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.site["info"]["causal"] and decision.site["info"]["causal_from_mask"]
+    for queries, keys in ((8, 8), (1, 9)):
+        inputs = qkv(queries, keys)
+        assert torch.allclose(converted(*inputs), model(*inputs), atol=1e-5)
+    with pytest.raises(ValueError, match="3 queries and 9 keys do not fit it"):
+        converted(*qkv(3, 9))

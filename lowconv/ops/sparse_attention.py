@@ -186,7 +186,7 @@ class SparseAttention(nn.Module):
     def __init__(self, mask: str = "none", causal: bool = False, scale: float | None = None,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
                  mask_kind_from_dtype: bool = False, layout: str = "auto",
-                 window: int | None = None):
+                 window: int | None = None, causal_from_mask: bool = False):
         super().__init__()
         try:  # the checks a recipe's options get; forward then skips block_attention's
             SparseAttentionOptions(layout=layout, window=window)
@@ -199,7 +199,7 @@ class SparseAttention(nn.Module):
         self.mask = mask  # the kind of the forward's mask argument, see AttentionInfo.mask
         # SDPA's rule, for SDPA sites: a bool mask keeps, any other is added, decided per call.
         self.mask_kind_from_dtype = mask_kind_from_dtype
-        self.causal = causal
+        self.causal, self.causal_from_mask = causal, causal_from_mask  # see AttentionInfo
         self.scale = scale
         self.dropout = dropout
         self.compute_dtype = compute_dtype  # None: q's dtype
@@ -215,8 +215,9 @@ class SparseAttention(nn.Module):
             kind = self.mask
         dtype = self.compute_dtype or q.dtype
         dropout = self.dropout if self.training else 0.0
-        check_attention_inputs(q, k, v, mask, kind, self.causal, self.scale, dropout, dtype)
-        band, listed = kernel_band(self.layout, self.window, self.causal)
+        causal = self.causal and not self.one_query_of_many_keys(q, k)
+        check_attention_inputs(q, k, v, mask, kind, causal, self.scale, dropout, dtype)
+        band, listed = kernel_band(self.layout, self.window, causal)
         kernel = kernel_runs(q, v, dtype, dropout, (mask,))
         kernel_mask = ~mask if kind == "drop" else mask  # block_attention's: True attends
         blocks = self.prepared.get(
@@ -225,6 +226,17 @@ class SparseAttention(nn.Module):
         return attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
                       key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
                       dtype=dtype, kernel=kernel, validate=False)
+
+    def one_query_of_many_keys(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether a causal mask made for as many queries as keys meets one query and more keys
+        (a decoding step with a KV cache), where the original's (1, 1) slice of it broadcasts:
+        the query sees every key. Other counts that differ do not broadcast in the original."""
+        if not self.causal_from_mask or q.shape[-2] == k.shape[-2]:
+            return False
+        if q.shape[-2] != 1:
+            raise ValueError(f"attention: the causal mask of this site was sliced to as many queries as keys; "
+                             f"{q.shape[-2]} queries and {k.shape[-2]} keys do not fit it (nor the original model)")
+        return True
 
     def extra_repr(self) -> str:
         return (f"mask={self.mask}, causal={self.causal}, scale={self.scale}, "
@@ -462,7 +474,7 @@ def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> n
     return SparseAttention(mask=info.mask, causal=info.causal, scale=info.scale,
                            dropout=info.dropout, compute_dtype=compute_dtype(options),
                            mask_kind_from_dtype=info.form == "sdpa", layout=options.layout,
-                           window=options.window)
+                           window=options.window, causal_from_mask=info.causal_from_mask)
 
 
 SPARSE_ATTENTION = register(Op(

@@ -512,11 +512,11 @@ def read_shape_from_arguments(x: fx.Node) -> None:
 def functional_site(region: Region, match: Match, names: dict[str, set[str]]) -> Site:
     """The Site of an SDPA or hand-written match; causal masks become causal=True."""
     q_meta, k_meta = tensor_meta(match.q), tensor_meta(match.k)
-    mask = None
+    mask, causal_from_mask = None, False
     for m in match.masks:
         causal = causal_part(region, m, scores_shape(match))
         if causal is not None:
-            match.causal = True
+            match.causal = causal_from_mask = True
             m, nodes = causal
             match.nodes.extend(nodes)
             if m is None:
@@ -536,6 +536,7 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
         scale=None if match.scale is None else float(match.scale),
         mask=mask.kind if mask else "none",
         causal=bool(match.causal),
+        causal_from_mask=causal_from_mask,
         dropout=float(match.dropout),
     )
     args = (match.q, match.k, match.v) + ((mask.node,) if mask else ())
