@@ -187,15 +187,15 @@ class Case:
     buffers: bool = False  # trace with buffers as proxies (nanoGPT slices one by a traced length)
 
 
-HANDWRITTEN = dict(form="handwritten", scale=D ** -0.5, mask="none", causal=False, dropout=0.0)
+HANDWRITTEN = dict(form="handwritten", scale=D ** -0.5, mask="none", causal=False, causal_from_mask=False, dropout=0.0)
 SDPA_INFO = dict(HANDWRITTEN, form="sdpa", scale=None)
 CASES = {
     "vit": Case(ViT, x_only, dict(HANDWRITTEN, dropout=0.1)),
     "pre_scaled": Case(PreScaled, x_only, HANDWRITTEN),
     "pre_scaled_shared": Case(PreScaledShared, x_only, dict(HANDWRITTEN, scale=1.0)),
-    "nanogpt": Case(NanoGPT, x_only, dict(HANDWRITTEN, scale=None, causal=True, dropout=0.1),
+    "nanogpt": Case(NanoGPT, x_only, dict(HANDWRITTEN, scale=None, causal=True, causal_from_mask=True, dropout=0.1),
                     buffers=True),
-    "nanogpt_static": Case(NanoGPTStatic, x_only, dict(HANDWRITTEN, causal=True)),
+    "nanogpt_static": Case(NanoGPTStatic, x_only, dict(HANDWRITTEN, causal=True, causal_from_mask=True)),
     "additive": Case(Additive, with_additive_mask, dict(HANDWRITTEN, mask="additive"), nargs=4),
     "masked_fill": Case(MaskedFill, with_drop_mask, dict(HANDWRITTEN, mask="drop"), nargs=4),
     "where": Case(Where, with_drop_mask, dict(HANDWRITTEN, mask="keep"), nargs=4),
@@ -206,7 +206,7 @@ CASES = {
                           nargs=4),
     "sdpa_bool": Case(SDPABoolMask, with_drop_mask, dict(SDPA_INFO, mask="keep"), nargs=4),
     "sdpa_tril_buffer": Case(lambda: SDPABufferMask(tril=True), x_only,
-                             dict(SDPA_INFO, causal=True)),
+                             dict(SDPA_INFO, causal=True, causal_from_mask=True)),
     "sdpa_buffer_mask": Case(lambda: SDPABufferMask(tril=False), x_only,
                              dict(SDPA_INFO, mask="keep"), nargs=4),
     "sdpa_causal": Case(SDPACausal, x_only, dict(SDPA_INFO, scale=0.3, causal=True)),
