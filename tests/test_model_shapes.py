@@ -563,3 +563,42 @@ def test_a_causal_mask_sliced_to_the_queries_holds_at_a_decoding_step(sdpa):
         assert torch.allclose(converted(*inputs), model(*inputs), atol=1e-5)
     with pytest.raises(ValueError, match="3 queries and 9 keys do not fit it"):
         converted(*qkv(3, 9))
+
+
+class BroadcastMemory(nn.Module):
+    """Attention over learned memory slots that the original broadcasts over the batch."""
+
+    def __init__(self, sdpa: bool):
+        super().__init__()
+        self.sdpa = sdpa
+        self.keys, self.values = nn.Parameter(torch.randn(1, 4, 6, 16)), nn.Parameter(torch.randn(1, 4, 6, 16))
+
+    def forward(self, q):
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, self.keys, self.values)
+        return (q @ self.keys[0, 0].transpose(0, 1) * 0.25).softmax(-1) @ self.values[0, 0]  # 2-D k and v
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_attention_whose_operands_broadcast_is_kept_with_the_reason(sdpa):
+    model, inputs = BroadcastMemory(sdpa).eval(), (torch.randn(2, 4, 8, 16),)
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    assert decision.op == "keep" and ("broadcast against each other" in decision.reason
+                                      or "of one rank" in decision.reason)
+    assert torch.equal(converted(*inputs), model(*inputs))
+
+
+class RepeatedSequence(nn.Module):
+    """repeat_interleave along the sequence of (batch, seq, dim) keys: not a GQA repeat of heads."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1),
+                                              is_causal=True)
+
+
+def test_a_repeat_along_the_sequence_is_not_taken_for_grouped_heads():
+    model, inputs = RepeatedSequence().eval(), [torch.randn(2, 8, 16) for _ in range(3)]
+    recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
+    converted = lowconv.convert(model, recipe, inputs)
+    assert torch.allclose(converted(*inputs), model(*inputs), atol=1e-5)

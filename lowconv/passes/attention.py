@@ -472,7 +472,8 @@ def repeated_heads(x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     `kv.repeat_interleave(n, dim=1)`, used by the attention only; else (x, [])."""
     if op_is(x, (torch.repeat_interleave,), ("repeat_interleave",)) and len(x.users) == 1:
         args = call_args(x, ("input", "repeats", "dim"))
-        if args.get("dim") == 1 and isinstance(args.get("repeats"), int):
+        meta = tensor_meta(args.get("input"))  # dim 1 holds the heads of (batch, heads, seq, head_dim) only
+        if args.get("dim") == 1 and isinstance(args.get("repeats"), int) and meta and len(meta.shape) == 4:
             return args["input"], [x]
     if op_is(x, (torch.reshape,), ("reshape",)) and len(x.users) - len(shape_reads(x)) == 1:
         expand = x.args[0]
@@ -527,11 +528,14 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
             match.problems.append(f"the additive mask {m.node.name} is scaled with the scores")
         else:
             mask = m
-    heads_known = q_meta is not None and len(q_meta.shape) >= 4
+    problem = operand_problem(q_meta, k_meta, tensor_meta(match.v), tensor_meta(mask.node) if mask else None)
+    if problem:
+        match.problems.append(problem)
+    heads_known = q_meta is not None and len(q_meta.shape) >= 4 and k_meta is not None and len(k_meta.shape) >= 4
     info = AttentionInfo(
         form=match.form,
         heads=q_meta.shape[-3] if heads_known else None,
-        kv_heads=k_meta.shape[-3] if heads_known and k_meta else None,
+        kv_heads=k_meta.shape[-3] if heads_known else None,
         head_dim=q_meta.shape[-1] if q_meta else None,
         scale=None if match.scale is None else float(match.scale),
         mask=mask.kind if mask else "none",
@@ -542,6 +546,29 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
     args = (match.q, match.k, match.v) + ((mask.node,) if mask else ())
     return attention_site(region, match.output, names, info=info, input=q_meta, problems=match.problems,
                           args=args, nodes=list(dict.fromkeys(match.nodes)))
+
+
+def operand_problem(q, k, v, mask) -> str | None:
+    """Why the op cannot take these operands (TensorMetas; None: fine, or shapes unknown): it takes
+    q (..., H, Lq, D), k (..., Hk, Lk, D), v (..., Hk, Lk, Dv) with the same leading dims and Hk
+    dividing H, and a mask that broadcasts to the scores without enlarging them; the original
+    may broadcast more (a k shared by the batch, one query head against many)."""
+    if None in (q, k, v):
+        return None
+    shapes = f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+    if not 3 <= len(q.shape) == len(k.shape) == len(v.shape):
+        return f"q, k and v are not all (..., heads, seq, head_dim) of one rank ({shapes})"
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-1] != v.shape[:-1] or q.shape[-3] % k.shape[-3]:
+        return f"q, k and v broadcast against each other ({shapes}), which the op does not"
+    scores = (*q.shape[:-1], k.shape[-2])
+    if mask is not None:
+        try:
+            fits = torch.broadcast_shapes(mask.shape, scores) == scores
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return f"the mask {list(mask.shape)} does not broadcast to the scores {list(scores)}"
+    return None
 
 
 def attention_site(region: Region, output: fx.Node, names: dict[str, set[str]], *, info: AttentionInfo,
