@@ -602,3 +602,22 @@ def test_a_repeat_along_the_sequence_is_not_taken_for_grouped_heads():
     recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
     converted = lowconv.convert(model, recipe, inputs)
     assert torch.allclose(converted(*inputs), model(*inputs), atol=1e-5)
+
+
+class SharedMha(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.MultiheadAttention(32, 4, batch_first=True), nn.MultiheadAttention(32, 4, batch_first=True)
+        self.b.in_proj_weight = self.a.in_proj_weight
+
+    def forward(self, x):
+        return self.b(self.a(x, x, x, need_weights=False)[0], x, x, need_weights=False)[0]
+
+
+def test_attention_modules_that_share_parameters_are_kept():
+    model, inputs = SharedMha().eval(), (torch.randn(2, 8, 32),)
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    decisions = {d.fqn: d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"}
+    assert decisions["a"].op == decisions["b"].op == "keep"
+    assert "b.in_proj_weight" in decisions["a"].reason and "a.in_proj_weight" in decisions["b"].reason
+    assert converted.a.in_proj_weight is converted.b.in_proj_weight

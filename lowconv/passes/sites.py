@@ -75,6 +75,11 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
         taken: dict[str, set[str]] = {}  # attention sites are named per owner: one namespace per region
         for site in [*find_attention_sites(region, taken), *find_window_attention_sites(region, taken)]:
             if site.module_backed:  # nn.MultiheadAttention: its projections
-                site.frozen = [n for n, p in model.get_submodule(site.fqn).named_parameters() if not p.requires_grad]
+                params = dict(model.get_submodule(site.fqn).named_parameters())
+                shared = [other for name, p in params.items() for other in names[id(p)]
+                          if other != join_fqn(site.fqn, name)]
+                if shared and site.unsupported is None:
+                    site.unsupported = f"its parameters are tied to {', '.join(shared)}; converting would untie them"
+                site.frozen = [name for name, p in params.items() if not p.requires_grad]
             sites.append(site)
     return sites
