@@ -621,3 +621,22 @@ def test_attention_modules_that_share_parameters_are_kept():
     assert decisions["a"].op == decisions["b"].op == "keep"
     assert "b.in_proj_weight" in decisions["a"].reason and "a.in_proj_weight" in decisions["b"].reason
     assert converted.a.in_proj_weight is converted.b.in_proj_weight
+
+
+class SharedDropout(nn.Module):
+    """Dropped-out probabilities read by P @ V and by a second product (Shaw's relative values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop, self.rel_v = nn.Dropout(0.3), nn.Parameter(torch.randn(8, 8, 16))
+
+    def forward(self, q, k, v):
+        probs = self.drop((q @ k.transpose(-2, -1) * 0.25).softmax(-1))
+        return probs @ v + torch.einsum("bhqk,qkd->bhqd", probs, self.rel_v)
+
+
+def test_dropped_out_probabilities_read_twice_are_not_a_site():
+    """The op would draw its own dropout mask, and the second product would see another."""
+    model, inputs = SharedDropout().eval(), [torch.randn(1, 1, 8, 16) for _ in range(3)]
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    assert not [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]

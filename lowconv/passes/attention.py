@@ -326,6 +326,8 @@ def trace_probs(region: Region, softmax: fx.Node):
         nodes.append(node)
         if not is_cast(node):
             dropout = dropout_p(region, node)
+            if len(node.users) > 1 and dropout != 0:  # the others would see another dropout mask than P @ V
+                return None
 
 
 def dropout_p(region: Region, node: fx.Node):
