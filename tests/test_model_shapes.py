@@ -640,3 +640,24 @@ def test_dropped_out_probabilities_read_twice_are_not_a_site():
     model, inputs = SharedDropout().eval(), [torch.randn(1, 1, 8, 16) for _ in range(3)]
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
     assert not [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+
+
+class DropoutSwitchedOff(nn.Module):
+    """F.dropout whose training argument a flag turns off: it never drops, in either mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_dropout = False
+
+    def forward(self, q, k, v):
+        probs = (q @ k.transpose(-2, -1) * 0.25).softmax(-1)
+        return F.dropout(probs, p=0.1, training=self.training and self.attn_dropout) @ v
+
+
+def test_a_dropout_whose_training_argument_is_false_drops_nothing():
+    model, inputs = DropoutSwitchedOff(), [torch.randn(2, 4, 8, 16) for _ in range(3)]
+    recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
+    converted = lowconv.convert(model, recipe, inputs).train()
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.site["info"]["dropout"] == 0.0
+    assert torch.allclose(converted(*inputs), model.train()(*inputs), atol=1e-5)

@@ -333,7 +333,13 @@ def trace_probs(region: Region, softmax: fx.Node):
 def dropout_p(region: Region, node: fx.Node):
     """The probability of a dropout call (a number, or a node when computed), else None."""
     if node.op == "call_function" and node.target is F.dropout:
-        return call_args(node, ("input", "p")).get("p", 0.5)
+        args = call_args(node, ("input", "p", "training"))
+        training = args.get("training", True)
+        if not isinstance(training, bool):
+            return None
+        # training=False traced as a constant (self.training and ..., or self.training in eval
+        # mode, which the plan warns about): no dropout, as the traced graph has none
+        return args.get("p", 0.5) if training else 0.0
     if node.op == "call_function" and node.target is torch.dropout:
         return call_args(node, ("input", "p")).get("p")
     if node.op == "call_module" and isinstance(module := submodule(region, node), nn.Dropout):
