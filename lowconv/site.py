@@ -46,6 +46,9 @@ class AttentionInfo:
     # causal stands for a mask that tracing saw cover the scores, sliced to as many queries as keys
     # (nanoGPT's bias[:, :, :T, :T]): it holds where they are as many, or one query sees every key
     causal_from_mask: bool = False
+    # a keep/drop mask from masked_fill/where with a finite value: a query row it masks whole gets
+    # the softmax of equal scores, the mean of v (with -inf: zeros, the op's rule)
+    finite_fill: bool = False
     dropout: float = 0.0
     rel_pos: str = "none"  # window attention: "none" | "contextual" (SpTr's relative position tables)
     # nn.MultiheadAttention only: how the module was built (the op rebuilds it from these).

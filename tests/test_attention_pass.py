@@ -187,7 +187,8 @@ class Case:
     buffers: bool = False  # trace with buffers as proxies (nanoGPT slices one by a traced length)
 
 
-HANDWRITTEN = dict(form="handwritten", scale=D ** -0.5, mask="none", causal=False, causal_from_mask=False, dropout=0.0)
+HANDWRITTEN = dict(form="handwritten", scale=D ** -0.5, mask="none", causal=False, causal_from_mask=False,
+                   finite_fill=False, dropout=0.0)
 SDPA_INFO = dict(HANDWRITTEN, form="sdpa", scale=None)
 CASES = {
     "vit": Case(ViT, x_only, dict(HANDWRITTEN, dropout=0.1)),
@@ -198,7 +199,7 @@ CASES = {
                     buffers=True),
     "nanogpt_static": Case(NanoGPTStatic, x_only, dict(HANDWRITTEN, causal=True, causal_from_mask=True)),
     "additive": Case(Additive, with_additive_mask, dict(HANDWRITTEN, mask="additive"), nargs=4),
-    "masked_fill": Case(MaskedFill, with_drop_mask, dict(HANDWRITTEN, mask="drop"), nargs=4),
+    "masked_fill": Case(MaskedFill, with_drop_mask, dict(HANDWRITTEN, mask="drop", finite_fill=True), nargs=4),
     "where": Case(Where, with_drop_mask, dict(HANDWRITTEN, mask="keep"), nargs=4),
     "float32_softmax": Case(Float32Softmax, x_only, HANDWRITTEN),
     "float32_softmax_arg": Case(Float32SoftmaxArg, x_only, HANDWRITTEN),

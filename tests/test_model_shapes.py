@@ -661,3 +661,42 @@ def test_a_dropout_whose_training_argument_is_false_drops_nothing():
     [decision] = converted.lowconv_plan.converted()
     assert decision.site["info"]["dropout"] == 0.0
     assert torch.allclose(converted(*inputs), model.train()(*inputs), atol=1e-5)
+
+
+class FiniteFill(nn.Module):
+    """masked_fill with a finite value: a query row it masks whole averages v."""
+
+    def __init__(self, fill, bias=False):
+        super().__init__()
+        self.fill = fill
+        self.bias = nn.Parameter(torch.randn(1, 4, 6, 6)) if bias else None
+
+    def forward(self, q, k, v, keep):
+        scores = q @ k.transpose(-2, -1)
+        scores = scores * 0.25 if self.bias is None else scores + self.bias
+        return scores.masked_fill(~keep, self.fill).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, -1e4, float("-inf")])
+def test_a_finite_fill_averages_the_rows_it_masks_whole(fill):
+    inputs = [torch.randn(2, 4, 6, 16) for _ in range(3)]
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    keep[1, :, :, 3:] = False
+    keep[1, :, 4:, :] = False  # padded queries: every key masked
+    model = FiniteFill(fill).eval()
+    recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
+    converted = lowconv.convert(model, recipe, (*inputs, keep))
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.site["info"]["finite_fill"] == (fill != float("-inf"))
+    expected = model(*inputs, keep)
+    if fill == float("-inf"):  # the original's rows are NaN; the op gives zeros (its rule)
+        expected = expected.nan_to_num(0.0)
+    assert torch.allclose(converted(*inputs, keep), expected, atol=1e-5)
+
+
+def test_a_finite_fill_among_other_scores_steps_is_not_folded_into_an_added_mask():
+    inputs = [torch.randn(2, 4, 6, 16) for _ in range(3)]
+    model, keep = FiniteFill(-1e4, bias=True).eval(), torch.rand(2, 1, 6, 6) > 0.3
+    converted = lowconv.convert(model, "sparse-attention-bf16", (*inputs, keep))
+    [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    assert decision.op == "keep" and "more than one attention mask" in decision.reason

@@ -180,13 +180,23 @@ def listed_blocks(q, k, band, window, mask, key_padding_mask, wanted):
                         key_padding_mask=key_padding_mask)
 
 
+def mean_where_all_masked(out: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`out` with the query rows where `allowed` (True attends) has no key replaced by the mean of v
+    over the keys: the softmax of scores that a finite masked_fill set all to one value."""
+    empty = ~allowed.any(-1, keepdim=True)  # (..., Lq, 1): broadcasts as the mask does
+    mean = v.mean(-2, keepdim=True)
+    if v.shape[-3] != out.shape[-3]:  # grouped heads: each kv head serves H / Hk query heads
+        mean = mean.repeat_interleave(out.shape[-3] // v.shape[-3], dim=-3)
+    return torch.where(empty, mean.to(out.dtype), out)
+
+
 class SparseAttention(nn.Module):
     """softmax(q k^T * scale + mask) v for a functional site; no parameters."""
 
     def __init__(self, mask: str = "none", causal: bool = False, scale: float | None = None,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
                  mask_kind_from_dtype: bool = False, layout: str = "auto",
-                 window: int | None = None, causal_from_mask: bool = False):
+                 window: int | None = None, causal_from_mask: bool = False, finite_fill: bool = False):
         super().__init__()
         try:  # the checks a recipe's options get; forward then skips block_attention's
             SparseAttentionOptions(layout=layout, window=window)
@@ -200,6 +210,7 @@ class SparseAttention(nn.Module):
         # SDPA's rule, for SDPA sites: a bool mask keeps, any other is added, decided per call.
         self.mask_kind_from_dtype = mask_kind_from_dtype
         self.causal, self.causal_from_mask = causal, causal_from_mask  # see AttentionInfo
+        self.finite_fill = finite_fill  # see AttentionInfo
         self.scale = scale
         self.dropout = dropout
         self.compute_dtype = compute_dtype  # None: q's dtype
@@ -223,9 +234,12 @@ class SparseAttention(nn.Module):
         blocks = self.prepared.get(
             (mask,), (kind, band, self.window, listed, kernel, q.shape[-2], k.shape[-2]),
             lambda: listed_blocks(q, k, band, self.window, kernel_mask, None, kernel and listed))
-        return attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
-                      key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
-                      dtype=dtype, kernel=kernel, validate=False)
+        out = attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
+                     key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
+                     dtype=dtype, kernel=kernel, validate=False)
+        if self.finite_fill and kind in ("keep", "drop"):
+            out = mean_where_all_masked(out, v, kernel_mask)
+        return out
 
     def one_query_of_many_keys(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether a causal mask made for as many queries as keys meets one query and more keys
@@ -474,7 +488,8 @@ def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> n
     return SparseAttention(mask=info.mask, causal=info.causal, scale=info.scale,
                            dropout=info.dropout, compute_dtype=compute_dtype(options),
                            mask_kind_from_dtype=info.form == "sdpa", layout=options.layout,
-                           window=options.window, causal_from_mask=info.causal_from_mask)
+                           window=options.window, causal_from_mask=info.causal_from_mask,
+                           finite_fill=info.finite_fill)
 
 
 SPARSE_ATTENTION = register(Op(

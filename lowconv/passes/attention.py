@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.passes.attention_masks import (
-    Mask, causal_chain, causal_part, is_mask_fill, looks_boolean, zero_scores,
+    Mask, causal_chain, causal_part, looks_boolean, mask_fill, zero_scores,
 )
 from lowconv.passes.fx_nodes import (
     ADDS, MATMULS, all_ints, call_args, is_cast, is_number, is_slice, mutates, op_is, submodule,
@@ -89,6 +89,7 @@ class Step:
     kind: str | None = None
     reshape: bool = False  # it views or reshapes the scores
     problem: str | None = None
+    finite_fill: bool = False  # a mask that sets the masked scores to a finite value
 
 
 def find_attention_sites(region: Region, names: dict[str, set[str]] | None = None) -> list[Site]:
@@ -183,7 +184,7 @@ def match_handwritten(region: Region, softmax: fx.Node) -> Match | None:
             computed.append((step.node, up))
         scaled = scaled or step.factor is not None or step.scaled_at_run_time
         if step.mask is not None:
-            match.masks.append(Mask(step.mask, step.kind, scaled))
+            match.masks.append(Mask(step.mask, step.kind, scaled, step.finite_fill))
     if computed:
         fold_computed_scale(match, computed)
     for node in (scores_matmul, *(s.node for s in steps), softmax, *prob_nodes):
@@ -298,16 +299,16 @@ def score_steps(node: fx.Node) -> list[tuple[fx.Node, Step]]:
                 for x, m in ((a, b), (b, a)) if isinstance(x, fx.Node) and isinstance(m, fx.Node)]
     if op_is(node, (torch.masked_fill,), ("masked_fill",)):
         args = call_args(node, ("input", "mask", "value"))
-        if is_mask_fill(args.get("value")):
-            return [(args["input"], Step(node, mask=args["mask"], kind="drop"))]
+        fill = mask_fill(args.get("value"))
+        if fill is not None:
+            return [(args["input"], Step(node, mask=args["mask"], kind="drop", finite_fill=math.isfinite(fill)))]
         return [(args["input"], Step(node, problem=f"masked_fill({node.name}) fills "
                                                    f"{args.get('value')!r}, not -inf"))]
     if node.op == "call_function" and node.target is torch.where and len(node.args) == 3:
         cond, x, y = node.args
-        if is_mask_fill(y):
-            return [(x, Step(node, mask=cond, kind="keep"))]
-        if is_mask_fill(x):
-            return [(y, Step(node, mask=cond, kind="drop"))]
+        for kept, fill, kind in ((x, mask_fill(y), "keep"), (y, mask_fill(x), "drop")):
+            if fill is not None:
+                return [(kept, Step(node, mask=cond, kind=kind, finite_fill=math.isfinite(fill)))]
     return []
 
 
@@ -419,6 +420,9 @@ def why_not_foldable(match: Match, reshapes: list[str]) -> str | None:
     others = [s.node.name for s in match.steps if not (s.reshape or s.mask is not None)]
     if others:
         return f"steps other than masks and reshapes come between them ({', '.join(others)})"
+    finite = [s.node.name for s in match.steps if s.finite_fill]
+    if finite:  # added as one mask, it would shift the scores instead of replacing them
+        return f"{', '.join(finite)} fill{'s' if len(finite) == 1 else ''} a finite value, not -inf"
     shared = [s.node.name for s in match.steps[1:] if len(s.node.users) > 1]
     if shared:
         return f"scores on the way ({', '.join(shared)}) are read outside the attention"
@@ -536,6 +540,9 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
             match.problems.append(f"the additive mask {m.node.name} is scaled with the scores")
         else:
             mask = m
+    if mask is not None and mask.finite_fill and match.causal:
+        match.problems.append(f"the mask {mask.node.name} fills a finite value beside causal masking: the rows it "
+                              "masks whole would average other keys than the op can tell")
     problem = operand_problem(q_meta, k_meta, tensor_meta(match.v), tensor_meta(mask.node) if mask else None)
     if problem:
         match.problems.append(problem)
@@ -549,6 +556,7 @@ def functional_site(region: Region, match: Match, names: dict[str, set[str]]) ->
         mask=mask.kind if mask else "none",
         causal=bool(match.causal),
         causal_from_mask=causal_from_mask,
+        finite_fill=bool(mask and mask.finite_fill),
         dropout=float(match.dropout),
     )
     args = (match.q, match.k, match.v) + ((mask.node,) if mask else ())

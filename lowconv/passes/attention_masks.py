@@ -31,7 +31,8 @@ from lowconv.passes.trace import Region
 from lowconv.site import tensor_meta
 
 # A masked_fill/where fill at or below this is a mask: exp() of it is 0 in every float dtype.
-# (A finite fill differs from -inf only on rows where every key is masked.)
+# (A finite fill differs from -inf only on rows where every key is masked: their scores are all
+# the fill, and the softmax averages v; Mask.finite_fill tells the op.)
 LARGE_NEGATIVE = -1e4
 COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
                torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge)
@@ -58,6 +59,7 @@ class Mask:
     node: fx.Node
     kind: str  # "additive" | "keep" | "drop"
     scaled: bool = False  # the scores are scaled after this mask is applied
+    finite_fill: bool = False  # keep/drop: the masked scores are set to a finite value, not -inf
 
 
 def causal_chain(region: Region, mask: Mask, scores_shape) -> list[fx.Node] | None:
@@ -120,7 +122,7 @@ def causal_conjunct(mask: Mask, scores_shape) -> tuple[Mask | None, list[fx.Node
     if len(causal) != 1 or len(rest) > 1:
         return None
     nodes += [*ands, *(t for t in terms if t not in rest), device_moved(causal[0])]
-    return (Mask(rest[0], "keep") if rest else None), nodes
+    return (Mask(rest[0], "keep", finite_fill=mask.finite_fill) if rest else None), nodes
 
 
 def conjuncts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -226,13 +228,13 @@ def looks_boolean(region: Region, node) -> bool:
     return False
 
 
-def is_mask_fill(value) -> bool:
-    """Whether a masked_fill/where fill is -inf or a large negative number (a constant, or a
-    `torch.full`/`torch.tensor` of one)."""
+def mask_fill(value) -> float | None:
+    """A masked_fill/where fill that masks: -inf or a large negative number (a constant, or a
+    `torch.full`/`torch.tensor` of one); None for any other."""
     if isinstance(value, fx.Node) and value.op == "call_function" and value.target in (
             torch.full, torch.tensor):
         value = value.args[-1] if value.target is torch.full else value.args[0]
-    return is_number(value) and value <= LARGE_NEGATIVE
+    return float(value) if is_number(value) and value <= LARGE_NEGATIVE else None
 
 
 def zero_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
