@@ -58,6 +58,7 @@ class AttentionInfo:
     bias: bool | None = None
     batch_first: bool | None = None
     dtype: str | None = None  # its parameters' dtype
+    weights_unknown: bool = False  # its caller is not traced: whether it reads the attention weights is unknown
 
 
 @dataclass

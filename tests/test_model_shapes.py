@@ -700,3 +700,30 @@ def test_a_finite_fill_among_other_scores_steps_is_not_folded_into_an_added_mask
     converted = lowconv.convert(model, "sparse-attention-bf16", (*inputs, keep))
     [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
     assert decision.op == "keep" and "more than one attention mask" in decision.reason
+
+
+class UntracedCaller(nn.Module):
+    """Its forward branches on data (it does not trace), so its MHA is a region of its own, and
+    it reads the attention weights when they come."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        out, weights = self.mha(x, x, x)
+        if (x.sum() > 0).item():
+            out = out * 2.0
+        return out if weights is None else out + weights.mean(-1, keepdim=True)
+
+
+def test_an_mha_whose_caller_is_not_traced_returns_the_weights_when_asked(tmp_path):
+    model, inputs = UntracedCaller().eval(), (torch.randn(2, 8, 32),)
+    recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
+    converted = roundtrip(model, inputs, recipe, tmp_path)
+    [decision] = converted.lowconv_plan.converted()
+    assert decision.fqn == "mha" and "may read the attention weights" in decision.note
+    assert torch.allclose(converted(*inputs), model(*inputs), atol=1e-6)
+    x = inputs[0]
+    out, weights = converted.mha(x, x, x, need_weights=False)
+    assert weights is None and torch.allclose(out, model.mha(x, x, x, need_weights=False)[0], atol=1e-5)

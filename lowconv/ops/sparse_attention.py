@@ -260,14 +260,18 @@ class SparseAttention(nn.Module):
 
 class SparseMultiheadAttention(nn.Module):
     """nn.MultiheadAttention's parameters, state-dict names and forward; the core attention
-    runs through the kernel. Attention weights are never computed: forward returns (out, None).
+    runs through the kernel. Attention weights are not computed: forward returns (out, None),
+    except with `weights_when_asked` (a module whose caller is not traced, which may read them):
+    a call with need_weights=True then runs nn.MultiheadAttention's own computation.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
                  vdim: int | None = None, bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
-                 layout: str = "auto", window: int | None = None, device=None, dtype=None):
+                 layout: str = "auto", window: int | None = None, device=None, dtype=None,
+                 weights_when_asked: bool = False):
         super().__init__()
+        self.weights_when_asked = weights_when_asked
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not a multiple of num_heads {num_heads}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
@@ -293,6 +297,8 @@ class SparseMultiheadAttention(nn.Module):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
+        if need_weights and self.weights_when_asked:
+            return self.with_weights(query, key, value, key_padding_mask, attn_mask, average_attn_weights, is_causal)
         if is_causal and attn_mask is None:
             raise RuntimeError("is_causal=True is a hint that attn_mask is causal: "
                                "pass attn_mask too")
@@ -330,6 +336,27 @@ class SparseMultiheadAttention(nn.Module):
         if not self.batch_first:
             out = out.transpose(0, 1)
         return (out.squeeze(batch_dim) if unbatched else out), None
+
+    def plan_note(self) -> str:
+        if not self.weights_when_asked:
+            return ""
+        return ("its caller is not traced and may read the attention weights: calls with need_weights=True "
+                "(nn.MultiheadAttention's default) run nn.MultiheadAttention's own computation, which returns "
+                "them; calls with need_weights=False run the kernel")
+
+    def with_weights(self, query, key, value, key_padding_mask, attn_mask, average_attn_weights, is_causal):
+        """nn.MultiheadAttention.forward with need_weights=True, on this module's parameters."""
+        batched_first = self.batch_first and query.dim() == 3
+        if batched_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        separate = {} if self.packed else dict(use_separate_proj_weight=True, q_proj_weight=self.q_proj_weight,
+                                                k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight)
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight if self.packed else None,
+            self.in_proj_bias, None, None, False, self.dropout, self.out_proj.weight, self.out_proj.bias,
+            training=self.training, key_padding_mask=key_padding_mask, need_weights=True, attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights, is_causal=is_causal, **separate)
+        return (out.transpose(0, 1) if batched_first else out), weights
 
     def project(self, query, key, value):
         if self.packed:
@@ -464,7 +491,7 @@ def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.M
         vdim=params["v_proj_weight"].shape[1] if "v_proj_weight" in params else None,
         bias="in_proj_bias" in params, batch_first=info.batch_first, dropout=info.dropout,
         compute_dtype=compute_dtype(options), layout=options.layout, window=options.window,
-        device=weight.device, dtype=weight.dtype)
+        device=weight.device, dtype=weight.dtype, weights_when_asked=info.weights_unknown)
     module.load_state_dict(params)
     return module
 
@@ -479,7 +506,7 @@ def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
         info.embed_dim, info.heads, kdim=info.kdim, vdim=info.vdim, bias=info.bias,
         batch_first=info.batch_first, dropout=info.dropout,
         compute_dtype=compute_dtype(options), layout=options.layout, window=options.window,
-        dtype=dtype)
+        dtype=dtype, weights_when_asked=info.weights_unknown)
 
 
 def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> nn.Module:

@@ -43,14 +43,16 @@ def mha_site(region: Region, target: str) -> Site:
 
 def lone_mha_site(region: Region) -> Site:
     """An MHA region of its own: its caller is not traced, so whether the weights it returns
-    are used is unknown (a caller that uses them fails on the converted model's None)."""
+    are used is unknown (the op computes them as nn.MultiheadAttention does where a call asks)."""
     args, output = region.example_args, region.example_output
+    info = mha_info(region.module)
+    info.weights_unknown = True
     return Site(
         kind="attention",
         fqn=region.fqn,
         region=region.fqn,
         classes=class_names(type(region.module)),
-        info=mha_info(region.module),
+        info=info,
         input=value_meta(args[0]) if args else None,
         output=value_meta(output),
         unsupported=mha_problem(region.module),
