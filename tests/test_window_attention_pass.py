@@ -188,3 +188,51 @@ def test_window_site_the_kernel_cannot_run_on_cuda_is_kept_with_why():
     assert sparse_attention.check(site, sparse_attention.SparseAttentionOptions(dtype="float32")) is None
     converted = lowconv.convert(model, FLOAT32, inputs)
     assert converted.lowconv_plan.converted()
+
+
+class Changed(nn.Module):
+    """SpTr's contextual chain with one thing the op could not see changed: rel_idx edited in place,
+    rel_idx of the index tensors swapped, xyz or q written in place between the steps, v with
+    another head_dim."""
+
+    def __init__(self, change):
+        super().__init__()
+        self.change = change
+        self.tables = nn.ParameterList(nn.Parameter(torch.randn(7, 3, 2, 16) * 0.5) for _ in range(3))
+
+    def forward(self, q, k, v, xyz, batch):
+        index_0, index_0_offsets, n_max, index_1, index_1_offsets, _ = sptr.get_indices_params(xyz, batch, 0.5, False)
+        first, second = (index_1, index_0) if self.change == "swapped" else (index_0, index_1)
+        rel_idx = sptr.relative_position_index(xyz, first, second, 0.5, 0.125, 4)
+        if self.change == "rel_idx":
+            rel_idx[:, 2] = 3
+        if self.change == "xyz":
+            xyz.mul_(0.5)
+        if self.change == "v":
+            v = v[..., :8]
+        tq, tk, tv = self.tables
+        attn = sptr.dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offsets, tq, tk,
+                                          rel_idx, n_max)
+        if self.change == "q":
+            q.mul_(2.0)
+        attn = sptr.scatter_softmax_csr(attn, index_0_offsets, dim=0)
+        return sptr.attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max, index_1,
+                                                       index_1_offsets, tv if self.change != "v" else tv[..., :8],
+                                                       rel_idx)
+
+
+@pytest.mark.parametrize("change, why", [
+    ("rel_idx", "relative_position_index is changed in place while the chain runs"),
+    ("swapped", "relative_position_index(...) of other index tensors"),
+    ("xyz", "xyz is changed in place while the chain runs"),
+    ("q", "q is changed in place while the chain runs"),
+    ("v", "v's (heads, head_dim) [2, 8] are not q's and k's [2, 16]"),
+])
+def test_a_chain_changed_where_the_op_cannot_see_is_kept_with_why(change, why):
+    inputs = corner_scene()
+    model = Changed(change)
+    converted = lowconv.convert(model, FLOAT32, [t.clone() for t in inputs])
+    [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    assert decision.op == "keep" and why in decision.reason, decision.reason
+    with torch.no_grad():
+        torch.testing.assert_close(converted(*[t.clone() for t in inputs]), model(*[t.clone() for t in inputs]))

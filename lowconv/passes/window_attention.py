@@ -182,6 +182,10 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
             problems.append("the query/key and the value side take different rel_idx")
         elif calls(rel_idx, sptr.relative_position_index):
             made = call_args(rel_idx, REL_IDX_ARGS)
+            if uncast(made.get("index_0")) is not uncast(first["index_0"]) or \
+                    uncast(made.get("index_1")) is not uncast(first["index_1"]):
+                problems.append("rel_idx is relative_position_index(...) of other index tensors than the chain's "
+                                "index_0 and index_1, in that order")
             args += [made["xyz"], made["window_size"], made["quant_size"], made["quant_grid_length"],
                      made.get("shift_win", False), *tables]
             nodes.append(rel_idx)
@@ -195,7 +199,23 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
             problems.append(f"rel_idx is not relative_position_index(...) of the points, nor SpTr's inline "
                             f"P[index_0] - P[index_1] + G - 1 of per-point whole-number coordinates P "
                             f"(a split function rewrites it): {inline}; so it has no per-point coordinates")
+    v_meta, q_meta = tensor_meta(second["v"]), tensor_meta(first["q"])
+    if v_meta and q_meta and v_meta.shape[1:] != q_meta.shape[1:]:
+        problems.append(f"v's (heads, head_dim) {list(v_meta.shape[1:])} are not q's and k's {list(q_meta.shape[1:])}")
+    changed = changed_in_place(region, [a for a in args if isinstance(a, fx.Node)], nodes, step2)
+    if changed:
+        problems.append(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} changed in place while the "
+                        "chain runs; the op reads them once, where the chain ends")
     return window_site(region, first["q"], step2, contextual, problems, args, nodes, names)
+
+
+def changed_in_place(region: Region, inputs: list[fx.Node], chain: list[fx.Node], end: fx.Node) -> list[str]:
+    """The inputs of a chain (q, k, v, xyz, rel_idx, ...) that an in-place op changes between the
+    chain's first node and its last: the chain's ops read them before, the op at the end after."""
+    order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
+    start = min(order[node] for node in chain)
+    return [node.name for node in dict.fromkeys([*inputs, *chain]) for user in node.users
+            if mutates(user) and user.args[0] is node and start < order[user] < order[end]]
 
 
 def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: list[str], args, nodes,
