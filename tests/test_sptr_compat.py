@@ -413,3 +413,15 @@ def test_the_example_runs_traces_whole_and_inspects(capsys):
     assert sptr_calls(trace.regions[0].graph.graph).count(sptr.dot_prod_with_idx_all) == 2
     assert main(["inspect", EXAMPLE, "--device", "cpu"]) == 0
     assert "blocks.1.attn.proj" in capsys.readouterr().out
+
+
+def test_the_examples_relative_position_moves_its_output_past_the_report_gate():
+    """A conversion that lost the tables would then fail sparse-attention-bf16's 25 dB gate."""
+    from lowconv.report import tensor_metrics
+    example = load_model_file(EXAMPLE)
+    without = load_model_file(EXAMPLE).model
+    with torch.no_grad():
+        for name, table in without.named_parameters():
+            if name.endswith("_table"):
+                table.zero_()
+        assert tensor_metrics(example.model(*example.inputs), without(*example.inputs)).sqnr_db < 20
