@@ -727,3 +727,23 @@ def test_an_mha_whose_caller_is_not_traced_returns_the_weights_when_asked(tmp_pa
     x = inputs[0]
     out, weights = converted.mha(x, x, x, need_weights=False)
     assert weights is None and torch.allclose(out, model.mha(x, x, x, need_weights=False)[0], atol=1e-5)
+
+
+class MatmulPlusBias(nn.Module):
+    """The x @ W + b form (GPT-2's Conv1D), the bias added on either side."""
+
+    def __init__(self, bias_first):
+        super().__init__()
+        self.bias_first = bias_first
+        self.weight, self.bias = nn.Parameter(torch.randn(64, 32) / 8), nn.Parameter(torch.zeros(32))
+
+    def forward(self, x):
+        return self.bias + x @ self.weight if self.bias_first else x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_a_matmul_plus_bias_site_leaves_no_dense_weight_or_matmul(bias_first):
+    model, inputs = MatmulPlusBias(bias_first), (torch.randn(4, 64),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert sorted(converted.state_dict()) == ["linear.bias", "linear.weight", "linear.weight_scale"]
+    assert not [n for n in converted.graph.nodes if n.op == "call_function" and "matmul" in str(n.target)]
