@@ -124,6 +124,17 @@ def test_gradients_through_the_kernel(m):
         assert rel_error(got, exact) < 2e-3
 
 
+def test_the_reference_backward_accumulates_in_fp16_as_the_kernels_do():
+    """dW reduces over M = 16384 rows: in fp16 split chunks (the GPU's backward, and now the CPU's)
+    its error is several times that of an fp32 sum rounded once (what the CPU computed before)."""
+    x, w, _ = operands(16384, 128, 128, seed=5)
+    grad = torch.randn(16384, 128, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    fp16acc_matmul(*leaves, None, 2, backend="reference").backward(grad)
+    exact = grad.double().t() @ x.double()
+    assert rel_error(leaves[1].grad, exact) > 2 * rel_error(exact.half(), exact)
+
+
 def test_batched_input_keeps_its_leading_dims():
     x, w, b = operands(12, 64, 32, seed=4)
     y = fp16acc_matmul(x.reshape(3, 4, 64), w, b, 1, backend="triton")

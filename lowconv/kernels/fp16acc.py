@@ -155,8 +155,8 @@ def add_bias(total, bias) -> torch.Tensor:
 def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str = "auto") -> torch.Tensor:
     """The entry point: checks its inputs and runs the Triton kernel (backend "auto" on CUDA, or
     "triton", which on CPU tensors needs TRITON_INTERPRET=1), cuBLAS per chunk ("cublas", CUDA
-    only) or the reference. Differentiable: the Triton and cuBLAS backwards compute dX and dW the
-    same way as the forward, each GEMM split by auto_splits of its own reduced dim and rows.
+    only) or the reference. Differentiable: every backend's backward computes dX and dW the same
+    way as its forward, each GEMM split by auto_splits of its own reduced dim and rows.
     x (..., K) fp16, w (N, K) fp16, bias (N,) fp16 or None."""
     if x.dtype != torch.float16 or w.dtype != torch.float16 or (bias is not None and bias.dtype != torch.float16):
         raise TypeError(f"fp16acc_matmul takes float16 tensors, got x {x.dtype}, w {w.dtype}"
@@ -179,8 +179,6 @@ def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str 
         raise ValueError("fp16acc_matmul: the cublas backend needs CUDA tensors (the CPU runs the reference)")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "reference"
-    if backend == "reference":
-        return fp16acc_matmul_reference(x, w, bias, splits, combine)
     if needs_autograd(x, w, bias):
         return Fp16AccMatmul.apply(x, w, bias, splits, combine, backend)
     return forward_gemm(x, w, bias, splits, combine, backend)
@@ -441,4 +439,4 @@ def tuned_config(tuner, args):
     return tuner.cache.get(key)
 
 
-GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc}
+GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc, "reference": fp16acc_matmul_reference}
