@@ -112,8 +112,9 @@ def error_ratio(K: int, splits: int) -> float:
 
 
 def chunks(k: int, splits: int) -> tuple[int, int]:
-    """(16-wide k-blocks per chunk, number of chunks) of K split S ways: whole blocks, as even as
-    possible, no empty chunk (so fewer than S when K has fewer blocks than that)."""
+    """(16-wide k-blocks per chunk, number of chunks) of K split S ways: ceil(blocks / S) whole
+    blocks per chunk, the last one shorter, no empty chunk; so fewer than S chunks where S does
+    not divide the blocks evenly enough (K = 1024, 64 blocks: S = 40 gives 32 chunks of 2)."""
     blocks = max(1, math.ceil(k / BLOCK_K))
     blocks_per_split = math.ceil(blocks / splits)
     return blocks_per_split, math.ceil(blocks / blocks_per_split)
