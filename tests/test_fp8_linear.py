@@ -1,6 +1,7 @@
-"""fp8_linear's GEMM through torch._scaled_mm (which runs on the CPU too) against the reference
-that emulates it: the same numbers up to fp32 summation order, for every scale granularity,
-bias placement and output dtype; and the reference where _scaled_mm cannot take the operands."""
+"""fp8_linear's GEMM through torch._scaled_mm against the reference that emulates it: the same
+numbers up to fp32 summation order, for every scale granularity, bias placement and output dtype
+(torch's CPU _scaled_mm runs the same call, which fp8_linear itself leaves to the reference on
+the CPU: it is slow there); and the reference where _scaled_mm cannot take the operands."""
 import pytest
 import torch
 
@@ -60,12 +61,31 @@ def assert_one_rounding_apart(y, ref):
 def test_scaled_mm_path_matches_the_reference(granularity, bias_dtype, out_dtype, scaled_mm_calls):
     x_fp8, x_scale, w_fp8, w_scale = operands(*granularity)
     bias = None if bias_dtype is None else torch.randn(48).to(out_dtype if bias_dtype == "out" else bias_dtype)
-    y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
-    ref = fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
     rowwise = granularity != ("tensor", "tensor")
-    assert bool(scaled_mm_calls) == (not rowwise or fp8.cpu_scaled_mm_takes_rows()), "_scaled_mm (not) run"
+    if rowwise and not cpu_scaled_mm_takes_rows():
+        pytest.skip("this torch's CPU _scaled_mm takes tensor scales only")
+    y = fp8.scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum=False)
+    ref = fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    assert scaled_mm_calls, "_scaled_mm not run"
     assert y.shape == ref.shape == (3, 5, 48) and y.dtype == out_dtype
     assert_one_rounding_apart(y, ref)
+
+
+def cpu_scaled_mm_takes_rows() -> bool:
+    """Whether this torch's CPU _scaled_mm takes row scales (2.13 does; 2.11 asserts per-tensor)."""
+    a = torch.ones(16, 16).to(fp8.E4M3)
+    try:
+        torch.ops.aten._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_the_cpu_runs_the_reference(scaled_mm_calls):
+    x_fp8, x_scale, w_fp8, w_scale = operands("tensor", "tensor")
+    y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, None, torch.bfloat16)
+    assert not scaled_mm_calls
+    assert torch.equal(y, fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, None, torch.bfloat16))
 
 
 def test_shapes_scaled_mm_cannot_take_run_the_reference(scaled_mm_calls):
@@ -120,14 +140,17 @@ def test_cublaslt_matches_the_reference(granularity, out_dtype, scaled_mm_calls)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
-def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradient(granularity, scaled_mm_calls):
+def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradient(granularity, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(32, 64, generator=gen).requires_grad_()
     w = torch.randn(48, 64, generator=gen).requires_grad_()
     grad = torch.randn(32, 48, generator=gen)
+    gemms = []
+    real = fp8.fp8_linear
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x_fp8, *args, **kwargs: gemms.append(x_fp8.dtype) or
+                        real(x_fp8, *args, **kwargs))
     fp8.Fp8LinearFunction.apply(x, w, None, None, granularity).backward(grad)
-    if granularity == "tensor" or fp8.cpu_scaled_mm_takes_rows():
-        assert len(scaled_mm_calls) == 3  # forward, dX, dW
+    assert gemms == [fp8.E4M3, fp8.E5M2, fp8.E5M2]  # forward, dX, dW: FP8 GEMMs, e5m2 gradients
 
     x_fp8, x_scale = quantize(x.detach(), granularity)
     w_fp8, w_scale = quantize(w.detach(), granularity)
