@@ -362,6 +362,16 @@ def test_converted_linears_answer_autocast_as_nn_linear_does(rule):
     got.float().sum().backward()  # differentiable through the cast
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_an_fp16acc_linear_takes_an_fp32_input_under_autocast(autocast_dtype):
+    model, x = nn.Sequential(nn.Linear(64, 32)).half(), torch.randn(8, 64)
+    converted = lowconv.convert(model, "fp16acc", (x.half(),))
+    with torch.autocast("cpu", autocast_dtype):
+        want, got = model(x), converted(x)
+    assert got.dtype == want.dtype == autocast_dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 class Chained(nn.Module):
     """Sites that read each other's outputs: a low-rank pair of F.linear, and q, k, v straight
     from F.linear into SDPA."""

@@ -40,6 +40,8 @@ class Fp16AccLinear(nn.Module):
             self.bias.copy_(bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        if torch.is_autocast_enabled(input.device.type) and input.is_floating_point():
+            input = input.half()  # autocast casts an nn.Linear's input; this op computes in fp16
         backend = self.options.backend if input.is_cuda else "reference"
         return in_autocast_dtype(fp16acc_matmul(input, self.weight, self.bias, self.splits_for(input),
                                                 self.options.combine, backend))
