@@ -99,8 +99,7 @@ def replace_in_graph(gm: fx.GraphModule, site: Site, rel: str, module: nn.Module
     site.output_node.replace_all_uses_with(call)
     replaced[site.output_node] = call
     read = {a for node in site.nodes for a in node.all_input_nodes if a.op == "get_attr"} - set(site.nodes)
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    erase_unread(graph, sorted(site.nodes, key=order.__getitem__, reverse=True))  # each before what it reads
+    erase_unread(graph, sorted(site.nodes, reverse=True))  # graph order, last first: each before what it reads
     for node in read:  # the site's weights and buffers that nothing reads any more
         if not node.users:
             graph.erase_node(node)

@@ -202,20 +202,19 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     v_meta, q_meta = tensor_meta(second["v"]), tensor_meta(first["q"])
     if v_meta and q_meta and v_meta.shape[1:] != q_meta.shape[1:]:
         problems.append(f"v's (heads, head_dim) {list(v_meta.shape[1:])} are not q's and k's {list(q_meta.shape[1:])}")
-    changed = changed_in_place(region, [a for a in args if isinstance(a, fx.Node)], nodes, step2)
+    changed = changed_in_place([a for a in args if isinstance(a, fx.Node)], nodes, step2)
     if changed:
         problems.append(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} changed in place while the "
                         "chain runs; the op reads them once, where the chain ends")
     return window_site(region, first["q"], step2, contextual, problems, args, nodes, names)
 
 
-def changed_in_place(region: Region, inputs: list[fx.Node], chain: list[fx.Node], end: fx.Node) -> list[str]:
+def changed_in_place(inputs: list[fx.Node], chain: list[fx.Node], end: fx.Node) -> list[str]:
     """The inputs of a chain (q, k, v, xyz, rel_idx, ...) that an in-place op changes between the
     chain's first node and its last: the chain's ops read them before, the op at the end after."""
-    order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
-    start = min(order[node] for node in chain)
+    start = min(chain)  # fx nodes order as they stand in the graph
     return [node.name for node in dict.fromkeys([*inputs, *chain]) for user in node.users
-            if mutates(user) and user.args[0] is node and start < order[user] < order[end]]
+            if mutates(user) and user.args[0] is node and start < user < end]
 
 
 def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: list[str], args, nodes,
