@@ -424,7 +424,7 @@ def worst_call(original: list[torch.Tensor], converted: list[torch.Tensor]) -> t
         value = reports.tensor_metrics(*pair).sqnr_db if pair[0].shape == pair[1].shape else math.nan
         return -math.inf if math.isnan(value) else value
 
-    worst = min(range(len(pairs)), key=lambda i: sqnr(pairs[i]))
+    worst = 0 if len(pairs) == 1 else min(range(len(pairs)), key=lambda i: sqnr(pairs[i]))
     note = "" if len(pairs) == 1 else f"the worst of {len(pairs)} calls (call {worst + 1})"
     if len(original) != len(converted):
         note = f"called {len(original)} times in the original, {len(converted)} in the converted model; {note}"

@@ -180,7 +180,6 @@ def parameters_not_from(original: torch.nn.Module, converted: torch.nn.Module, p
     return [name for name, t in original.named_parameters()
             if not any(name.startswith(site) for site in sites) and name in rebuilt
             and rebuilt[name].shape == t.shape and rebuilt[name].dtype == t.dtype
-            and not torch.equal(rebuilt[name], t)
             and not torch.allclose(rebuilt[name], t, rtol=0, atol=0, equal_nan=True)]
 
 

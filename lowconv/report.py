@@ -85,9 +85,10 @@ def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
     x, y = _float64_pair(ref, test)
     nan, inf = int(torch.isnan(y).sum()), int(torch.isinf(y).sum())
     new_nonfinite = int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
-    infinite = torch.isinf(x)  # where the original is +-Inf the converted must match; the rest is measured
-    changed_inf = int((y[infinite] != x[infinite]).sum())
-    x, y = x[~infinite], y[~infinite]
+    infinite, changed_inf = torch.isinf(x), 0
+    if infinite.any():  # where the original is +-Inf the converted must match; the rest is measured
+        changed_inf = int((y[infinite] != x[infinite]).sum())
+        x, y = x[~infinite], y[~infinite]
     diff = x - y
     ref_norm = torch.linalg.vector_norm(x)
     test_norm = torch.linalg.vector_norm(y)

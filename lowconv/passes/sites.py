@@ -65,7 +65,7 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
             if site.unsupported is None:
                 site.frozen = [kind for kind, target in own_parameters(site)
                                if not model.get_parameter(target).requires_grad]
-            own = [n for n in (site.info.weight, site.info.bias_name) if site.module_backed and n in read]
+            own = [target for _, target in own_parameters(site) if site.module_backed and target in read]
             also_read = [n for n in own if not read[n]]
             site.reads_parameter_device = bool(own) and not also_read
             if also_read and site.unsupported is None:
