@@ -4,11 +4,13 @@ Scales follow torch._scaled_mm: a float32 *dequant* scale, x ~= x_fp8.float() * 
 Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1).
 Quantizers saturate: finite values beyond the format's max are clamped to it, never cast to
 NaN/inf (NaN stays NaN; an infinite x makes its scale infinite). Amaxes skip NaN.
-Quantizers run Triton kernels (fp8_quant.py) on sm_90+ GPUs and torch ops (the reference, the
-same numbers) elsewhere; the per-tensor quantizer may scale x by a vector along its columns or
-rows first (mul, mul_axis), as the training backward needs. The linear runs torch._scaled_mm (cuBLASLt on
-CUDA, also on the CPU) where it takes the operands, and otherwise a torch reference with the
-same numerics.
+Quantizers run Triton kernels (fp8_quant.py) eagerly on sm_90+ GPUs, and torch ops (the
+reference, the same numbers) elsewhere and under torch.compile, where inductor fuses them into the
+op that produces x (one kernel for a norm, its amax and the cast); the per-tensor quantizer may
+scale x by a vector along its columns or rows first (mul, mul_axis), as the training backward
+needs. The GEMM is the custom op `torch.ops.lowconv.fp8_gemm` (a fake implementation gives its
+output's shape, so compiled graphs keep it whole): torch._scaled_mm (cuBLASLt) on CUDA where it
+takes the operands, and otherwise a torch reference with the same numerics.
 """
 import functools
 
@@ -29,9 +31,10 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantizes_in_triton(x: torch.Tensor) -> bool:
-    """Whether x's quantizers run the Triton kernels: on sm_90+, where Triton's fp32 -> fp8 cast
-    rounds once (on sm_89 it goes through fp16: a double rounding, not the reference's numbers)."""
-    return x.is_cuda and cuda_capability(x.device.index) >= (9, 0)
+    """Whether x's quantizers run the Triton kernels: eagerly on sm_90+, where Triton's fp32 -> fp8
+    cast rounds once (on sm_89 it goes through fp16: a double rounding, not the reference's
+    numbers). Under torch.compile the torch ops run: inductor fuses them with x's producer."""
+    return x.is_cuda and not torch.compiler.is_compiling() and cuda_capability(x.device.index) >= (9, 0)
 
 
 @functools.cache
@@ -146,8 +149,7 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
 
 
 def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False):
-    """The FP8 linear entry point: checks its inputs, then runs torch._scaled_mm where it takes
-    them (scaled_mm_takes), else the reference.
+    """The FP8 linear entry point: checks its inputs, then runs the GEMM op (fp8_gemm).
 
     x_fp8 (..., K) e4m3 (e5m2 for gradients) with x_scale (1,) or (..., 1); w_fp8 (N, K) e4m3 with
     w_scale (1,) or (N, 1). Any strides: the GEMM gets the row-major x and column-major w^T it needs.
@@ -163,10 +165,23 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False
     if x_scale.numel() != 1 and x_scale.shape != (*x_fp8.shape[:-1], 1):
         raise ValueError(f"fp8_linear: x_scale has shape {tuple(x_scale.shape)}, "
                          f"expected (1,) or {(*x_fp8.shape[:-1], 1)}")
+    return torch.ops.lowconv.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
+
+
+@torch.library.custom_op("lowconv::fp8_gemm", mutates_args=())
+def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """fp8_linear's GEMM, its inputs checked: torch._scaled_mm where it takes them
+    (scaled_mm_takes), else the reference."""
     rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
     if scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, rowwise, out_dtype):
         return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum)
     return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+
+@fp8_gemm.register_fake
+def _(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum):
+    return x_fp8.new_empty((*x_fp8.shape[:-1], w_fp8.shape[0]), dtype=out_dtype)
 
 
 def scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, rowwise: bool,

@@ -59,16 +59,15 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         if options.scaling == "static":
             self.register_buffer("input_scale", torch.zeros(1))  # 0 until calibrated or loaded
-            self._input_scale_checked = False
+            self.input_scale_set = False  # a host flag: checking the scale's value would sync the GPU
         if options.scaling == "delayed":
             self.register_buffer("amax_history", torch.zeros(options.amax_history_len))
             self.last_scale = None  # the last forward's x scale, for activation checkpointing's recompute
         if options.scaling != "dynamic":
-            # Saturation counters for report_stats; run-time state, not part of the checkpoint. The
-            # quantizer adds to `clipped` on the device; `elements` is known on the host (so a
-            # CUDA graph replay adds to `clipped` but not to `elements`: counts of eager runs only).
+            # Saturation counters for report_stats; run-time state, not part of the checkpoint. Both
+            # count on the device, so compiled graphs and CUDA graph replays count too.
             self.register_buffer("clipped", torch.zeros((), dtype=torch.int64), persistent=False)
-            self.elements = 0
+            self.register_buffer("elements", torch.zeros((), dtype=torch.int64), persistent=False)
         self.calibrating = False
         self.calibration_amax = None
 
@@ -118,15 +117,12 @@ class Fp8Linear(nn.Module):
         if self.options.scaling == "dynamic":
             return None
         if self.options.scaling == "static":
-            if not self._input_scale_checked:  # checked once: a per-call check would sync the GPU
-                if not (self.input_scale > 0).all():
-                    raise RuntimeError("fp8 static scaling: input_scale is not set; calibrate the module "
-                                       "(begin_calibration, run inputs, end_calibration) or load a checkpoint")
-                self._input_scale_checked = True
+            if not self.input_scale_set:
+                self.check_input_scale()
             scale = self.input_scale
-        elif torch._C._current_graph_task_id() != -1 and self.last_scale is not None:
-            # Called inside a backward pass: activation checkpointing recomputes the forward, which
-            # must compute what it did (the same scale) and not record x in the history again.
+        elif self.recomputing() and self.last_scale is not None:
+            # Activation checkpointing recomputes the forward, which must compute what it did (the
+            # same scale) and not record x in the history again.
             scale = self.last_scale
         else:
             amax = abs_max(x.reshape(-1)).float().reshape(1)
@@ -138,6 +134,20 @@ class Fp8Linear(nn.Module):
                 self.amax_history.copy_(torch.cat([amax, self.amax_history[:-1]]))
         self.elements += x.numel()
         return scale
+
+    def check_input_scale(self):
+        """Set input_scale_set where the static scale was given some other way than calibration or
+        a checkpoint (checked once, eagerly: the check reads the scale on the host)."""
+        if torch.compiler.is_compiling() or not (self.input_scale > 0).all():
+            raise RuntimeError("fp8 static scaling: input_scale is not set; calibrate the module "
+                               "(begin_calibration, run inputs, end_calibration) or load a checkpoint")
+        self.input_scale_set = True
+
+    @staticmethod
+    def recomputing() -> bool:
+        """Whether this forward runs inside a backward pass (eager activation checkpointing; a
+        compiled graph's recompute does not run the module's Python again)."""
+        return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
     def calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Record x's amax and compute with the unquantized x (its scale is what is being measured)."""
@@ -160,11 +170,17 @@ class Fp8Linear(nn.Module):
         if self.calibrating and self.calibration_amax is not None:
             if self.options.scaling == "static":
                 self.input_scale.copy_(amax_to_scale(self.calibration_amax, E4M3).reshape(1))
+                self.input_scale_set = True
             else:
                 self.amax_history.zero_()
                 self.amax_history[0] = self.calibration_amax
         self.calibrating = False
         self.calibration_amax = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.options.scaling == "static" and f"{prefix}input_scale" in state_dict:
+            self.input_scale_set = bool((self.input_scale > 0).all())  # read once here, not per call
 
     def loaded_state_problem(self) -> str | None:
         """What is wrong with the scales a checkpoint gave this module (lowconv.load asks), or None:

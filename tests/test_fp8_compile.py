@@ -1,0 +1,87 @@
+"""The fp8 op compiles whole (fullgraph=True) on the CPU reference path, in every scaling mode,
+for inference and training: the same outputs and gradients as eager, the GEMM kept as the custom
+op torch.ops.lowconv.fp8_gemm, no recompile from call to call."""
+import pytest
+import torch
+import torch._dynamo
+
+from lowconv.ops.fp8 import Fp8Options, from_site
+from tests import sites
+
+MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
+         [("dynamic", "tensor"), ("dynamic", "row"), ("static", "tensor"), ("delayed", "row")]
+         for t in (False, True)]
+
+
+def fp8_module(options, dtype=torch.float32):
+    torch.manual_seed(0)
+    site = sites.linear_site(64, 48, True, str(dtype).removeprefix("torch."))
+    module = from_site(site, options, {"weight": torch.randn(48, 64, dtype=dtype),
+                                       "bias": torch.randn(48, dtype=dtype)})
+    if module.needs_calibration:
+        module.begin_calibration()
+        module(torch.randn(32, 64, dtype=dtype))
+        module.end_calibration()
+    return module
+
+
+class GraphRecorder:
+    """A dynamo backend that keeps each graph it is given and runs it through aot_eager (which
+    traces the fake implementations and the autograd formulas, as inductor would)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def targets(self):
+        """The call targets of every graph, the subgraphs (autograd.Function bodies) too."""
+        return {str(node.target) for gm in self.graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+                for node in sub.graph.nodes}
+
+
+@pytest.mark.parametrize("options", MODES, ids=lambda o: f"{o.scaling}-{o.granularity}-{'train' if o.training else 'infer'}")
+def test_fp8_module_compiles_whole(options):
+    torch._dynamo.reset()
+    eager, compiled = fp8_module(options), fp8_module(options)
+    recorder = GraphRecorder()
+    run = torch.compile(compiled, fullgraph=True, backend=recorder)
+    for step in range(3):  # a second and third call reuse the graph (no recompile on counters, history)
+        x = torch.randn(2, 5, 64) * (1 + step)
+        x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_eager, y_compiled = eager(x_eager), run(x_compiled)
+        torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
+        y_eager.square().sum().backward()
+        y_compiled.square().sum().backward()
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-5, atol=1e-5)
+    if options.training:
+        torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.bias.grad, eager.bias.grad, rtol=1e-5, atol=1e-5)
+    assert len(recorder.graphs) == 1
+    assert "lowconv.fp8_gemm" in recorder.targets()
+    assert compiled.report_stats() == eager.report_stats()
+    if options.scaling == "delayed":
+        assert torch.equal(compiled.amax_history, eager.amax_history)
+
+
+def test_static_scale_never_set_is_an_error_under_compile():
+    module = fp8_module(Fp8Options(scaling="dynamic"))
+    uncalibrated = from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
+                             {"weight": torch.randn(48, 64), "bias": torch.randn(48)})
+    assert module(torch.randn(3, 64)).shape == (3, 48)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="input_scale is not set"):
+        torch.compile(uncalibrated, fullgraph=True, backend="eager")(torch.randn(3, 64))
+
+
+def test_loaded_static_scale_is_taken_without_a_check_per_call():
+    calibrated = fp8_module(Fp8Options(scaling="static"))
+    rebuilt = from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
+                        {"weight": torch.randn(48, 64), "bias": torch.randn(48)})
+    assert not rebuilt.input_scale_set
+    rebuilt.load_state_dict(calibrated.state_dict())
+    assert rebuilt.input_scale_set
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(rebuilt(x), calibrated(x))
