@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""The scoreboard: whole models, converted by each built-in recipe, against the same bf16 model
+eager and under torch.compile, in one process per model.
+
+Per model, every variant (the bf16 original and each recipe's conversion of the same random
+weights) runs eagerly and compiled. Reported per variant: the median time of interleaved rounds
+(each round one triton do_bench median per variant, the variants in a shuffled order) with the
+rounds' spread, the ratio to bf16 eager and to bf16 compiled, the bytes of its weights, the
+conversion's time, its peak GPU memory above the original model and what it left allocated when
+convert returned (beyond the converted model itself, with no gc.collect), the output's SQNR against
+the bf16 original's eager output (checked before anything is timed), and the compiled graph's
+breaks (fullgraph=True is tried first; where it fails the model is compiled with breaks and the
+count is given).
+
+Models (random weights, bf16, eval):
+  llama-prefill  LlamaForCausalLM from a config at 8B-class width (hidden 4096, 32 / 8 heads,
+                 intermediate 14336, 8 layers, vocab 32000), SDPA attention, prefill 8 x 2048
+                 tokens, all logits; converted on the same inputs
+  llama-decode   the same model, one new token for each of 64 sequences against a static KV cache
+                 of 2048 tokens (filled once by the bf16 model); converted on those 64 tokens
+                 without a cache; compiled with mode="reduce-overhead" (CUDA graphs), as decoding
+                 is launch-bound
+  vit_b_16       torchvision vit_b_16, batch 64 at 224 x 224
+  vit_l_16       torchvision vit_l_16, batch 64
+
+    PYTHONPATH=. python3 scripts/bench_models.py --out DIR [--models llama-prefill,vit_b_16]
+        [--recipes fp8-row,fp8-dynamic] [--rounds 5]
+    python3 scripts/bench_models.py --out DIR --device cpu --tiny --rounds 1   # plumbing only
+
+Each model runs in a child process (its compiled graphs and memory do not reach the next);
+DIR/bench_models.md gets every model's table, DIR/bench_models-<model>.json its data.
+"""
+import argparse
+import datetime
+import gc
+import json
+import math
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import lowconv  # noqa: E402
+from scripts.bench_common import first_line  # noqa: E402
+
+MODELS = ("llama-prefill", "llama-decode", "vit_b_16", "vit_l_16")
+# fp16acc converts fp16 models only; keep-all converts nothing.
+RECIPES = ("fp8-row", "fp8-dynamic", "fp8-static", "semi-sparse", "sparse-attention-bf16", "mixed")
+BF16 = torch.bfloat16
+
+
+@dataclass
+class Case:
+    """A model to time: `run(model)` is one timed call and returns the output compared."""
+    model: torch.nn.Module
+    convert_inputs: object  # what convert traces and calibrates with
+    run: object
+    compile_mode: str | None = None
+
+
+@dataclass
+class Variant:
+    name: str
+    recipe: str | None
+    weight_bytes: int = 0
+    convert_s: float | None = None
+    convert_peak_bytes: int | None = None
+    held_after_bytes: int | None = None
+    sqnr_db: float | None = None
+    compiled_sqnr_db: float | None = None
+    graph_breaks: int | None = None
+    compile_s: float | None = None
+    eager_rounds_ms: list = field(default_factory=list)
+    compiled_rounds_ms: list = field(default_factory=list)
+    error: str | None = None
+
+
+def llama_config(tiny: bool):
+    from transformers import LlamaConfig
+    if tiny:
+        return LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                           num_hidden_layers=2, vocab_size=256, max_position_embeddings=256,
+                           attn_implementation="sdpa")
+    return LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                       num_hidden_layers=8, vocab_size=32000, max_position_embeddings=4096,
+                       attn_implementation="sdpa")
+
+
+def llama_model(config, device):
+    from transformers import LlamaForCausalLM
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(BF16)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def llama_prefill(device, tiny):
+    config = llama_config(tiny)
+    batch, tokens = (2, 32) if tiny else (8, 2048)
+    ids = torch.randint(config.vocab_size, (batch, tokens), device=device)
+    return Case(llama_model(config, device), {"input_ids": ids, "use_cache": False},
+                lambda m: m(input_ids=ids, use_cache=False).logits)
+
+
+def llama_decode(device, tiny):
+    from transformers import StaticCache
+    config = llama_config(tiny)
+    batch, context = (4, 32) if tiny else (64, 2048)
+    model = llama_model(config, device)
+    cache = StaticCache(config=config, max_cache_len=context + 1)
+    with torch.no_grad():  # the cache's 2048 tokens, written once; every timed call rewrites slot 2048 only
+        model(input_ids=torch.randint(config.vocab_size, (batch, context), device=device), past_key_values=cache,
+              cache_position=torch.arange(context, device=device), logits_to_keep=1)
+    new = torch.randint(config.vocab_size, (batch, 1), device=device)
+    position = torch.tensor([context], device=device)
+
+    def step(m):
+        for layer in cache.layers:  # the cache counts the tokens it took: back to `context` for each step
+            layer.cumulative_length.fill_(context)
+        return m(input_ids=new, past_key_values=cache, cache_position=position).logits
+    return Case(model, {"input_ids": new, "use_cache": False}, step, compile_mode="reduce-overhead")
+
+
+def vit(name):
+    def build(device, tiny):
+        import torchvision
+        kwargs = dict(image_size=32, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128) if tiny else {}
+        model = (torchvision.models.VisionTransformer(patch_size=16, **kwargs) if tiny
+                 else getattr(torchvision.models, name)())
+        model = model.to(device, BF16).eval()
+        images = torch.randn(2 if tiny else 64, 3, *(2 * [32 if tiny else 224]), device=device, dtype=BF16)
+        return Case(model, (images,), lambda m: m(images))
+    return build
+
+
+BUILDERS = {"llama-prefill": llama_prefill, "llama-decode": llama_decode, "vit_b_16": vit("vit_b_16"),
+            "vit_l_16": vit("vit_l_16")}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in (*model.parameters(), *model.buffers())}
+    return sum(tensors.values())
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.float(), out.float()
+    noise = (out - ref).pow(2).sum(dtype=torch.float64).item()
+    signal = ref.pow(2).sum(dtype=torch.float64).item()
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise) if math.isfinite(noise) else -math.inf
+
+
+def allocated(device) -> int:
+    return torch.cuda.memory_allocated() if device.type == "cuda" else 0
+
+
+def convert(case: Case, recipe: str, variant: Variant, device):
+    """The converted model, with the conversion's time and GPU memory filled into `variant`."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = allocated(device)
+    start = time.perf_counter()
+    converted = lowconv.convert(case.model, recipe, example_inputs=case.convert_inputs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        variant.convert_peak_bytes = torch.cuda.max_memory_allocated() - base
+    variant.convert_s = time.perf_counter() - start
+    variant.weight_bytes = weight_bytes(converted)
+    variant.held_after_bytes = allocated(device) - base - variant.weight_bytes
+    return converted
+
+
+def compiled_call(case: Case, model, variant: Variant):
+    """A compiled call of `model`: fullgraph=True, else (with the graph breaks counted) without."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.config.cache_size_limit = 64  # one entry per variant of the same model class
+    for fullgraph in (True, False):
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=fullgraph, mode=case.compile_mode)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                case.run(compiled)
+                out = case.run(compiled).clone()  # reduce-overhead records on the second call
+        except Exception as error:  # noqa: BLE001 - a graph break under fullgraph: retry with breaks
+            if not fullgraph:
+                raise
+            variant.error = f"fullgraph: {first_line(error)}"
+            continue
+        variant.compile_s = time.perf_counter() - start
+        variant.graph_breaks = sum(counters["graph_break"].values())
+        return compiled, out
+    raise AssertionError("unreachable")
+
+
+def timed(case: Case, model):
+    def call():
+        with torch.no_grad():
+            return case.run(model)
+    return call
+
+
+def measure_round(calls, device, args, round_index):
+    """One round: each (rounds list, call) timed once, in a shuffled order (seeded by the round)."""
+    import triton.testing
+    for target, call in random.Random(round_index).sample(calls, len(calls)):
+        if device.type == "cuda":
+            target.append(triton.testing.do_bench(call, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"))
+        else:
+            start = time.perf_counter()
+            call()
+            target.append((time.perf_counter() - start) * 1e3)
+
+
+def bench_model(name: str, args) -> dict:
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    case = BUILDERS[name](device, args.tiny)
+    with torch.no_grad():
+        reference = case.run(case.model).clone()
+    original = Variant("bf16", None, weight_bytes=weight_bytes(case.model))
+    variants, calls = [original], []
+    models = {"bf16": case.model}
+    for recipe in args.recipes:
+        variant = Variant(recipe, recipe)
+        variants.append(variant)
+        try:
+            models[recipe] = convert(case, recipe, variant, device)
+        except Exception as error:  # noqa: BLE001 - a recipe that fails is a row of the table
+            variant.error = f"convert: {first_line(error)}"
+        print(f"[{name}] converted {recipe}: {variant.error or f'{variant.convert_s:.1f} s'}", flush=True)
+    for variant in variants:
+        model = models.get(variant.name)
+        if model is None:
+            continue
+        try:
+            with torch.no_grad():
+                variant.sqnr_db = sqnr_db(reference, case.run(model))
+            calls.append((variant.eager_rounds_ms, timed(case, model)))
+            compiled, out = compiled_call(case, model, variant)
+            variant.compiled_sqnr_db = sqnr_db(reference, out)
+            calls.append((variant.compiled_rounds_ms, timed(case, compiled)))
+        except Exception as error:  # noqa: BLE001
+            variant.error = f"{variant.error + '; ' if variant.error else ''}{first_line(error)}"
+        print(f"[{name}] {variant.name}: sqnr {variant.sqnr_db} / compiled {variant.compiled_sqnr_db}, "
+              f"breaks {variant.graph_breaks}, compile {variant.compile_s}, {variant.error or 'ok'}", flush=True)
+    for round_index in range(args.rounds):
+        measure_round(calls, device, args, round_index)
+    return {"model": name, **run_header(args, device), "variants": [asdict(v) for v in variants]}
+
+
+def run_header(args, device) -> dict:
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "command": "python3 " + " ".join(map(shlex.quote, sys.argv)),
+            "rounds": args.rounds, "do_bench": f"warmup {args.warmup_ms:g} ms, rep {args.rep_ms:g} ms"}
+
+
+def median_cell(rounds_ms: list) -> str:
+    if not rounds_ms:
+        return "-"
+    return f"{statistics.median(rounds_ms):.2f} ({min(rounds_ms):.2f}-{max(rounds_ms):.2f})"
+
+
+def ratio(base: list, rounds_ms: list) -> str:
+    if not base or not rounds_ms:
+        return "-"
+    return f"{statistics.median(base) / statistics.median(rounds_ms):.2f}x"
+
+
+def table(data: dict) -> str:
+    variants = data["variants"]
+    bf16 = variants[0]
+    eager, compiled = bf16["eager_rounds_ms"], bf16["compiled_rounds_ms"]
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
+    db = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+    rows = [[v["name"], median_cell(v["eager_rounds_ms"]), median_cell(v["compiled_rounds_ms"]),
+             ratio(eager, v["eager_rounds_ms"]), ratio(eager, v["compiled_rounds_ms"]),
+             ratio(compiled, v["compiled_rounds_ms"]), gb(v["weight_bytes"]),
+             "-" if v["convert_s"] is None else f"{v['convert_s']:.1f}", gb(v["convert_peak_bytes"]),
+             gb(v["held_after_bytes"]), db(v["sqnr_db"]), db(v["compiled_sqnr_db"]),
+             "-" if v["graph_breaks"] is None else v["graph_breaks"], v["error"] or ""]
+            for v in variants]
+    headers = ["variant", "eager ms (spread)", "compiled ms (spread)", "eager vs bf16 eager",
+               "compiled vs bf16 eager", "compiled vs bf16 compiled", "weights GB", "convert s",
+               "convert peak GB", "held after GB", "SQNR dB", "compiled SQNR dB", "graph breaks", "notes"]
+    return (f"### {data['model']}\n\n{data['device']}, torch {data['torch']}, {data['date']}, "
+            f"{data['rounds']} interleaved rounds ({data['do_bench']})\n\n"
+            + tabulate(rows, headers, tablefmt="github") + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--model", help=argparse.SUPPRESS)  # a child process: this one model
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated built-in recipes")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup-ms", type=float, default=50)
+    parser.add_argument("--rep-ms", type=float, default=300)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs (plumbing test, e.g. with --device cpu)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.recipes = [r for r in args.recipes.split(",") if r]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        data = bench_model(args.model, args)
+        (out / f"bench_models-{args.model}.json").write_text(json.dumps(data, indent=1))
+        print(table(data))
+        return
+    status, tables = 0, []
+    for name in args.models.split(","):
+        if name not in BUILDERS:
+            sys.exit(f"bench_models: unknown model {name!r} (choices: {', '.join(MODELS)})")
+        child = [sys.executable, __file__, "--model", name, *sys.argv[1:]]
+        status |= subprocess.run(child).returncode
+        result = out / f"bench_models-{name}.json"
+        if result.exists():
+            tables.append(table(json.loads(result.read_text())))
+    (out / "bench_models.md").write_text("\n".join(tables))
+    print("\n".join(tables))
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
