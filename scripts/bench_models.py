@@ -140,6 +140,7 @@ def vit(name):
         kwargs = dict(image_size=32, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128) if tiny else {}
         model = (torchvision.models.VisionTransformer(patch_size=16, **kwargs) if tiny
                  else getattr(torchvision.models, name)())
+        torch.nn.init.normal_(model.heads.head.weight, std=0.02)  # torchvision zeroes it: outputs all 0
         model = model.to(device, BF16).eval()
         images = torch.randn(2 if tiny else 64, 3, *(2 * [32 if tiny else 224]), device=device, dtype=BF16)
         return Case(model, (images,), lambda m: m(images))
@@ -235,7 +236,7 @@ def bench_model(name: str, args) -> dict:
     with torch.no_grad():
         reference = case.run(case.model).clone()
     original = Variant("bf16", None, weight_bytes=weight_bytes(case.model))
-    variants, calls = [original], []
+    variants, calls, profiled = [original], [], {}
     models = {"bf16": case.model}
     for recipe in args.recipes:
         variant = Variant(recipe, recipe)
@@ -258,13 +259,29 @@ def bench_model(name: str, args) -> dict:
             compiled, out = compiled_call(case, model, variant)
             variant.compiled_sqnr_db = sqnr_db(reference, out)
             calls.append((variant.compiled_rounds_ms, timed(case, compiled)))
+            profiled[variant.name] = timed(case, compiled)
         except Exception as error:  # noqa: BLE001
             variant.error = f"{variant.error + '; ' if variant.error else ''}{first_line(error)}"
         print(f"[{name}] {variant.name}: sqnr {variant.sqnr_db} / compiled {variant.compiled_sqnr_db}, "
               f"breaks {variant.graph_breaks}, compile {variant.compile_s}, {variant.error or 'ok'}", flush=True)
     for round_index in range(args.rounds):
         measure_round(calls, device, args, round_index)
+    for variant in args.profile:
+        if variant in profiled and device.type == "cuda":
+            (Path(args.out) / f"profile-{name}-{variant}.txt").write_text(kernel_table(profiled[variant]))
     return {"model": name, **run_header(args, device), "variants": [asdict(v) for v in variants]}
+
+
+def kernel_table(call, calls: int = 3) -> str:
+    """The GPU kernels of `calls` calls (after a warm one), by total time."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=120)
 
 
 def run_header(args, device) -> dict:
@@ -319,8 +336,11 @@ def main():
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (plumbing test, e.g. with --device cpu)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="", help="comma-separated variants (bf16 or recipes) whose compiled "
+                                                      "call's GPU kernels are written to DIR/profile-MODEL-VARIANT.txt")
     args = parser.parse_args()
     args.recipes = [r for r in args.recipes.split(",") if r]
+    args.profile = [v for v in args.profile.split(",") if v]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model:
