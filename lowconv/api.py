@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -21,6 +21,7 @@ from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inpu
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
 from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
+from lowconv.site_timing import SiteTiming, time_linear_site
 from lowconv.version import __version__
 
 PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
@@ -107,13 +108,26 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
-        module = keep_frozen(op.from_site(site, options, site_params(site, found.model)), site.frozen)
-        modules[site.fqn] = module.to(site_device(site, found.model))
-        decision.note = module.plan_note() if hasattr(module, "plan_note") else ""
+        params = site_params(site, found.model)
+        module = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
+        timing = time_linear_site(site, module, params) if op.timed and not decision.forced else None
+        if timing is not None and timing.slower:
+            keep_slower(decision, timing)
+            continue
+        modules[site.fqn] = module
+        decision.note = "; ".join(filter(None, [module.plan_note() if hasattr(module, "plan_note") else "",
+                                                timing and f"measured {timing.describe(decision.op)}"]))
     converted = rewrite(found.model, found.trace, found.sites, modules)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     attach_plan(converted, plan)
     return converted
+
+
+def keep_slower(decision, timing: SiteTiming) -> None:
+    """Never slower: the site stays as written where its op measured slower than the original."""
+    decision.reason = (f"{decision.reason}, but kept: {timing.describe(decision.op)}; "
+                       f"force = true in the rule converts it anyway")
+    decision.op, decision.options = "keep", asdict(OPS["keep"].options())
 
 
 def site_device(site: Site, model: nn.Module) -> torch.device:

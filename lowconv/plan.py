@@ -17,6 +17,7 @@ class Decision:
     rule: int | None  # 1-based index of the recipe rule that decided, None when none matched
     reason: str  # why, in words
     note: str = ""  # what the op module measured or chose when it was built (e.g. a 2:4 layer's backend)
+    forced: bool = False  # the rule says convert even where the op measures slower than the original
 
     @property
     def fqn(self) -> str:

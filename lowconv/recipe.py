@@ -10,6 +10,7 @@ and the planner that gives every site the op of the first rule that matches it.
     ignore = ["head"]                    # same grammar
     op = "fp8"
     options = { granularity = "row" }
+    force = false                        # true: convert even where the op measures slower (CUDA)
 
     [report]
     min_sqnr_db = 20
@@ -34,7 +35,7 @@ from lowconv.site import Site
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 SITE_KINDS = ("linear", "attention")
 TOP_KEYS = {"name", "description", "rules", "report"}
-RULE_KEYS = {"name", "kind", "modules", "ignore", "op", "options"}
+RULE_KEYS = {"name", "kind", "modules", "ignore", "op", "options", "force"}
 REPORT_KEYS = {"min_sqnr_db"}
 
 
@@ -47,6 +48,7 @@ class Rule:
     modules: list[str] = dataclasses.field(default_factory=list)
     ignore: list[str] = dataclasses.field(default_factory=list)
     name: str = ""
+    force: bool = False  # convert even where conversion measures the op slower than the original
 
     def label(self) -> str:
         return f"rule {self.index}" + (f" ({self.name})" if self.name else "")
@@ -135,7 +137,7 @@ def parse_rule(data, index: int, source: str) -> Rule:
                     raise LowconvError(f"{where}: {key}: {p!r} is not a valid regex: {err}") from None
     options = parse_options(op.options, data.get("options", {}), f"{where}: options")
     return Rule(index, op_name, options, kind, patterns["modules"], patterns["ignore"],
-                expect(data.get("name", ""), str, f"{where}: name"))
+                expect(data.get("name", ""), str, f"{where}: name"), expect(data.get("force", False), bool, f"{where}: force"))
 
 
 def parse_options(cls: type, raw, where: str):
@@ -235,7 +237,7 @@ def decide(site: Site, rules: list[Rule]) -> Decision:
         if why_not:
             return Decision(site.describe(), "keep", keep_options, rule.index,
                             f"{rule.label()} chose {rule.op}, but {why_not}")
-        return Decision(site.describe(), rule.op, options, rule.index, f"{rule.label()} matched")
+        return Decision(site.describe(), rule.op, options, rule.index, f"{rule.label()} matched", forced=rule.force)
     return Decision(site.describe(), "keep", keep_options, None, "no rule matched")
 
 

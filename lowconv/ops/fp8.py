@@ -233,4 +233,5 @@ FP8 = register(Op(
     check=check,
     from_site=from_site,
     empty=empty,
+    timed=True,
 ))

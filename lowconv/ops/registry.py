@@ -36,6 +36,9 @@ class Op:
     # for functional attention {}.
     from_site: Callable[[Site, Any, dict[str, torch.Tensor]], nn.Module] | None
     empty: Callable[[Site, Any], nn.Module] | None
+    # Whether conversion on CUDA times the op's module against the original at the site's shape
+    # and keeps the original where the op is slower (unless the rule forces it): ops for speed.
+    timed: bool = False
 
 
 OPS: dict[str, Op] = {}

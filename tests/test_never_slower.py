@@ -1,0 +1,70 @@
+"""Never slower: a site whose op measures slower than the original at conversion is kept, and the
+plan says why, unless the recipe's rule forces the op. The timing itself runs on CUDA only; here it
+is replaced by a stand-in that says what a GPU would have measured."""
+import pytest
+import torch
+from torch import nn
+
+import lowconv
+from lowconv import api
+from lowconv.errors import LowconvError
+from lowconv.recipe import parse_recipe
+from lowconv.site_timing import SiteTiming, time_linear_site
+from tests import sites
+
+RECIPE = """
+[[rules]]
+kind = "linear"
+op = "fp8"
+{force}
+"""
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+
+
+def timing_by_fqn(slow_fqns):
+    def fake(site, module, params):
+        return SiteTiming(op_ms=2.0 if site.fqn in slow_fqns else 0.5, original_ms=1.0, shape="8 x 64 x 128")
+    return fake
+
+
+def test_a_site_measured_slower_is_kept_with_the_reason(monkeypatch):
+    monkeypatch.setattr(api, "time_linear_site", timing_by_fqn({"2"}))
+    converted = lowconv.convert(mlp(), parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
+    decisions = {d.fqn: d for d in converted.lowconv_plan.decisions}
+    assert decisions["0"].op == "fp8" and "measured fp8 500.0 us vs the original's 1000.0 us" in decisions["0"].note
+    assert decisions["2"].op == "keep" and "kept: fp8 2000.0 us vs the original's 1000.0 us" in decisions["2"].reason
+    assert "force = true" in decisions["2"].reason
+    assert type(converted[2]) is nn.Linear and type(converted[0]).__name__ == "Fp8Linear"
+
+
+def test_a_forced_rule_converts_a_slower_site_without_timing_it(monkeypatch):
+    def never(*args):
+        raise AssertionError("a forced site is not timed")
+    monkeypatch.setattr(api, "time_linear_site", never)
+    converted = lowconv.convert(mlp(), parse_recipe(RECIPE.format(force="force = true")), (torch.randn(8, 64),))
+    assert all(d.op == "fp8" and d.forced for d in converted.lowconv_plan.decisions)
+
+
+def test_force_must_be_a_boolean():
+    with pytest.raises(LowconvError, match=r"rule 1: force: expected boolean, got 'yes'"):
+        parse_recipe(RECIPE.format(force='force = "yes"'), "r.toml")
+
+
+def test_sites_are_not_timed_off_the_gpu():
+    site = sites.linear_site(64, 128, dtype="float32")
+    module = nn.Linear(64, 128)
+    assert time_linear_site(site, module, {"weight": module.weight, "bias": module.bias}) is None
+
+
+@pytest.mark.gpu
+def test_timing_on_the_gpu_compares_the_op_with_f_linear():
+    site = sites.linear_site(4096, 4096, dtype="bfloat16")
+    site.input = type(site.input)((4096, 4096), "bfloat16")
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    timing = time_linear_site(site, nn.Linear(4096, 4096, bias=False).cuda().bfloat16(), {"weight": weight})
+    assert timing is not None and 0.5 < timing.op_ms / timing.original_ms < 2  # the same GEMM, timed twice
+    assert timing.shape == "4096 x 4096 x 4096"
