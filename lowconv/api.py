@@ -422,7 +422,8 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
         with evaluating(original, plain_path=False), evaluating(converted, plain_path=False):
             original_ms, original_mb = reports.measure_perf(original, *fresh_inputs(args, kwargs), device)
             converted_ms, converted_mb = reports.measure_perf(converted, *fresh_inputs(args, kwargs), device)
-        perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device))
+            compiled_ms = [reports.measure_compiled_ms(model, *fresh_inputs(args, kwargs)) for model in (original, converted)]
+        perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device), *compiled_ms)
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(
         in_model, {d.fqn: d.op for d in plan.converted()}, outputs, site_alone=alone,

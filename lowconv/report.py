@@ -61,6 +61,9 @@ class Perf:
     original_peak_mb: float
     converted_peak_mb: float
     device: str = ""  # timings mean something only next to the device they were taken on
+    # The same forwards under torch.compile (None: not measured, or the model did not compile)
+    original_compiled_ms: float | None = None
+    converted_compiled_ms: float | None = None
 
 
 @dataclass
@@ -288,6 +291,8 @@ def report_from_dict(d: dict) -> Report:
             original_peak_mb=_number(perf["original_peak_mb"]),
             converted_peak_mb=_number(perf["converted_peak_mb"]),
             device=perf["device"],
+            original_compiled_ms=_number(perf.get("original_compiled_ms")),
+            converted_compiled_ms=_number(perf.get("converted_compiled_ms")),
         ),
         title=d["title"],
         recipe=d["recipe"],
@@ -321,6 +326,23 @@ def measure_perf(model: torch.nn.Module, args: tuple, kwargs: dict, device: torc
         return float(do_bench(forward, return_mode="median")), peak_mb
     except ImportError:
         return statistics.median(cuda_ms_per_call(forward, samples=20, calls=1)), peak_mb
+
+
+def measure_compiled_ms(model: torch.nn.Module, args: tuple, kwargs: dict) -> float | None:
+    """Median ms per forward of `model` under torch.compile (its default mode), or None where it
+    does not compile. CUDA only, as measure_perf."""
+    compiled = torch.compile(model)
+
+    def forward():
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+
+    try:
+        forward()  # compiles
+    except Exception:  # noqa: BLE001 - a model that does not compile has no compiled time to report
+        return None
+    from triton.testing import do_bench
+    return float(do_bench(forward, return_mode="median"))
 
 
 def _unique_storages(model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
@@ -360,6 +382,8 @@ def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
             ["", "original", "converted", "converted / original"],
             [
                 ["median ms", _sig3(p.original_ms), _sig3(p.converted_ms), _ratio(p.converted_ms, p.original_ms)],
+                ["median ms, torch.compile", _sig3(p.original_compiled_ms), _sig3(p.converted_compiled_ms),
+                 _ratio(p.converted_compiled_ms, p.original_compiled_ms)],
                 ["peak MB", _sig3(p.original_peak_mb), _sig3(p.converted_peak_mb), _ratio(p.converted_peak_mb, p.original_peak_mb)],
             ],
         ))
@@ -397,12 +421,12 @@ def _db(x: float) -> str:
     return f"{x:.1f}"  # Python prints inf, -inf and nan as such
 
 
-def _sig3(x: float) -> str:
-    return f"{x:.3g}"
+def _sig3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
-def _ratio(converted: float, original: float) -> str:
-    return f"{converted / original:.2f}x" if original else "-"
+def _ratio(converted: float | None, original: float | None) -> str:
+    return f"{converted / original:.2f}x" if original and converted is not None else "-"
 
 
 def _json_safe(obj: Any) -> Any:
@@ -415,7 +439,7 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def _number(value: float | int | str) -> float | int:
+def _number(value: float | int | str | None) -> float | int | None:
     return float(value) if isinstance(value, str) else value
 
 

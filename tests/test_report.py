@@ -17,6 +17,7 @@ from lowconv.report import (
     flatten_outputs,
     gate_failures,
     logit_metrics,
+    measure_compiled_ms,
     measure_perf,
     report_from_dict,
     report_to_dict,
@@ -293,3 +294,21 @@ def test_measure_perf_on_cuda():
     # The weights dominate: 4096 x 4096 float32 is 64 MiB, and the small model must not count them.
     assert 64 <= mb_large < 70
     assert mb_small < 2
+
+
+def test_compiled_times_are_shown_and_kept():
+    perf = Perf(2.0, 1.5, 100.0, 60.0, "NVIDIA H100", original_compiled_ms=1.6, converted_compiled_ms=0.8)
+    report = small_report(gate_min_sqnr_db=25.0, perf=perf)
+    text = report_to_table(report)
+    assert "median ms, torch.compile" in text and "1.6" in text and "0.50x" in text
+    assert report_from_dict(json.loads(json.dumps(report_to_dict(report)))) == report
+    older = report_to_dict(small_report(perf=Perf(2.0, 1.5, 100.0, 60.0, "NVIDIA H100")))
+    for key in ("original_compiled_ms", "converted_compiled_ms"):  # a report.json written before they existed
+        del older["perf"][key]
+    assert report_from_dict(older).perf.converted_compiled_ms is None
+
+
+@pytest.mark.gpu
+def test_compiled_time_of_a_model_on_the_gpu():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()).cuda()
+    assert measure_compiled_ms(model, (torch.randn(64, 256, device="cuda"),), {}) > 0
