@@ -7,6 +7,7 @@ import torch._dynamo
 
 from lowconv.ops.fp8 import Fp8Options, from_site
 from tests import sites
+from tests.compiled_graphs import GraphRecorder
 
 MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
          [("dynamic", "tensor"), ("dynamic", "row"), ("static", "tensor"), ("delayed", "row")]
@@ -23,23 +24,6 @@ def fp8_module(options, dtype=torch.float32):
         module(torch.randn(32, 64, dtype=dtype))
         module.end_calibration()
     return module
-
-
-class GraphRecorder:
-    """A dynamo backend that keeps each graph it is given and runs it through aot_eager (which
-    traces the fake implementations and the autograd formulas, as inductor would)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
-
-    def targets(self):
-        """The call targets of every graph, the subgraphs (autograd.Function bodies) too."""
-        return {str(node.target) for gm in self.graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
-                for node in sub.graph.nodes}
 
 
 @pytest.mark.parametrize("options", MODES, ids=lambda o: f"{o.scaling}-{o.granularity}-{'train' if o.training else 'infer'}")
@@ -60,7 +44,7 @@ def test_fp8_module_compiles_whole(options):
         torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled.bias.grad, eager.bias.grad, rtol=1e-5, atol=1e-5)
     assert len(recorder.graphs) == 1
-    assert "lowconv.fp8_gemm" in recorder.targets()
+    assert recorder.lowconv_ops() == {"lowconv.fp8_gemm"}
     assert compiled.report_stats() == eager.report_stats()
     if options.scaling == "delayed":
         assert torch.equal(compiled.amax_history, eager.amax_history)
