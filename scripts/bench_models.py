@@ -79,6 +79,7 @@ class Variant:
     sqnr_db: float | None = None
     compiled_sqnr_db: float | None = None
     graph_breaks: int | None = None
+    sites: str = ""  # converted / found, and how many were kept as measured slower
     compile_s: float | None = None
     eager_rounds_ms: list = field(default_factory=list)
     compiled_rounds_ms: list = field(default_factory=list)
@@ -181,6 +182,11 @@ def convert(case: Case, recipe: str, variant: Variant, device):
         torch.cuda.synchronize()
         variant.convert_peak_bytes = torch.cuda.max_memory_allocated() - base
     variant.convert_s = time.perf_counter() - start
+    plan = converted.lowconv_plan
+    slower = sum(", but kept: " in d.reason for d in plan.decisions)
+    variant.sites = f"{len(plan.converted())}/{len(plan.decisions)}" + (f" ({slower} kept: slower)" if slower else "")
+    for decision in plan.decisions:
+        print(f"  {recipe} {decision.fqn}: {decision.op}; {decision.reason}; {decision.note}")
     variant.weight_bytes = weight_bytes(converted)
     variant.held_after_bytes = allocated(device) - base - variant.weight_bytes
     return converted
@@ -314,11 +320,12 @@ def table(data: dict) -> str:
              ratio(compiled, v["compiled_rounds_ms"]), gb(v["weight_bytes"]),
              "-" if v["convert_s"] is None else f"{v['convert_s']:.1f}", gb(v["convert_peak_bytes"]),
              gb(v["held_after_bytes"]), db(v["sqnr_db"]), db(v["compiled_sqnr_db"]),
-             "-" if v["graph_breaks"] is None else v["graph_breaks"], v["error"] or ""]
+             "-" if v["graph_breaks"] is None else v["graph_breaks"], v["sites"], v["error"] or ""]
             for v in variants]
     headers = ["variant", "eager ms (spread)", "compiled ms (spread)", "eager vs bf16 eager",
                "compiled vs bf16 eager", "compiled vs bf16 compiled", "weights GB", "convert s",
-               "convert peak GB", "held after GB", "SQNR dB", "compiled SQNR dB", "graph breaks", "notes"]
+               "convert peak GB", "held after GB", "SQNR dB", "compiled SQNR dB", "graph breaks", "sites converted",
+               "notes"]
     return (f"### {data['model']}\n\n{data['device']}, torch {data['torch']}, {data['date']}, "
             f"{data['rounds']} interleaved rounds ({data['do_bench']})\n\n"
             + tabulate(rows, headers, tablefmt="github") + "\n")
