@@ -15,8 +15,8 @@ import torch
 
 import lowconv.kernels.fp16acc as fa
 import lowconv.kernels.fp16acc_wgmma as fw
-from lowconv.kernels.fp16acc import (Fp16AccMatmul, auto_splits, chunks, combine_in_order, cublas_fp16acc,
-                                     fp16acc_matmul, fp16acc_matmul_reference)
+from lowconv.kernels.fp16acc import (auto_splits, chunks, combine_in_order, cublas_fp16acc, fp16acc_matmul,
+                                     fp16acc_matmul_reference, forward_gemm)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parent.parent
@@ -203,7 +203,7 @@ def test_cublas_backward_chunks_each_gradient_by_its_own_reduced_dim(chunk_calls
     x, w, b = operands(m, k, n, seed=6, device="cpu")
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     grad = torch.randn(m, n, generator=torch.Generator().manual_seed(7)).half()
-    Fp16AccMatmul.apply(*leaves, 2, "fp32", "cublas").backward(grad)
+    forward_gemm(*leaves, 2, "fp32", "cublas").backward(grad)
     forward, grad_x, grad_w = 2, chunks(n, auto_splits(n, m))[1], chunks(m, auto_splits(m, n))[1]
     assert len(chunk_calls) == forward + grad_x + grad_w and all(on for _, on in chunk_calls)
     assert fp16_accumulation_flag.allow_fp16_accumulation is False
@@ -218,7 +218,7 @@ def test_backward_splits_follow_the_combine(chunk_calls, fp16_accumulation_flag,
     """dX reduces over N = 1024, where auto_splits depends on the combine."""
     m, k, n = 8, 32, 1024
     leaves = [t.clone().requires_grad_() for t in operands(m, k, n, seed=8, device="cpu")]
-    Fp16AccMatmul.apply(*leaves, 1, combine, "cublas").backward(torch.ones(m, n, dtype=torch.float16))
+    forward_gemm(*leaves, 1, combine, "cublas").backward(torch.ones(m, n, dtype=torch.float16))
     widths = [width for width, _ in chunk_calls]
     assert widths == [k] + [n // grad_x_chunks] * grad_x_chunks + [m]  # forward, dX's chunks, dW
 
