@@ -142,6 +142,18 @@ def test_batched_input_keeps_its_leading_dims():
     assert torch.equal(y.reshape(12, 32), fp16acc_matmul(x, w, b, 1, backend="triton"))
 
 
+@pytest.mark.parametrize("backend", ["triton", "cublas", "reference"])
+@pytest.mark.parametrize("m", [3, 70], ids=["small M", "large M"])
+def test_each_backend_is_a_library_op(backend, m):
+    """Schema, fake implementation, registered autograd and torch.compile's dispatch of each
+    backend's GEMM op, checked by torch.library.opcheck (the cuBLAS op runs torch's matmul on the CPU)."""
+    x, w, b = operands(m, 40, 24, seed=14)
+    op = fa.GEMMS[backend]
+    torch.library.opcheck(op, (x, w, b, 2, "fp32"))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    torch.library.opcheck(op, (*leaves, 3, "fp16"))
+
+
 # --- the cuBLAS path on the CPU, through a stand-in for the per-chunk matmul -------------------
 
 @pytest.fixture

@@ -457,14 +457,14 @@ def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, progra
         config = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)))[0]
     # The config the autotuner picked, without the autotuner: at decode an eager call is bound by
     # host time, which the autotuner's lookup adds to; and a compiled graph runs what eager runs.
-    wrap(in_config(tuner.fn, config))[grid](*args, **kwargs)
+    wrap(kernel_in(config))[grid](*args, **kwargs)
 
 
 @functools.cache
-def in_config(kernel, config: triton.Config):
-    """The kernel always launched in `config` (an autotuner of that config alone: what wrap_triton
-    takes a config's launch options from; inductor leaves out maxnreg)."""
-    return triton.autotune([config], key=[])(kernel)
+def kernel_in(config: triton.Config):
+    """_fp16acc_kernel always launched in `config`: an autotuner of that config alone, from which
+    wrap_triton takes the config's launch options (inductor leaves out maxnreg)."""
+    return triton.autotune([config], key=[])(_fp16acc_kernel)
 
 
 def tuned_config(tuner, args):
