@@ -379,6 +379,11 @@ class SparseGemm:
         self.lock = threading.Lock()
         self.key = register(self)
 
+    def __deepcopy__(self, memo) -> SparseGemm:
+        """Itself: a copy of a module shares its plans, which hold no weights (and a lock, which
+        does not copy)."""
+        return self
+
     def compress(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight (N, K) in cuSPARSELt's layout (kept values and metadata in one uint8 buffer).
         Values outside the 2:4 pattern are not checked: the caller prunes."""

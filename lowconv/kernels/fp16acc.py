@@ -206,7 +206,7 @@ def backward_through(gemm):
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         g = grad.to(torch.float16)
-        (m, n), k = g.shape, x.shape[1]
+        m, n = g.shape
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:  # (M, K) = g (M, N) @ w (N, K): "w" is w^T, (K, N)
             grad_x = gemm(g, w.t(), None, auto_splits(int(n), int(m), ctx.combine), ctx.combine)
@@ -228,6 +228,9 @@ def reference_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
                    combine: str) -> torch.Tensor:
     """fp16acc_matmul_reference of x (M, K) as an op: its backward is the same split GEMM's."""
     return fp16acc_matmul_reference(x, w, bias, splits, combine)
+
+
+reference_gemm.register_fake(fp16_output)
 
 
 # --- cuBLAS: one matmul per chunk, fp16-accumulated --------------------------------------------
@@ -267,6 +270,9 @@ def cublas_fp16acc(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
             # one kernel: torch adds in fp32 and rounds to total's dtype (fp16 for combine "fp16")
             total.add_(chunk_product(x[:, start:start + width], w[:, start:start + width]))
     return add_bias(total.float(), bias)
+
+
+cublas_fp16acc.register_fake(fp16_output)
 
 
 # --- Triton ------------------------------------------------------------------------------------
@@ -425,6 +431,9 @@ def wgmma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], s
     return out
 
 
+wgmma_gemm.register_fake(fp16_output)
+
+
 def small_block_m(m: int) -> int:
     return 16 if m <= 16 else 64
 
@@ -483,7 +492,5 @@ def tuned_config(tuner, args):
 
 # The GEMM op of each backend, differentiable (backward_through).
 GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc, "reference": reference_gemm}
-for _gemm in (cublas_fp16acc, reference_gemm, wgmma_gemm):
-    _gemm.register_fake(fp16_output)
-for _gemm in GEMMS.values():
-    _gemm.register_autograd(backward_through(_gemm), setup_context=save_operands)
+for gemm in GEMMS.values():
+    gemm.register_autograd(backward_through(gemm), setup_context=save_operands)

@@ -277,6 +277,11 @@ class TrainingGemms:
     def __post_init__(self):
         self.key = cusparselt.register(self)
 
+    def __deepcopy__(self, memo) -> TrainingGemms:
+        """The same plans under a key of its own, for a copy of the layer: its compressions follow
+        the copy's mask."""
+        return TrainingGemms(self.forward, self.backward, self.rows)
+
     @staticmethod
     def of(weight: torch.Tensor, transposable: bool, rows: int | None = None) -> TrainingGemms:
         n, k = weight.shape

@@ -22,11 +22,11 @@ torch.compile. A module chooses for a device and dtype when converted on a GPU, 
 first eager call on that GPU (where "auto" times both GEMMs), and at once prepares the chosen
 backend (cuSPARSELt's copy of the weight and its plans, or the dense weight); .to() and
 load_state_dict prepare it again for the module's new device, dtype or weights. Under
-torch.compile a module runs the backend chosen and prepared for its input's device and dtype, and
-one not chosen yet runs masked-dense (the dense product it replaced, never slower than it),
-choosing and timing nothing: so convert on the GPU, or run the model once eagerly there, before
-compiling it, for the compiled model to run cuSPARSELt. The CPU reference compiles too; there a
-compressed layer that has not run eagerly unpacks its dense weight in the graph, on every call.
+torch.compile a module runs the backend chosen and prepared for its input's device and dtype; one
+not chosen yet runs masked-dense and chooses (times) nothing, and a compressed layer whose dense
+weight is not made yet unpacks it in the graph, on every call (on the CPU too). So convert on the
+GPU, or run the model once eagerly there, before compiling it: the compiled model then runs what
+the plan says.
 """
 import math
 from dataclasses import dataclass
