@@ -363,6 +363,17 @@ def test_wgmma_kernel_equals_the_triton_kernel(m, k, n, layout, splits, combine)
 
 @pytest.mark.gpu
 @needs_sm90
+def test_the_wgmma_kernel_is_a_library_op():
+    """lowconv::fp16acc_wgmma (a custom op: the Triton op's body calls it) by torch.library.opcheck;
+    an unaligned operand goes to the Triton kernel when the op runs."""
+    x, w, b = operands(1024, 512, 4096, seed=15, device="cuda")
+    torch.library.opcheck(fa.wgmma_gemm, (x, w, b, 4, "fp32"))
+    unaligned = torch.cat([torch.zeros(1, dtype=torch.float16, device="cuda"), x.flatten()])[1:].view(1024, 512)
+    assert torch.equal(fa.wgmma_gemm(unaligned, w, b, 4, "fp32"), triton_kernel_product(x, w, b, 4, "fp32"))
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_wgmma_kernel_is_not_given_what_tma_cannot_read():
     """Rows that are not 16-byte aligned (here a transposed x with rows of M = 777 fp16, and an
     output with rows of N = 4100) and problems with fewer 128 x 256 output tiles than 3/4 of the
