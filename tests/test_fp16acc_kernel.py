@@ -15,8 +15,8 @@ import torch
 
 import lowconv.kernels.fp16acc as fa
 import lowconv.kernels.fp16acc_wgmma as fw
-from lowconv.kernels.fp16acc import (Fp16AccMatmul, auto_splits, chunks, combine_in_order, cublas_fp16acc,
-                                     fp16acc_matmul, fp16acc_matmul_reference)
+from lowconv.kernels.fp16acc import (auto_splits, chunks, combine_in_order, cublas_fp16acc, fp16acc_matmul,
+                                     fp16acc_matmul_reference, forward_gemm)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parent.parent
@@ -142,6 +142,18 @@ def test_batched_input_keeps_its_leading_dims():
     assert torch.equal(y.reshape(12, 32), fp16acc_matmul(x, w, b, 1, backend="triton"))
 
 
+@pytest.mark.parametrize("backend", ["triton", "cublas", "reference"])
+@pytest.mark.parametrize("m", [3, 70], ids=["small M", "large M"])
+def test_each_backend_is_a_library_op(backend, m):
+    """Schema, fake implementation, registered autograd and torch.compile's dispatch of each
+    backend's GEMM op, checked by torch.library.opcheck (the cuBLAS op runs torch's matmul on the CPU)."""
+    x, w, b = operands(m, 40, 24, seed=14)
+    op = fa.GEMMS[backend]
+    torch.library.opcheck(op, (x, w, b, 2, "fp32"))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    torch.library.opcheck(op, (*leaves, 3, "fp16"))
+
+
 # --- the cuBLAS path on the CPU, through a stand-in for the per-chunk matmul -------------------
 
 @pytest.fixture
@@ -203,7 +215,7 @@ def test_cublas_backward_chunks_each_gradient_by_its_own_reduced_dim(chunk_calls
     x, w, b = operands(m, k, n, seed=6, device="cpu")
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     grad = torch.randn(m, n, generator=torch.Generator().manual_seed(7)).half()
-    Fp16AccMatmul.apply(*leaves, 2, "fp32", "cublas").backward(grad)
+    forward_gemm(*leaves, 2, "fp32", "cublas").backward(grad)
     forward, grad_x, grad_w = 2, chunks(n, auto_splits(n, m))[1], chunks(m, auto_splits(m, n))[1]
     assert len(chunk_calls) == forward + grad_x + grad_w and all(on for _, on in chunk_calls)
     assert fp16_accumulation_flag.allow_fp16_accumulation is False
@@ -218,7 +230,7 @@ def test_backward_splits_follow_the_combine(chunk_calls, fp16_accumulation_flag,
     """dX reduces over N = 1024, where auto_splits depends on the combine."""
     m, k, n = 8, 32, 1024
     leaves = [t.clone().requires_grad_() for t in operands(m, k, n, seed=8, device="cpu")]
-    Fp16AccMatmul.apply(*leaves, 1, combine, "cublas").backward(torch.ones(m, n, dtype=torch.float16))
+    forward_gemm(*leaves, 1, combine, "cublas").backward(torch.ones(m, n, dtype=torch.float16))
     widths = [width for width, _ in chunk_calls]
     assert widths == [k] + [n // grad_x_chunks] * grad_x_chunks + [m]  # forward, dX's chunks, dW
 
@@ -347,6 +359,17 @@ def test_wgmma_kernel_equals_the_triton_kernel(m, k, n, layout, splits, combine)
     bias = b if splits != 5 else None
     expected = triton_kernel_product(x, w, bias, splits, combine)
     assert torch.equal(wgmma_kernel_product(x, w, bias, splits, combine), expected)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_the_wgmma_kernel_is_a_library_op():
+    """lowconv::fp16acc_wgmma (a custom op: the Triton op's body calls it) by torch.library.opcheck;
+    an unaligned operand goes to the Triton kernel when the op runs."""
+    x, w, b = operands(1024, 512, 4096, seed=15, device="cuda")
+    torch.library.opcheck(fa.wgmma_gemm, (x, w, b, 4, "fp32"))
+    unaligned = torch.cat([torch.zeros(1, dtype=torch.float16, device="cuda"), x.flatten()])[1:].view(1024, 512)
+    assert torch.equal(fa.wgmma_gemm(unaligned, w, b, 4, "fp32"), triton_kernel_product(x, w, b, 4, "fp32"))
 
 
 @pytest.mark.gpu

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from lowconv.kernels.fp16acc import auto_splits, error_ratio, fp16acc_matmul
 from lowconv.ops.fp16acc import Fp16AccOptions, check, empty, from_site
+from tests.compiled import (assert_same_run, compile_recording, fallbacks, inductor_with_cuda_graphs, lowconv_ops,
+                            run_with_grads)
 from tests.sites import linear_site
 
 
@@ -210,3 +212,61 @@ def test_module_on_cuda_vs_float64_and_grads(backend):
     assert relative_error(y, F.linear(x64, w64, b.double().cuda())) < 1e-3
     assert relative_error(x.grad, g64 @ w64) < 2e-3
     assert relative_error(module.weight.grad, g64.reshape(-1, N).t() @ x64.reshape(-1, K)) < 2e-3
+
+
+@pytest.mark.parametrize("options", [Fp16AccOptions(splits=2), Fp16AccOptions(combine="fp16")], ids=repr)
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_module_compiles_whole_as_lowconvs_op(options, bias):
+    """torch.compile(fullgraph=True) of an fp16acc layer: no graph break, lowconv's op in the graph
+    (the CPU runs the reference's), the same output and gradients as eager, 2-D and 3-D inputs."""
+    torch.manual_seed(0)
+    params = {"weight": torch.randn(40, 96).half(), "bias": torch.randn(40).half()}
+    module = from_site(linear_site(96, 40, bias=bias), options, params if bias else {"weight": params["weight"]})
+    compiled, graphs = compile_recording(module)
+    for shape in [(5, 96), (2, 3, 96)]:
+        x = torch.randn(*shape).half()
+        assert_same_run(run_with_grads(compiled, module, x), run_with_grads(module, module, x))
+    assert lowconv_ops(graphs) == {"lowconv::fp16acc_reference"}
+
+
+def test_the_triton_kernel_compiles_as_its_op():
+    """The Triton backend in a compiled function: lowconv::fp16acc_triton (a triton_op; under Triton's
+    interpreter an opaque op), the same result as eager."""
+    gen = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(5, 96, generator=gen).half(), torch.randn(40, 96, generator=gen).half(), torch.randn(40).half()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b = x.to(device), w.to(device), b.to(device)
+
+    def product(x, w, b):
+        return fp16acc_matmul(x, w, b, 2, backend="triton") * 2
+
+    compiled, graphs = compile_recording(product)
+    assert torch.equal(compiled(x, w, b), product(x, w, b))
+    assert lowconv_ops(graphs) == {"lowconv::fp16acc_triton"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+@pytest.mark.parametrize("rows", [1, 40, 4096], ids=["decode", "small M", "large M (wgmma on sm_90)"])
+def test_the_module_compiled_by_inductor_replays_in_cuda_graphs(backend, rows):
+    """fullgraph inductor compile in CUDA graphs (reduce-overhead's cudagraph trees), a training
+    step: no graph break, no CUDA graph skipped, lowconv's op in the graph, and each replay's
+    output the eager one (the same kernels), its gradients too (inductor's own sums aside)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    k, n = 2048, 4096
+    params = {"weight": (torch.randn(n, k) * k ** -0.5).half(), "bias": torch.randn(n).half()}
+    module = from_site(linear_site(k, n), Fp16AccOptions(backend=backend), params).cuda()
+    counters.clear()
+    compiled, graphs = compile_recording(module, backend=inductor_with_cuda_graphs)
+    for seed in range(3):  # cudagraph trees: a warm-up run, the recording, then replays
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).half().cuda()
+        y, grad_x, grads = run_with_grads(module, module, x)
+        y_compiled, grad_x_compiled, grads_compiled = run_with_grads(compiled, module, x)
+        assert torch.equal(y_compiled, y)
+        for got, want in zip((grad_x_compiled, *grads_compiled), (grad_x, *grads)):
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-4)
+    assert not fallbacks()
+    assert lowconv_ops(graphs) == {f"lowconv::fp16acc_{backend}"}

@@ -6,7 +6,8 @@ import torch
 
 from lowconv.errors import LowconvError
 from lowconv.kernels import pack24
-from lowconv.kernels.pack24 import kept_codes, pack_kept, pack_kept_reference, zero_unkept
+from lowconv.kernels.pack24 import (kept_codes, pack_kept, pack_kept_into, pack_kept_reference, zero_unkept,
+                                    zero_unkept_in_place)
 from lowconv.kernels.sparse24 import mask_24, mask_24_transposable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,3 +87,14 @@ def test_zero_unkept_zeroes_what_the_mask_drops_in_place(dtype, shape, offsets):
     assert torch.equal(on_device.cpu(), x * mask)
     with pytest.raises(LowconvError, match="do not fit"):
         zero_unkept(on_device.t(), kept_codes(mask).to(DEVICE))
+
+
+def test_the_kernels_are_library_ops():
+    """lowconv::pack_kept and lowconv::zero_unkept: schema (what they write), fake implementation
+    and torch.compile's dispatch, checked by torch.library.opcheck, W^T's strided view too."""
+    w = torch.randn(9, 24, generator=torch.Generator().manual_seed(5)).to(torch.float16).to(DEVICE)
+    codes = kept_codes(mask_24(w.cpu().float())).to(DEVICE)
+    for src in (w, w.t().contiguous().t()):
+        out = torch.empty(9, 12, dtype=torch.float16, device=DEVICE)
+        torch.library.opcheck(pack_kept_into, (src, codes, out))
+    torch.library.opcheck(zero_unkept_in_place, (w.clone(), codes))

@@ -8,6 +8,7 @@ from lowconv.ops.semi_sparse import (
     CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparseOptions, check, empty,
     from_site,
 )
+from tests.compiled import assert_same_run, compile_recording, run_with_grads
 from tests.sites import linear_site
 
 
@@ -253,3 +254,20 @@ def test_the_backend_is_chosen_again_for_another_dtype_or_device_only():
         assert again is not first and module.chosen_for == (cuda, torch.float32)
         assert module.decide(torch.device("cuda", 1), 16, torch.float32) is not again
         assert isinstance(first, sparse24.BackendChoice)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=repr)
+def test_each_module_compiles_whole_on_the_cpu(options):
+    """torch.compile(fullgraph=True) of each 2:4 module on the CPU's reference path: the output and
+    gradients of eager. A compressed layer compiled before its first eager call unpacks its dense
+    weight in the graph, and keeps none (the module doc)."""
+    torch.manual_seed(0)
+    params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+    module = from_site(linear_site(64, 32, dtype="float32"), options, params)
+    compiled, graphs = compile_recording(module)
+    x = torch.randn(3, 5, 64)
+    first = run_with_grads(compiled, module, x)  # before any eager call
+    assert graphs and (not isinstance(module, CompressedSemiSparseLinear) or module.dense_weight.numel() == 0)
+    assert_same_run(first, run_with_grads(module, module, x))
+    x = torch.randn(7, 64)
+    assert_same_run(run_with_grads(compiled, module, x), run_with_grads(module, module, x))

@@ -1,11 +1,16 @@
 """What of the cuSPARSELt path can be checked without a GPU: shape and dtype rules, the dense
-operand's layouts, the backend choice's fixed cases, and the options that select it."""
+operand's layouts, the backend choice's fixed cases, the options that select it, and the custom
+ops as torch.compile traces them (fake implementations, backward formulas)."""
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from lowconv.errors import LowconvError
+from lowconv.kernels import cusparselt
 from lowconv.kernels.cusparselt import SparseGemm, dense_operand, unsupported_shape_reason
-from lowconv.kernels.sparse24 import GemmCase, choose_backend
+from lowconv.kernels.sparse24 import (GemmCase, choose_backend, compress_bitmask, compressed_linear,
+                                      fixed_mask_linear, mask_24_transposable, prune_24)
+from tests.compiled import lowconv_ops
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, SemiSparseOptions, check, from_site
 from tests.sites import linear_site
 
@@ -90,3 +95,57 @@ def test_compressed_module_on_the_cpu_keeps_no_choice_and_one_dense_copy():
     assert y.shape == (8, 32) and module.choice is None and module.dense_weight.shape == (32, 64)
     assert torch.equal(module.linear_weight(), module.dense_weight)
     assert set(module.state_dict()) == {"compressed", "bitmask", "shape", "bias"}
+
+
+def traced_step(op_call, leaves, others):
+    """make_fx on fake tensors of y = op_call(*leaves, *others) and the gradients of y.sum() w.r.t.
+    the leaves: the ops' fake implementations and backward formulas run, no kernel does."""
+    def step(*tensors):
+        y = op_call(*tensors)
+        return (y, *torch.autograd.grad(y.sum(), tensors[:len(leaves)]))
+    graph = make_fx(step, tracing_mode="fake")(*(t.requires_grad_() for t in leaves), *others)
+    return graph, [node.meta["val"] for node in graph.graph.output_node().args[0]]
+
+
+def test_the_compressed_layers_op_traces_with_its_gradients():
+    """lowconv::sparse24_linear: y (..., N) as cuSPARSELt writes it (y^T row-major, M padded to 8),
+    and dX = dY W from the bitmask format."""
+    values, bitmask, _ = compress_bitmask(prune_24(torch.randn(32, 64)))
+    sparse_weight = torch.empty(1234, dtype=torch.uint8)  # cuSPARSELt's layout: only the GPU makes it
+    graph, (y, grad_x, grad_bias) = traced_step(
+        lambda x, bias, sparse_weight, values, bitmask: compressed_linear(x, sparse_weight, bias, values, bitmask, 7,
+                                                                          True),
+        (torch.randn(2, 5, 64), torch.randn(32)), (sparse_weight, values, bitmask))
+    assert y.shape == (2, 5, 32) and y.stride() == (5, 1, 16)
+    assert grad_x.shape == (2, 5, 64) and grad_bias.shape == (32,)
+    assert lowconv_ops([graph]) == {"lowconv::sparse24_linear"}
+
+
+class StandInGemms:
+    """What the fixed-mask op's backward formula reads of a layer's TrainingGemms: whether W^T has
+    a 2:4 GEMM (a transposable mask)."""
+
+    def __init__(self, transposable: bool):
+        self.backward = object() if transposable else None
+
+
+@pytest.mark.parametrize("transposable", [False, True])
+def test_the_fixed_mask_ops_trace_with_their_gradients(transposable):
+    """lowconv::sparse24_fixed_mask_linear and its backward's ops: dX through W^T's 2:4 GEMM op
+    where the mask is transposable (else a dense product in the graph), dW through its op."""
+    gemms = StandInGemms(transposable)
+    key = cusparselt.register(gemms)
+    mask = mask_24_transposable(torch.randn(32, 64))
+    graph, (y, grad_x, grad_w, grad_bias) = traced_step(
+        lambda x, weight, bias, mask: fixed_mask_linear(x, weight, mask, bias, key),
+        (torch.randn(13, 64), torch.randn(32, 64), torch.randn(32)), (mask,))
+    assert y.shape == (13, 32) and y.stride() == (1, 16)
+    assert grad_x.shape == (13, 64) and grad_w.shape == (32, 64) and grad_bias.shape == (32,)
+    backward = {"lowconv::sparse24_fixed_mask_grad_weight"} | (
+        {"lowconv::sparse24_fixed_mask_grad_input"} if transposable else set())
+    assert lowconv_ops([graph]) == {"lowconv::sparse24_fixed_mask_linear"} | backward
+
+
+def test_an_op_given_an_unknown_gemm_says_so():
+    with pytest.raises(LowconvError, match="no cuSPARSELt GEMM is registered under key -1"):
+        cusparselt.registered(-1)

@@ -1,18 +1,22 @@
 """cuSPARSELt's 2:4 GEMM through lowconv's plan-caching binding, on CUDA (run on the lent GPU by
 scripts/gpu_check.sh): products against float64 of the masked dense product, gradients of
-fixed-mask training, plan reuse, graph capture, and the op's backend choice."""
+fixed-mask training, plan reuse, graph capture, the op's backend choice, and the custom ops under
+torch.compile and in CUDA graphs."""
 
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import lowconv
 from lowconv.api import plan_of
 from lowconv.kernels import cusparselt
 from lowconv.kernels.cusparselt import TUNED, FixedMaskCompression, SparseGemm, SparseWeight
-from lowconv.kernels.sparse24 import SparseLinearFunction, TrainingGemms, mask_24, mask_24_transposable, prune_24
+from lowconv.kernels.sparse24 import (TrainingGemms, compress_bitmask, compressed_linear, fixed_mask_linear, mask_24,
+                                      mask_24_transposable, prune_24)
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear
 from lowconv.recipe import parse_recipe
+from tests.compiled import compile_recording, fallbacks, inductor_with_cuda_graphs, lowconv_ops, run_with_grads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -120,7 +124,7 @@ def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
     grad_out = torch.randn(m, n, device="cuda").to(dtype)
     gemms = TrainingGemms.of(weight.detach(), transposable)
     for _ in range(2):  # the second call reuses the compressions made for the mask
-        y = SparseLinearFunction.apply(x, weight, mask, b, gemms)
+        y = fixed_mask_linear(x, weight, mask, b, gemms.key)
         dx, dw, db = torch.autograd.grad(y, (x, weight, b), grad_out)
         w64, x64, g64 = (weight * mask).double(), x.double(), grad_out.double()
         assert relative_error(y, x64 @ w64.t() + b.double()) < TOLERANCE[dtype]
@@ -131,7 +135,7 @@ def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
     assert all(c is None or c.gathers for c in gemms.compressions(mask))
     other = mask_24_transposable(weight.detach().flip(0)) if transposable else mask_24(weight.detach().flip(1))
     mask.copy_(other)  # written in place (as load_state_dict does): the compressions follow
-    y = SparseLinearFunction.apply(x, weight, mask, b, gemms)
+    y = fixed_mask_linear(x, weight, mask, b, gemms.key)
     dx, dw = torch.autograd.grad(y, (x, weight), grad_out)
     w64 = (weight * other).double()
     assert relative_error(y, x.double() @ w64.t() + b.double()) < TOLERANCE[dtype]
@@ -144,7 +148,7 @@ def test_fixed_mask_training_runs_with_a_mask_made_under_inference_mode():
     with torch.inference_mode():  # e.g. a model loaded under inference_mode: no version counter
         mask = mask_24_transposable(w)
         gemms = TrainingGemms.of(w, transposable=True)
-        y = SparseLinearFunction.apply(x, w * mask, mask, b, gemms)
+        y = fixed_mask_linear(x, w * mask, mask, b, gemms.key)
     assert relative_error(y, masked_reference(x, w * mask, b)) < TOLERANCE[torch.float16]
     assert all(c.gathers for c in gemms.compressions(mask))
 
@@ -276,4 +280,106 @@ def test_a_transposable_layer_refuses_a_mask_whose_transpose_is_not_2_4():
     gemms = TrainingGemms.of(w, transposable=True)
     with pytest.raises(lowconv.LowconvError, match=r"W\^T's mask \(a transposable mask is 2:4 along out_features "
                                                    r"too\) \(128, 64\) keeps"):
-        SparseLinearFunction.apply(torch.randn(8, 128, device="cuda", dtype=torch.float16), w, mask, None, gemms)
+        fixed_mask_linear(torch.randn(8, 128, device="cuda", dtype=torch.float16), w, mask, None, gemms.key)
+
+
+def test_the_ops_pass_opcheck():
+    """Schema, fake implementation (y's strides too), registered autograd and torch.compile's
+    dispatch of the cuSPARSELt ops, with gradients, by torch.library.opcheck."""
+    x, w, b = operands(40, 128, 64, torch.float16)
+    sparse = SparseWeight(w)
+    values, bitmask, _ = compress_bitmask(w)
+    torch.library.opcheck(compressed_linear, (x.clone().requires_grad_(), sparse.compressed, b.clone().requires_grad_(),
+                                              values, bitmask, sparse.gemm.key, True))
+    mask = mask_24_transposable(w)
+    for transposable in (False, True):
+        gemms = TrainingGemms.of(w, transposable, rows=40)
+        torch.library.opcheck(fixed_mask_linear, (x.clone().requires_grad_(), (w * mask).requires_grad_(), mask,
+                                                  b.clone().requires_grad_(), gemms.key))
+
+
+COMPILED_OPTIONS = ['backend = "cusparselt"', 'backend = "auto"', 'backend = "cusparselt", training = true',
+                    'backend = "cusparselt", training = true, transposable = true']
+
+
+@pytest.mark.parametrize("options", COMPILED_OPTIONS)
+def test_a_converted_model_compiled_by_inductor_replays_in_cuda_graphs(options):
+    """fullgraph inductor compile in CUDA graphs (reduce-overhead's cudagraph trees) of an MLP
+    converted on the GPU: no graph break, no CUDA graph skipped, lowconv's op in the graph where
+    the layers chose cuSPARSELt, and each replay's output (a training step's gradients too) that of
+    eager, up to inductor's own GELU between the layers."""
+    torch.manual_seed(0)
+    model = mlp().to("cuda", torch.bfloat16)
+    x = torch.randn(4, 50, 256, device="cuda", dtype=torch.bfloat16)
+    converted = lowconv.convert(model, recipe(options), (x,))
+    training = "training" in options
+    layers = [m for m in converted.modules() if isinstance(m, (CompressedSemiSparseLinear, MaskedSemiSparseLinear))]
+    counters.clear()
+    compiled, graphs = compile_recording(converted, backend=inductor_with_cuda_graphs)
+    for seed in range(3):  # a warm-up run, the recording, then replays
+        x = torch.randn(4, 50, 256, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda",
+                        dtype=torch.bfloat16)
+        if training:
+            got, want = run_with_grads(compiled, converted, x), run_with_grads(converted, converted, x)
+            for g, w in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+                assert relative_error(g, w.double()) < 1e-2
+        else:
+            with torch.no_grad():
+                got, want = compiled(x).clone(), converted(x)
+            assert relative_error(got, want.double()) < 1e-2
+    assert not fallbacks()
+    op = "lowconv::sparse24_fixed_mask_linear" if training else "lowconv::sparse24_linear"
+    chosen = {layer.choice.backend for layer in layers}
+    assert lowconv_ops(graphs) == ({op} if "cusparselt" in chosen else set())
+
+
+def test_a_layer_not_chosen_yet_runs_masked_dense_when_compiled_and_chooses_nothing():
+    """The rule of the op's module doc: converted on the CPU and moved to the GPU, a layer has no CUDA
+    backend yet; compiled, it runs masked-dense and chooses (times) nothing; an eager call then
+    chooses, and the compiled model follows (dynamo's guards see the choice) onto cuSPARSELt."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 50, 256, dtype=torch.bfloat16)
+    converted = lowconv.convert(mlp().to(torch.bfloat16), recipe('backend = "cusparselt"'), (x,)).cuda()
+    layers = [m for m in converted.modules() if isinstance(m, CompressedSemiSparseLinear)]
+    x = x.cuda()
+    compiled, graphs = compile_recording(converted)
+    with torch.no_grad():
+        masked = compiled(x)
+        assert all(layer.choice is None for layer in layers) and lowconv_ops(graphs) == set()
+        eager = converted(x)
+        assert all(layer.choice.backend == "cusparselt" for layer in layers)
+        again = compiled(x)
+    assert lowconv_ops(graphs[1:]) == {"lowconv::sparse24_linear"}
+    assert relative_error(masked, eager.double()) < 1e-2 and torch.equal(again, eager)
+
+
+def test_a_cuda_graph_replayed_after_load_state_dict_computes_with_the_loaded_weights():
+    """load_state_dict remakes cuSPARSELt's copy of the weight (and a fixed-mask layer's
+    compressions) in place, so a captured forward reads the loaded weights (up to inductor's GELU:
+    stale ones would give another model's output)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 50, 256, device="cuda", dtype=torch.bfloat16)
+    for options in ('backend = "cusparselt"', 'backend = "cusparselt", training = true, transposable = true'):
+        converted = lowconv.convert(mlp().to("cuda", torch.bfloat16), recipe(options), (x,))
+        other = lowconv.convert(mlp().to("cuda", torch.bfloat16), recipe(options), (x,))
+        compiled = torch.compile(converted, fullgraph=True, mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(x)
+            converted.load_state_dict(other.state_dict())
+            assert relative_error(compiled(x), other(x).double()) < 1e-2
+
+
+@pytest.mark.parametrize("options", ['backend = "cusparselt"', 'backend = "cusparselt", training = true'])
+def test_a_model_converted_on_the_gpu_copies_and_reverts(options):
+    """Its layers hold cuSPARSELt's plans from the conversion on: copy.deepcopy (and revert, which
+    copies) shares them, and the copy computes what the model does."""
+    import copy
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 50, 256, device="cuda", dtype=torch.bfloat16)
+    converted = lowconv.convert(mlp().to("cuda", torch.bfloat16), recipe(options), (x,))
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(converted)(x), converted(x))
+        reverted = lowconv.revert(converted)
+        assert relative_error(reverted(x), converted(x).double()) < 1e-2

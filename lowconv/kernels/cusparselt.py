@@ -24,6 +24,11 @@ modules of one weight compute the same bits. Measured on the H100 (BENCHMARKS.md
 bf16 1.08-1.13x over cuSPARSELt's default at the ViT-L shapes and 1.13x at 8192^3; in fp16 within
 that run's noise.
 
+The ops (lowconv.kernels.sparse24's custom ops) take plain values, not Python objects: a SparseGemm,
+and a fixed-mask training layer's TrainingGemms, are named by an int key into REGISTRY, which
+holds them weakly: an entry lives as long as the module that holds its object, and no key is used
+twice in a process. The key is a constant of a module's compiled graph, the same for every call.
+
 The opaque cuSPARSELt structs (handle, descriptors, plan) are fixed-size byte arrays in the
 header (1 KiB to 11 KiB depending on the version); they are allocated here bigger than any of
 those, 64-byte aligned, and never moved or copied, since the plan points into the descriptors.
@@ -36,10 +41,12 @@ import ctypes
 import ctypes.util
 import functools
 import glob
+import itertools
 import os
 import sys
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -69,6 +76,26 @@ ALG_CONFIG_ID, ALG_CONFIG_MAX_ID, ALG_SPLIT_K, ALG_SPLIT_K_MODE, ALG_SPLIT_K_BUF
 TUNING_SAMPLES, TUNING_CALLS = 3, 3  # one timing of a candidate: the median of 3 samples of 3 calls
 FINALISTS, FINAL_ROUNDS = 3, 5
 VALUE_TYPES = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
+
+
+REGISTRY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> SparseGemm or TrainingGemms
+KEYS = itertools.count(1)
+
+
+def register(plans) -> int:
+    """The key under which the ops find `plans` (a SparseGemm or a TrainingGemms) while it lives."""
+    key = next(KEYS)
+    REGISTRY[key] = plans
+    return key
+
+
+def registered(key: int):
+    """The SparseGemm or TrainingGemms registered under `key`."""
+    plans = REGISTRY.get(key)
+    if plans is None:
+        raise LowconvError(f"no cuSPARSELt GEMM is registered under key {key} in this process (the module "
+                           f"that made it is gone, or was moved to another device or dtype)")
+    return plans
 
 
 class Opaque:
@@ -350,6 +377,12 @@ class SparseGemm:
         # One call at a time: ctypes lets go of the GIL in cusparseLtMatmul, and a plan evicted
         # (and destroyed) by another thread's call must not be the one running.
         self.lock = threading.Lock()
+        self.key = register(self)
+
+    def __deepcopy__(self, memo) -> SparseGemm:
+        """Itself: a copy of a module shares its plans, which hold no weights (and a lock, which
+        does not copy)."""
+        return self
 
     def compress(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight (N, K) in cuSPARSELt's layout (kept values and metadata in one uint8 buffer).
@@ -402,16 +435,22 @@ class SparseGemm:
             raise LowconvError(f"cuSPARSELt 2:4 linear: bias {tuple(bias.shape)} {bias.dtype} does not fit "
                                f"({self.out_features},) {self.dtype}")
         rows = x.numel() // self.in_features
-        n = self.out_features
-        if rows == 0:
-            return x.new_empty(*x.shape[:-1], n)
-        x2, x_row_major = dense_operand(x.reshape(rows, self.in_features))
-        out = torch.empty(n, x2.shape[0], dtype=self.dtype, device=self.device)
-        with self.lock:
-            plan = self.plan(x2, x_row_major, None if bias is None else bias.contiguous(), tuned, compressed, out)
-            plan.run("cusparseLtMatmul", compressed, x2, out)
-        y = (out if x2.shape[0] == rows else out[:, :rows]).t()
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+        out, y = linear_output(x, self.out_features)
+        if rows:
+            x2, x_row_major = dense_operand(x.reshape(rows, self.in_features))
+            with self.lock:
+                plan = self.plan(x2, x_row_major, None if bias is None else bias.contiguous(), tuned, compressed, out)
+                plan.run("cusparseLtMatmul", compressed, x2, out)
+        return y
+
+
+def linear_output(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, y) of a product y = x W^T + b, x (..., K): D = y^T (N, M padded as dense_operand pads
+    it), row-major, into which cuSPARSELt writes; and y (..., N), D's transposed view. What the
+    custom ops' fake implementations return too (torch.compile then knows y's strides)."""
+    rows = x.numel() // x.shape[-1]
+    out = torch.empty(out_features, rows + -rows % ROW_MULTIPLE, dtype=x.dtype, device=x.device)
+    return out, out[:, :rows].t().reshape(*x.shape[:-1], out_features)
 
 
 class FixedMaskCompression:
@@ -427,20 +466,30 @@ class FixedMaskCompression:
 
     One buffer serves every call: a weight compressed here is valid until the next `compress`, in
     stream order. That is what a forward, or a backward, of one layer needs on one stream; calls of
-    one layer on several streams at once would race on it. A CUDA graph that captured `compress`
-    keeps writing into this buffer: capture again after the mask changes. Memory: the buffer (about
-    0.56x the weight's bytes in fp16/bf16) and the codes (1 byte per 4 values) stay allocated.
+    one layer on several streams at once would race on it. Another mask is taken in place (`use`),
+    so that a CUDA graph that captured `compress` keeps reading and writing live buffers, and
+    compresses under the new mask once `use` has run. Memory: the buffer (about 0.56x the weight's
+    bytes in fp16/bf16) and the codes (1 byte per 4 values) stay allocated.
 
     `name` names the mask in errors (e.g. a transposable mask's transpose)."""
 
     def __init__(self, gemm: SparseGemm, mask: torch.Tensor, name: str = "a 2:4 mask"):
         n, k = gemm.out_features, gemm.in_features
-        if mask.shape != (n, k):
-            raise LowconvError(f"{name} {tuple(mask.shape)} does not fit the weight ({n}, {k})")
-        self.gemm, self.mask = gemm, mask
-        self.codes = kept_codes(mask, name)
-        self.buffer = gemm.compress(mask.to(gemm.dtype))
+        self.gemm, self.name = gemm, name
+        self.codes = torch.empty(n, k // 4, dtype=torch.uint8, device=gemm.device)
+        self.buffer = torch.empty(gemm.weights.compressed_bytes, dtype=torch.uint8, device=gemm.device)
         self.values = self.buffer[:n * k // 2 * gemm.dtype.itemsize].view(gemm.dtype).view(n, k // 2)
+        self.use(mask)
+
+    def use(self, mask: torch.Tensor) -> None:
+        """Compress under `mask` from now on: its codes and metadata written over the old ones."""
+        gemm = self.gemm
+        n, k = gemm.out_features, gemm.in_features
+        if mask.shape != (n, k):
+            raise LowconvError(f"{self.name} {tuple(mask.shape)} does not fit the weight ({n}, {k})")
+        self.codes.copy_(kept_codes(mask, self.name))
+        self.buffer.copy_(gemm.compress(mask.to(gemm.dtype)))
+        self.mask = mask
         ramp = (torch.arange(n * k, device=mask.device) % 251 + 1).to(gemm.dtype).view(n, k)
         probe = torch.where(mask, ramp, torch.zeros((), dtype=gemm.dtype, device=mask.device))
         self.gathers = torch.equal(gemm.compress(probe), self._gather(probe))

@@ -24,12 +24,18 @@ fp16acc_wgmma.py instead: the same numerics (the same bits on the H100), 128 x 2
 asynchronous wgmma; `launch_fp16acc` picks it (fp16acc_wgmma.wgmma_runs says when).
 The `cublas` path runs S cuBLAS matmuls, one per chunk, with torch's
 `allow_fp16_accumulation` switched on for the call only, and combines them the same way.
+
+Each backend's GEMM is a torch.library op with a fake implementation and a registered autograd
+(`backward_through`), so that torch.compile(fullgraph=True) and CUDA graphs take it whole:
+lowconv::fp16acc_triton (a triton_op: inductor sees its kernels; it calls lowconv::fp16acc_wgmma
+for the Gluon kernel), lowconv::fp16acc_cublas and lowconv::fp16acc_reference (custom ops).
 (Triton's interpreter rounds once per loaded k-tile of up to 256 instead of per k16 step: CPU runs
 of the kernel test its logic, the reference its numbers.)
 """
 import functools
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +43,9 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from lowconv.kernels import fast_launch
-from lowconv.kernels.fp16acc_wgmma import launch_fp16acc_wgmma, wgmma_runs
-from lowconv.kernels.operands import needs_autograd
+from lowconv.kernels.fp16acc_wgmma import launch_fp16acc_wgmma, wgmma_aligned, wgmma_runs
 from lowconv.kernels.tile_order import grouped_tile
+from lowconv.kernels.triton_ops import cdiv, triton_op, wrap
 from lowconv.scoped_setting import ScopedSetting
 
 BLOCK_K = 16
@@ -180,40 +185,52 @@ def fp16acc_matmul(x, w, bias, splits: int, combine: str = "fp32", backend: str 
         raise ValueError("fp16acc_matmul: the cublas backend needs CUDA tensors (the CPU runs the reference)")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "reference"
-    if needs_autograd(x, w, bias):
-        return Fp16AccMatmul.apply(x, w, bias, splits, combine, backend)
     return forward_gemm(x, w, bias, splits, combine, backend)
 
 
 def forward_gemm(x, w, bias, splits: int, combine: str, backend: str) -> torch.Tensor:
-    """y (..., N) = x (..., K) @ w^T + bias through `backend`'s GEMM."""
+    """y (..., N) = x (..., K) @ w^T + bias through `backend`'s GEMM (its op, differentiable)."""
     return GEMMS[backend](x.reshape(-1, x.shape[-1]), w, bias, splits, combine).reshape(*x.shape[:-1], w.shape[0])
 
 
-class Fp16AccMatmul(torch.autograd.Function):
-    """y = x w^T + b through one backend's GEMM; dX = dY w and dW = dY^T x through it too."""
+def save_operands(ctx, inputs, output):
+    x, w, bias, _, combine = inputs
+    ctx.save_for_backward(x, w)
+    ctx.combine, ctx.has_bias = combine, bias is not None
 
-    @staticmethod
-    def forward(ctx, x, w, bias, splits, combine, backend):
-        ctx.save_for_backward(x, w)
-        ctx.combine, ctx.backend, ctx.has_bias = combine, backend, bias is not None
-        return forward_gemm(x, w, bias, splits, combine, backend)
 
-    @staticmethod
+def backward_through(gemm):
+    """The backward of one backend's GEMM op: dX = dY w and dW = dY^T x through that op too, each
+    split by auto_splits of its own reduced dim and rows. (Those are plain ints here: the chunks of
+    dW depend on M, so under torch.compile with dynamic shapes the backward specializes M.)"""
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        gemm = GEMMS[ctx.backend]
-        g = grad.reshape(-1, grad.shape[-1]).to(torch.float16)
-        x2 = x.reshape(-1, x.shape[-1])
+        g = grad.to(torch.float16)
+        m, n = g.shape
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:  # (M, K) = g (M, N) @ w (N, K): "w" is w^T, (K, N)
-            grad_x = gemm(g, w.t(), None, auto_splits(g.shape[1], g.shape[0], ctx.combine),
-                          ctx.combine).reshape(x.shape)
+            grad_x = gemm(g, w.t(), None, auto_splits(int(n), int(m), ctx.combine), ctx.combine)
         if ctx.needs_input_grad[1]:  # (N, K) = g^T (N, M) @ x (M, K): "w" is x^T, (K, M)
-            grad_w = gemm(g.t(), x2.t(), None, auto_splits(g.shape[0], g.shape[1], ctx.combine), ctx.combine)
+            grad_w = gemm(g.t(), x.t(), None, auto_splits(int(m), int(n), ctx.combine), ctx.combine)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.float().sum(0).half()
-        return grad_x, grad_w, grad_bias, None, None, None
+        return grad_x, grad_w, grad_bias, None, None
+    return backward
+
+
+def fp16_output(x, w, bias, splits, combine) -> torch.Tensor:
+    """The fake implementation of the GEMM ops: (M, N) fp16, contiguous."""
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float16)
+
+
+@torch.library.custom_op("lowconv::fp16acc_reference", mutates_args=())
+def reference_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], splits: int,
+                   combine: str) -> torch.Tensor:
+    """fp16acc_matmul_reference of x (M, K) as an op: its backward is the same split GEMM's."""
+    return fp16acc_matmul_reference(x, w, bias, splits, combine)
+
+
+reference_gemm.register_fake(fp16_output)
 
 
 # --- cuBLAS: one matmul per chunk, fp16-accumulated --------------------------------------------
@@ -238,9 +255,12 @@ def chunk_product(x_chunk, w_chunk) -> torch.Tensor:
     return x_chunk @ w_chunk.t()
 
 
-def cublas_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
+@torch.library.custom_op("lowconv::fp16acc_cublas", mutates_args=())
+def cublas_fp16acc(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], splits: int,
+                   combine: str) -> torch.Tensor:
     """(M, N) fp16 = x (M, K) @ w (N, K)^T + bias: one cuBLAS matmul per chunk of the reference,
-    each accumulated in fp16 by cuBLAS (allow_fp16_accumulation), added up in `combine` precision."""
+    each accumulated in fp16 by cuBLAS (allow_fp16_accumulation), added up in `combine` precision.
+    An op, opaque to torch.compile: the flag is a process-wide setting, switched around the calls."""
     (m, k), n = x.shape, w.shape[0]
     blocks_per_split, _ = chunks(k, splits)
     width = blocks_per_split * BLOCK_K
@@ -250,6 +270,9 @@ def cublas_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
             # one kernel: torch adds in fp32 and rounds to total's dtype (fp16 for combine "fp16")
             total.add_(chunk_product(x[:, start:start + width], w[:, start:start + width]))
     return add_bias(total.float(), bias)
+
+
+cublas_fp16acc.register_fake(fp16_output)
 
 
 # --- Triton ------------------------------------------------------------------------------------
@@ -364,9 +387,13 @@ _tuned_for_small_m = triton.autotune(SMALL_M_CONFIGS, key=GEMM_KEY + ["CHUNK_K"]
 COMBINE_BLOCK = 1024
 
 
-def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
+@triton_op("lowconv::fp16acc_triton", mutates_args=())
+def launch_fp16acc(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], splits: int,
+                   combine: str) -> torch.Tensor:
     """(M, N) fp16 = x (M, K) @ w (N, K)^T + bias, any strides, with the chunks of the reference."""
     (m, k), n = x.shape, w.shape[0]
+    if m > SMALL_M and wgmma_runs(x, w, multiprocessors(x.device)):
+        return wgmma_gemm(x, w, bias, splits, combine)
     out = torch.empty(m, n, dtype=torch.float16, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -374,22 +401,37 @@ def launch_fp16acc(x, w, bias, splits: int, combine: str) -> torch.Tensor:
     chunk_k = blocks_per_split * BLOCK_K
     combine_fp32 = combine == "fp32"
     if m > SMALL_M:
-        if wgmma_runs(x, w, multiprocessors(x.device)):
-            launch_fp16acc_wgmma(x, w, bias, out, chunk_k, splits, combine_fp32)
-        else:
-            run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
+        run_gemm(_tuned_for_large_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32, block_m=None)
         return out
-    if splits == 1 or fast_launch.cdiv(n, NARROW_TILE_N) >= multiprocessors(x.device):
+    if splits == 1 or cdiv(n, NARROW_TILE_N) >= multiprocessors(x.device):
         run_gemm(_tuned_for_small_m, x, w, bias, out, chunk_k, splits, splits, 1, combine_fp32,
                  block_m=small_block_m(m))
         return out
     partials = torch.empty(splits, m, n, dtype=torch.float16, device=x.device)
     run_gemm(_tuned_for_small_m, x, w, None, partials, chunk_k, splits, 1, splits, combine_fp32,
              block_m=small_block_m(m))
-    _combine_kernel[(fast_launch.cdiv(m * n, COMBINE_BLOCK),)](
+    wrap(_combine_kernel)[(cdiv(m * n, COMBINE_BLOCK),)](
         partials, bias if bias is not None else partials, out, m * n, n, splits,
         HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, BLOCK=COMBINE_BLOCK)
     return out
+
+
+@torch.library.custom_op("lowconv::fp16acc_wgmma", mutates_args=())
+def wgmma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], splits: int,
+               combine: str) -> torch.Tensor:
+    """launch_fp16acc on the Gluon wgmma kernel, which launch_fp16acc's body calls where wgmma_runs:
+    an op of its own, opaque to torch.compile (Gluon kernels do not go through wrap_triton). Where
+    its operands turn out unaligned for TMA when it runs (torch.compile traced it on fake tensors,
+    which have no address), the Triton kernel's launch_fp16acc computes the product."""
+    if not all(wgmma_aligned(t) for t in (x, w)):
+        return launch_fp16acc(x, w, bias, splits, combine)
+    blocks_per_split, splits = chunks(x.shape[1], splits)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float16, device=x.device)
+    launch_fp16acc_wgmma(x, w, bias, out, blocks_per_split * BLOCK_K, splits, combine == "fp32")
+    return out
+
+
+wgmma_gemm.register_fake(fp16_output)
 
 
 def small_block_m(m: int) -> int:
@@ -413,31 +455,42 @@ def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, progra
                   **({} if block_m is None else {"BLOCK_M": block_m}))
 
     def grid(meta):
-        return fast_launch.cdiv(m, meta["BLOCK_M"]) * fast_launch.cdiv(n, meta["BLOCK_N"]), programs_per_tile
+        return cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), programs_per_tile
 
     if config is None and x.is_cuda:
         config = tuned_config(tuner, args)
         if config is None:  # a new key: the autotuner times the configs and launches the best
-            tuner[grid](*args, **kwargs)
+            wrap(tuner)[grid](*args, **kwargs)
             return
     if config is None:  # Triton's interpreter cannot time configs: the first one the pruning keeps
         config = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)))[0]
-    # Launched through fast_launch: at decode the call is bound by host time, and the autotuner
-    # plus Triton's argument binding cost more of it than the kernel takes on the GPU.
-    constexprs = {**kwargs, **config.kwargs}
-    options = {name: value for name, value in config.all_kwargs().items() if name not in config.kwargs}
-    fast_launch.launch(tuner.fn, grid(constexprs), args, constexprs, **options)
+    # The config the autotuner picked, without the autotuner: at decode an eager call is bound by
+    # host time, which the autotuner's lookup adds to; and a compiled graph runs what eager runs.
+    wrap(kernel_in(config))[grid](*args, **kwargs)
+
+
+@functools.cache
+def kernel_in(config: triton.Config):
+    """_fp16acc_kernel always launched in `config`: an autotuner of that config alone, from which
+    wrap_triton takes the config's launch options (inductor leaves out maxnreg)."""
+    return triton.autotune([config], key=[])(_fp16acc_kernel)
 
 
 def tuned_config(tuner, args):
     """The config `tuner` has picked for these arguments (its own cache, under the key Triton 3.6
     builds: the key arguments' values, then every tensor's dtype), or None before it has timed
-    them; a Triton whose key differs only sends every call through the autotuner."""
+    them, or for torch.compile's symbolic sizes; a Triton whose key differs only sends every call
+    through the autotuner."""
     if len(tuner.configs) == 1:
         return tuner.configs[0]
     named = dict(zip(tuner.arg_names, args))
     key = tuple(named[name] for name in tuner.keys) + tuple(str(a.dtype) for a in args if hasattr(a, "dtype"))
+    if any(isinstance(value, torch.SymInt) for value in key):
+        return None
     return tuner.cache.get(key)
 
 
-GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc, "reference": fp16acc_matmul_reference}
+# The GEMM op of each backend, differentiable (backward_through).
+GEMMS = {"triton": launch_fp16acc, "cublas": cublas_fp16acc, "reference": reference_gemm}
+for gemm in GEMMS.values():
+    gemm.register_autograd(backward_through(gemm), setup_context=save_operands)

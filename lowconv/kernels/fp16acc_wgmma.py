@@ -41,19 +41,21 @@ one rounding to fp16. Loads past M, N or K read zeros (TMA), which add nothing; 
 whole k-tiles (`wgmma_tile_k`), and the last chunk may end past K.
 Triton's interpreter cannot run Gluon: the CPU suite compiles this kernel for sm_90 (and checks
 that ptxas keeps the unrolled chunks' wgmmas in flight), and the GPU tests compare it with the
-Triton kernel.
+Triton kernel. fp16acc.py launches it through an op of its own (lowconv::fp16acc_wgmma, a
+custom_op: Gluon kernels do not go through wrap_triton).
 """
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                              warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lowconv.kernels import fast_launch
 from lowconv.kernels.tile_order import grouped_tile
+from lowconv.kernels.triton_ops import cdiv
 
 BLOCK_M, BLOCK_N = 128, 256  # each of the two consumer warpgroups holds HALF_M x 256
 HALF_M = BLOCK_M // 2
@@ -83,9 +85,16 @@ def wgmma_runs(x, w, multiprocessors: int) -> bool:
     S = 32); at one k-tile per chunk (13008 x 1024 x 4096, S = 16) it stayed the same (1.00x)."""
     if not x.is_cuda or not is_sm90(x.device):
         return False
-    tiles = fast_launch.cdiv(x.shape[0], BLOCK_M) * fast_launch.cdiv(w.shape[0], BLOCK_N)
+    tiles = cdiv(x.shape[0], BLOCK_M) * cdiv(w.shape[0], BLOCK_N)
     return 4 * tiles >= 3 * multiprocessors and w.shape[0] % 8 == 0 and all(
-        t.data_ptr() % 16 == 0 and 1 in t.stride() and max(t.stride()) % 8 == 0 for t in (x, w))
+        wgmma_aligned(t) and 1 in t.stride() and max(t.stride()) % 8 == 0 for t in (x, w))
+
+
+def wgmma_aligned(t: torch.Tensor) -> bool:
+    """Whether t's data is 16-byte aligned, as TMA reads it. A fake tensor (torch.compile tracing)
+    has no address: taken as aligned, which inductor's own buffers are; the op that launches the
+    kernel checks again when it runs."""
+    return is_fake(t) or t.data_ptr() % 16 == 0
 
 
 @functools.cache
@@ -129,14 +138,12 @@ def launch_fp16acc_wgmma(x, w, bias, out, chunk_k: int, splits: int, combine_fp3
     x_desc, x_k_major = operand_descriptor(x, HALF_M, tile_k)
     w_desc, w_k_major = operand_descriptor(w, BLOCK_N, tile_k)
     out_desc = TensorDescriptor.from_tensor(out, [HALF_M, BLOCK_N], shared_layout(HALF_M, BLOCK_N))
-    grid = (fast_launch.cdiv(m, BLOCK_M) * fast_launch.cdiv(n, BLOCK_N),)
+    grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N),)
     chunk_tiles = chunk_k // tile_k
-    # Through fast_launch: Triton's argument binding takes more host time than a 2048^3 GEMM's kernel.
-    fast_launch.launch(_fp16acc_wgmma_kernel, grid, (x_desc, w_desc, out_desc, bias if bias is not None else out,
-                                                     m, n, chunk_tiles, splits),
-                       dict(HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major,
-                            W_K_MAJOR=w_k_major, **schedule(chunk_tiles, tile_k), num_warps=WARPGROUP),
-                       maxnreg=MAX_REGISTERS)
+    _fp16acc_wgmma_kernel[grid](x_desc, w_desc, out_desc, bias if bias is not None else out, m, n, chunk_tiles, splits,
+                                HAS_BIAS=bias is not None, COMBINE_FP32=combine_fp32, X_K_MAJOR=x_k_major,
+                                W_K_MAJOR=w_k_major, **schedule(chunk_tiles, tile_k), num_warps=WARPGROUP,
+                                maxnreg=MAX_REGISTERS)
 
 
 @gluon.jit

@@ -8,13 +8,16 @@ kernel does in one pass over the weight.
 
 The mask comes as one code per group of 4: the positions of its two kept values, first | second << 2
 (first < second). The source may be strided, so W^T is packed from W as it lies.
+
+Both kernels are torch.library ops (lowconv::pack_kept, lowconv::zero_unkept: triton_op, in place
+into their `out` / `x`).
 """
 import torch
 import triton
 import triton.language as tl
 
 from lowconv.errors import LowconvError
-from lowconv.kernels import fast_launch
+from lowconv.kernels.triton_ops import cdiv, triton_op, wrap
 
 # (rows, groups of 4, warps) per program, measured on the H100 (BENCHMARKS.md): 4096 x 1024 and
 # 1024 x 4096 fp16, pack ~10-12 us (W and W^T's view), zero_unkept 12.6 us (20 us for torch's
@@ -83,18 +86,23 @@ def wide(*extents: int) -> bool:
 def pack_kept(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Writes src's kept values (R, C/2) into `out` (contiguous, src's dtype) and returns it; src
     (R, C) of any strides, codes from kept_codes."""
+    pack_kept_into(src, codes, out)
+    return out
+
+
+@triton_op("lowconv::pack_kept", mutates_args={"out"})
+def pack_kept_into(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
     rows, cols = src.shape
     if codes.shape != (rows, cols // 4) or out.shape != (rows, cols // 2) or not out.is_contiguous() \
             or out.dtype != src.dtype or not codes.is_contiguous():
         raise LowconvError(f"pack_kept: src {tuple(src.shape)}, codes {tuple(codes.shape)} and out "
                            f"{tuple(out.shape)} {out.dtype} do not fit (codes (R, C/4) and out (R, C/2) contiguous)")
     block_rows, block_groups, warps = PACK_TILE
-    grid = (fast_launch.cdiv(rows, block_rows), fast_launch.cdiv(cols // 4, block_groups))
+    grid = (cdiv(rows, block_rows), cdiv(cols // 4, block_groups))
     last = (rows - 1) * abs(src.stride(0)) + (cols - 1) * abs(src.stride(1))  # src's farthest element
-    fast_launch.launch(_pack_kept_kernel, grid, (src, codes, out, rows, cols // 4, src.stride(0), src.stride(1)),
-                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups, "WIDE": wide(last, src.numel())},
-                       num_warps=warps)
-    return out
+    wrap(_pack_kept_kernel)[grid](src, codes, out, rows, cols // 4, src.stride(0), src.stride(1),
+                                  BLOCK_ROWS=block_rows, BLOCK_GROUPS=block_groups, WIDE=wide(last, src.numel()),
+                                  num_warps=warps)
 
 
 @triton.jit
@@ -113,13 +121,17 @@ def _zero_unkept_kernel(x, codes, rows, groups, BLOCK_ROWS: tl.constexpr, BLOCK_
 def zero_unkept(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """x (R, C) contiguous with the values its 2:4 mask (as kept_codes) does not keep set to 0, in
     place: the masked weight gradient of fixed-mask training, without a (R, C) mask operand."""
+    zero_unkept_in_place(x, codes)
+    return x
+
+
+@triton_op("lowconv::zero_unkept", mutates_args={"x"})
+def zero_unkept_in_place(x: torch.Tensor, codes: torch.Tensor) -> None:
     rows, cols = x.shape
     if codes.shape != (rows, cols // 4) or not x.is_contiguous() or not codes.is_contiguous():
         raise LowconvError(f"zero_unkept: x {tuple(x.shape)} and codes {tuple(codes.shape)} do not fit "
                            f"(x contiguous, codes (R, C/4) contiguous)")
     block_rows, block_groups, warps = ZERO_TILE
-    grid = (fast_launch.cdiv(rows, block_rows), fast_launch.cdiv(cols // 4, block_groups))
-    fast_launch.launch(_zero_unkept_kernel, grid, (x, codes, rows, cols // 4),
-                       {"BLOCK_ROWS": block_rows, "BLOCK_GROUPS": block_groups, "WIDE": wide(x.numel())},
-                       num_warps=warps)
-    return x
+    grid = (cdiv(rows, block_rows), cdiv(cols // 4, block_groups))
+    wrap(_zero_unkept_kernel)[grid](x, codes, rows, cols // 4, BLOCK_ROWS=block_rows, BLOCK_GROUPS=block_groups,
+                                    WIDE=wide(x.numel()), num_warps=warps)

@@ -13,8 +13,9 @@ The mask is the 2:4 mask, not `!= 0`: a group with fewer than 2 nonzeros still k
 (zeros among them), so every row holds exactly cols/2 values.
 
 The linear runs as a masked dense product (semi_sparse_linear: cuBLAS on CUDA, the fp32 reference
-elsewhere) or on cuSPARSELt's 2:4 GEMM (lowconv.kernels.cusparselt): SparseLinearFunction for
-fixed-mask training, and choose_backend, which for "auto" times both on a layer's own GEMM.
+elsewhere) or on cuSPARSELt's 2:4 GEMM (lowconv.kernels.cusparselt), through custom ops with fake
+implementations and registered autograd: compressed_linear for a fixed weight, fixed_mask_linear
+for fixed-mask training; choose_backend, for "auto", times both on a layer's own GEMM.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import functools
 import itertools
 import statistics
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,13 @@ def decompress_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: t
     return dense
 
 
+def bitmask_to_dense(compressed: torch.Tensor, bitmask: torch.Tensor, cols: int) -> torch.Tensor:
+    """decompress_bitmask of a well-formed weight, its dense width given: in torch ops that
+    torch.compile traces (no shape read from a tensor, no indexing by a bool mask)."""
+    mask = unpack_bits(bitmask, cols)
+    return torch.zeros(mask.shape, dtype=compressed.dtype, device=compressed.device).masked_scatter(mask, compressed)
+
+
 def semi_sparse_linear_reference(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Masked dense product: fp32 accumulation, one rounding to x's dtype (as the sparse GEMM)."""
     y = x.float() @ w_pruned.float().t()
@@ -128,7 +137,7 @@ def semi_sparse_linear_reference(x: torch.Tensor, w_pruned: torch.Tensor, bias: 
 def semi_sparse_linear(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x w_pruned^T + b with a 2:4 operand (the weight, or x itself), as a masked dense product:
     F.linear on CUDA (cuBLAS accumulates 16-bit operands in fp32 too), the reference elsewhere.
-    cuSPARSELt's 2:4 GEMM is lowconv.kernels.cusparselt.SparseWeight, which the op picks per site."""
+    cuSPARSELt's 2:4 GEMM is compressed_linear, which the op picks per site."""
     if w_pruned.dim() != 2 or x.shape[-1] != w_pruned.shape[1]:
         raise ValueError(f"semi_sparse_linear: x {tuple(x.shape)} and w {tuple(w_pruned.shape)} do not match "
                          f"(w is (N, K))")
@@ -139,54 +148,139 @@ def semi_sparse_linear(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tens
     return semi_sparse_linear_reference(x, w_pruned, bias)
 
 
-class SparseLinearFunction(torch.autograd.Function):
-    """Fixed-mask 2:4 training on cuSPARSELt: y = x (W*mask)^T + b through the 2:4 GEMM, the
-    weight compressed anew every forward (it changes every step); dX = dY (W*mask) through the
-    2:4 GEMM of W^T when the mask is transposable (W^T (K, N) is then 2:4 along N), dense
-    otherwise; dW = (dY^T x) * mask dense (neither operand is 2:4; the mask applied by
-    zero_unkept, in place), so pruned weights stay zero.
+# --- cuSPARSELt's 2:4 GEMM as torch.library custom ops ---------------------------------------
+#
+# Opaque to torch.compile: each runs the cuSPARSELt plans of the SparseGemm or TrainingGemms its
+# int argument names (cusparselt.registered), on torch's current stream, its memory from torch's
+# allocator; the first call of a product makes its plan (and tunes it: a sync), so a CUDA graph
+# captures a call that ran once before (torch.compile's cudagraph trees warm up first).
+
+
+@torch.library.custom_op("lowconv::sparse24_linear", mutates_args=())
+def compressed_linear(x: torch.Tensor, sparse_weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      values: torch.Tensor, bitmask: torch.Tensor, gemm: int, tuned: bool) -> torch.Tensor:
+    """y = x W^T + b through cuSPARSELt's 2:4 GEMM: W as `sparse_weight`, compressed by the
+    SparseGemm registered under `gemm` (SparseGemm.linear, `tuned` as there), and as `values` and
+    `bitmask` (the bitmask format), which its backward's dX = dY W reads."""
+    return cusparselt.registered(gemm).linear(sparse_weight, x, bias, tuned)
+
+
+@compressed_linear.register_fake
+def _(x, sparse_weight, bias, values, bitmask, gemm, tuned):
+    return cusparselt.linear_output(x, values.shape[0])[1]
+
+
+def save_bitmask_weight(ctx, inputs, output):
+    _, _, bias, values, bitmask, _, _ = inputs
+    ctx.save_for_backward(values, bitmask)
+    ctx.has_bias = bias is not None
+
+
+def compressed_linear_backward(ctx, grad):
+    values, bitmask = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad @ bitmask_to_dense(values, bitmask, 2 * values.shape[1])
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad_x, None, grad_bias, None, None, None, None
+
+
+compressed_linear.register_autograd(compressed_linear_backward, setup_context=save_bitmask_weight)
+
+
+@torch.library.custom_op("lowconv::sparse24_fixed_mask_linear", mutates_args=())
+def fixed_mask_linear(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor],
+                      gemms: int) -> torch.Tensor:
+    """Fixed-mask 2:4 training on cuSPARSELt, with the TrainingGemms registered under `gemms`:
+    y = x (W*mask)^T + b through the 2:4 GEMM, the weight compressed anew every forward (it changes
+    every step); its backward: dX = dY (W*mask) through the 2:4 GEMM of W^T when the mask is
+    transposable (W^T (K, N) is then 2:4 along N: fixed_mask_grad_input), dense otherwise;
+    dW = (dY^T x) * mask dense (neither operand is 2:4: fixed_mask_grad_weight), so pruned weights
+    stay zero.
     Compression is a gather of the kept values under the fixed mask (FixedMaskCompression):
     cuSPARSELt's own compression takes two kernels, 57 us of GPU time for a 4096x1024 fp16 weight
     on the H100, more than the 2:4 GEMM saves (BENCHMARKS.md)."""
+    plans = cusparselt.registered(gemms)
+    return plans.forward.linear(plans.compressions(mask)[0].compress(weight), x, bias, plans.tuned(x))
 
-    @staticmethod
-    def forward(ctx, x, weight, mask, bias, gemms: TrainingGemms):
-        compressions = gemms.compressions(mask)
-        ctx.save_for_backward(x, weight, mask)
-        ctx.gemms, ctx.compressions, ctx.has_bias = gemms, compressions, bias is not None
-        return gemms.forward.linear(compressions[0].compress(weight), x, bias, gemms.tuned(x))
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, mask = ctx.saved_tensors
-        gemms, compressions = ctx.gemms, ctx.compressions
-        grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            if gemms.backward is not None:
-                grad_x = gemms.backward.linear(compressions[1].compress(weight.t()), grad, None, gemms.tuned(grad))
-            else:
-                grad_x = grad @ (weight * mask)
-        g = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            grad_w = zero_unkept(g.t() @ x.reshape(-1, x.shape[-1]), compressions[0].codes)
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_bias = g.sum(0)
-        return grad_x, grad_w, None, grad_bias, None
+@fixed_mask_linear.register_fake
+def _(x, weight, mask, bias, gemms):
+    return cusparselt.linear_output(x, weight.shape[0])[1]
+
+
+def save_fixed_mask_operands(ctx, inputs, output):
+    x, weight, mask, bias, gemms = inputs
+    ctx.save_for_backward(x, weight, mask)
+    ctx.gemms, ctx.has_bias = gemms, bias is not None
+
+
+def fixed_mask_linear_backward(ctx, grad):
+    x, weight, mask = ctx.saved_tensors
+    grad_x = grad_w = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        if cusparselt.registered(ctx.gemms).backward is not None:
+            grad_x = fixed_mask_grad_input(grad, weight, mask, ctx.gemms)
+        else:
+            grad_x = grad @ (weight * mask)
+    if ctx.needs_input_grad[1]:
+        grad_w = fixed_mask_grad_weight(grad, x, mask, ctx.gemms)
+    if ctx.has_bias and ctx.needs_input_grad[3]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad_x, grad_w, None, grad_bias, None
+
+
+fixed_mask_linear.register_autograd(fixed_mask_linear_backward, setup_context=save_fixed_mask_operands)
+
+
+@torch.library.custom_op("lowconv::sparse24_fixed_mask_grad_input", mutates_args=())
+def fixed_mask_grad_input(grad: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
+    """dX = dY (W*mask) through the 2:4 GEMM of W^T (a transposable mask), W^T packed from W's view."""
+    plans = cusparselt.registered(gemms)
+    return plans.backward.linear(plans.compressions(mask)[1].compress(weight.t()), grad, None, plans.tuned(grad))
+
+
+@fixed_mask_grad_input.register_fake
+def _(grad, weight, mask, gemms):
+    return cusparselt.linear_output(grad, weight.shape[1])[1]
+
+
+@torch.library.custom_op("lowconv::sparse24_fixed_mask_grad_weight", mutates_args=())
+def fixed_mask_grad_weight(grad: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
+    """dW = (dY^T x) * mask: the dense product, then zero_unkept under the mask's codes."""
+    g = grad.reshape(-1, grad.shape[-1])
+    codes = cusparselt.registered(gemms).compressions(mask)[0].codes
+    return zero_unkept(g.t() @ x.reshape(-1, x.shape[-1]), codes)
+
+
+@fixed_mask_grad_weight.register_fake
+def _(grad, x, mask, gemms):
+    return grad.new_empty(mask.shape)
 
 
 @dataclass
 class TrainingGemms:
     """The cuSPARSELt products of one training layer: W (N, K) forward, W^T (K, N) for dX when
-    the mask is transposable (else None: dX is dense); tuned at `rows` (the site's M). The
-    compressions under the layer's mask are made on first use and again when the mask changes
-    (another tensor, or written in place: load_state_dict)."""
+    the mask is transposable (else None: dX is dense); tuned at `rows` (the site's M); registered
+    under `key` for the ops. The compressions under the layer's mask are made on first use and made
+    again, in place, when the mask changes (another tensor, or written in place: load_state_dict)."""
 
     forward: cusparselt.SparseGemm
     backward: cusparselt.SparseGemm | None
     rows: int | None = None
+    key: int = field(init=False, compare=False)
     mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     seen_state: tuple = field(default=(), init=False, repr=False, compare=False)  # mask_state(mask) then
     _compressions: tuple = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.key = cusparselt.register(self)
+
+    def __deepcopy__(self, memo) -> TrainingGemms:
+        """The same plans under a key of its own, for a copy of the layer: its compressions follow
+        the copy's mask."""
+        return TrainingGemms(self.forward, self.backward, self.rows)
 
     @staticmethod
     def of(weight: torch.Tensor, transposable: bool, rows: int | None = None) -> TrainingGemms:
@@ -200,10 +294,17 @@ class TrainingGemms:
     def compressions(self, mask: torch.Tensor) -> tuple:
         """(W's FixedMaskCompression, W^T's or None) under `mask`."""
         if mask is not self.mask or mask_state(mask) != self.seen_state:
-            forward = cusparselt.FixedMaskCompression(self.forward, mask)
-            backward = None if self.backward is None else cusparselt.FixedMaskCompression(
-                self.backward, mask.t(), "W^T's mask (a transposable mask is 2:4 along out_features too)")
-            self._compressions = (forward, backward)
+            transposed = "W^T's mask (a transposable mask is 2:4 along out_features too)"
+            if self._compressions:
+                forward, backward = self._compressions
+                forward.use(mask)
+                if backward is not None:
+                    backward.use(mask.t())
+            else:
+                forward = cusparselt.FixedMaskCompression(self.forward, mask)
+                backward = None if self.backward is None else cusparselt.FixedMaskCompression(
+                    self.backward, mask.t(), transposed)
+                self._compressions = (forward, backward)
             self.mask, self.seen_state = mask, mask_state(mask)
         return self._compressions
 
@@ -298,7 +399,10 @@ def measure_backends(case: GemmCase) -> tuple[float, float]:
     else:
         w = prune_24(w)
         sparse = cusparselt.SparseWeight(w)
-        calls = {"sparse": lambda: sparse.linear(x, bias, tuned=True), "dense": lambda: F.linear(x, w, bias)}
+        values, bitmask, _ = compress_bitmask(w)
+        calls = {"sparse": lambda: compressed_linear(x, sparse.compressed, bias, values, bitmask, sparse.gemm.key,
+                                                     True),
+                 "dense": lambda: F.linear(x, w, bias)}
     samples = {name: [] for name in calls}
     for _ in range(TIMING_ROUNDS):  # alternated, so that clock and thermal drift hit both alike
         for name, call in calls.items():
@@ -319,5 +423,5 @@ def training_calls(x, w, bias, transposable: bool, grad_out) -> dict:
             return torch.autograd.grad(forward(), leaves, grad_out)
         return run
 
-    return {"sparse": step(lambda: SparseLinearFunction.apply(x, weight, mask, bias, gemms)),
+    return {"sparse": step(lambda: fixed_mask_linear(x, weight, mask, bias, gemms.key)),
             "dense": step(lambda: F.linear(x, weight * mask, bias))}

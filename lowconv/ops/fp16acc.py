@@ -49,7 +49,9 @@ class Fp16AccLinear(nn.Module):
     def splits_for(self, x: torch.Tensor) -> int:
         """The chunks of K for this input: "auto" depends on its rows (decode takes more)."""
         if self.options.splits == "auto":
-            return auto_splits(self.in_features, x.numel() // self.in_features, self.options.combine)
+            # torch.compile traces the function under auto_splits' cache (and warns of the cache)
+            splits = auto_splits.__wrapped__ if torch.compiler.is_compiling() else auto_splits
+            return splits(self.in_features, x.numel() // self.in_features, self.options.combine)
         return self.options.splits
 
     def linear_weight(self) -> torch.Tensor:

@@ -10,12 +10,23 @@ Which module, and its state dict, by options:
     target="activation"                         RuntimeSemiSparseLinear: weight (dense), bias; x is
                                                 pruned every forward (`mask` does not apply)
 
-On CUDA the two fixed-mask modules run cuSPARSELt's 2:4 GEMM (lowconv.kernels.cusparselt) or the
-masked dense product, as `backend` says; "auto" times both on the site's own GEMM (rows M from its
-traced input, dtype, bias; forward and backward for training) when the module first runs on a
-GPU, and keeps the faster (BackendChoice, in `module.choice`). Runtime masks and activation
-targets run the masked dense product: their cuSPARSELt path is not built. The CPU runs the
-masked dense reference.
+On CUDA the two fixed-mask modules run cuSPARSELt's 2:4 GEMM (lowconv.kernels.cusparselt, through
+the custom ops of lowconv.kernels.sparse24) or the masked dense product, as `backend` says; "auto"
+times both on the site's own GEMM (rows M from its traced input, dtype, bias; forward and backward
+for training) and keeps the faster (BackendChoice, in `module.choice`). Runtime masks and
+activation targets run the masked dense product: their cuSPARSELt path is not built. The CPU runs
+the masked dense reference.
+
+When the CUDA backend is chosen, and when what it needs is made: eagerly, never inside
+torch.compile. A module chooses for a device and dtype when converted on a GPU, or else at its
+first eager call on that GPU (where "auto" times both GEMMs), and at once prepares the chosen
+backend (cuSPARSELt's copy of the weight and its plans, or the dense weight); .to() and
+load_state_dict prepare it again for the module's new device, dtype or weights. Under
+torch.compile a module runs the backend chosen and prepared for its input's device and dtype; one
+not chosen yet runs masked-dense and chooses (times) nothing, and a compressed layer whose dense
+weight is not made yet unpacks it in the graph, on every call (on the CPU too). So convert on the
+GPU, or run the model once eagerly there, before compiling it: the compiled model then runs what
+the plan says.
 """
 import math
 from dataclasses import dataclass
@@ -24,10 +35,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lowconv.kernels.cusparselt import SparseWeight, unsupported_shape_reason
+from lowconv.kernels.cusparselt import SparseGemm, unsupported_shape_reason
 from lowconv.kernels.sparse24 import (
-    BackendChoice, GemmCase, SparseLinearFunction, TrainingGemms, choose_backend, compress_bitmask,
-    decompress_bitmask, mask_24, mask_24_transposable, prune_24_straight_through, semi_sparse_linear,
+    BackendChoice, GemmCase, TrainingGemms, bitmask_to_dense, choose_backend, compress_bitmask, compressed_linear,
+    decompress_bitmask, fixed_mask_linear, mask_24, mask_24_transposable, prune_24_straight_through,
+    semi_sparse_linear,
 )
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -54,7 +66,8 @@ class SemiSparseOptions:
 
 
 class FixedMaskLinear(nn.Module):
-    """What both fixed-mask modules share: the CUDA backend, chosen once per module."""
+    """What both fixed-mask modules share: the CUDA backend, chosen once per device and dtype, and
+    prepared (module doc)."""
 
     def __init__(self, in_features: int, out_features: int, options: SemiSparseOptions, rows: int | None):
         super().__init__()
@@ -72,8 +85,33 @@ class FixedMaskLinear(nn.Module):
             self.choice, self.chosen_for = choose_backend(self.options.backend, case), (device, dtype)
         return self.choice
 
-    def runs_cusparselt(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
-        return x.is_cuda and self.decide(x.device, x.numel() // self.in_features, dtype).backend == "cusparselt"
+    def backend(self, x: torch.Tensor) -> str:
+        """The backend x runs on (see the module doc): masked-dense on the CPU; on a GPU, eagerly,
+        the one chosen for x's device and dtype (chosen now if not yet), prepared now if not yet;
+        under torch.compile the one chosen and prepared, if any, else masked-dense."""
+        if not x.is_cuda:
+            return "masked-dense"
+        device, dtype = x.device, self.device_and_dtype()[1]
+        if not torch.compiler.is_compiling():
+            self.decide(device, x.numel() // self.in_features, dtype)
+            self.prepare()
+        if self.chosen_for == (device, dtype) and self.choice.backend == "cusparselt" and self.cusparselt_ready():
+            return "cusparselt"
+        return "masked-dense"
+
+    def prepare(self):
+        """What the chosen backend needs, made if a choice was made for the module's own device and
+        dtype: on the GPU, before any torch.compile trace needs it."""
+        if self.choice is not None and self.chosen_for == self.device_and_dtype():
+            self.prepare_backend(self.choice.backend)
+
+    def _apply(self, fn, recurse=True):
+        before = self.device_and_dtype()
+        module = super()._apply(fn, recurse)
+        if self.device_and_dtype() != before:  # .to() / .cuda() / .half(): what was made is for the old ones
+            self.forget_cuda_state()
+            self.prepare()
+        return module
 
     def tuned(self, x: torch.Tensor) -> bool:
         """Whether x's product runs a tuned cuSPARSELt algorithm: at the site's own M (the GEMM
@@ -100,54 +138,85 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
         self.register_buffer("bitmask", torch.empty(out_features, -(-in_features // 8), dtype=torch.uint8))
         self.register_buffer("shape", torch.tensor([[out_features], [in_features]]))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        # The dense pruned weight of the masked dense product: derived from the three tensors
-        # above, so it stays out of the checkpoint; empty while cuSPARSELt's copy is in use.
+        # The dense pruned weight of the masked dense product; the weight in cuSPARSELt's layout and
+        # its GEMM's plans (a SparseGemm) for the cusparselt backend, on one GPU. Derived from the
+        # three tensors above, so they stay out of the checkpoint; the dense weight is empty while
+        # cuSPARSELt's copy is in use.
         self.register_buffer("dense_weight", torch.empty(0, dtype=dtype), persistent=False)
-        self.sparse: SparseWeight | None = None  # the weight in cuSPARSELt's layout, on one GPU
-        self.register_load_state_dict_post_hook(forget_derived_weights)
+        self.register_buffer("cusparselt_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.gemm: SparseGemm | None = None
+        self.register_load_state_dict_post_hook(remake_derived_weights)
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.compressed, self.bitmask, self.shape = compress_bitmask(weight * fixed_mask(weight, self.options))
         if bias is not None:
             self.bias.copy_(bias)
-        forget_derived_weights(self)
+        self.forget_cuda_state()
         if weight.is_cuda and self.rows:  # converting on a GPU: the plan gets the measured choice
             self.decide(weight.device, self.rows, weight.dtype)
+            self.prepare()
+
+    def device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        return self.compressed.device, self.compressed.dtype
 
     def dense(self) -> torch.Tensor:
-        """The dense pruned weight (out, in), rebuilt from the bitmask format when not kept."""
-        if self.dense_weight.numel() == 0:
-            self.dense_weight = decompress_bitmask(self.compressed, self.bitmask, self.shape)
+        """The dense pruned weight (out, in), rebuilt from the bitmask format when not kept: kept by
+        an eager call, made in the graph (for every call) under torch.compile."""
+        if self.dense_weight.numel():
+            return self.dense_weight
+        if torch.compiler.is_compiling():
+            return bitmask_to_dense(self.compressed, self.bitmask, self.in_features)
+        self.dense_weight = decompress_bitmask(self.compressed, self.bitmask, self.shape)
         return self.dense_weight
 
-    def sparse_weight(self) -> SparseWeight:
-        """cuSPARSELt's copy of the weight; the dense one is dropped (saving memory is the point)."""
-        if self.sparse is None:
-            self.sparse = SparseWeight(self.dense())
+    def prepare_backend(self, backend: str):
+        """cuSPARSELt's copy of the weight (the dense one dropped: saving memory is the point), or
+        the dense weight."""
+        if backend == "masked-dense":
+            self.dense()
+        elif not self.cusparselt_ready():
+            self.gemm = SparseGemm(self.out_features, self.in_features, self.compressed.dtype, self.compressed.device)
+            self.cusparselt_weight = self.gemm.compress(self.linear_weight())
             self.dense_weight = self.dense_weight.new_empty(0)
-        return self.sparse
+
+    def cusparselt_ready(self) -> bool:
+        return self.gemm is not None
+
+    def forget_cuda_state(self):
+        """The derived weights and plans, dropped: new weights, device or dtype."""
+        self.dense_weight = self.dense_weight.new_empty(0)
+        self.cusparselt_weight = self.cusparselt_weight.new_empty(0)
+        self.gemm = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
-        if self.runs_cusparselt(input, self.compressed.dtype):
-            y = self.sparse_weight().linear(input, self.bias, self.tuned(input))
+        if self.backend(input) == "cusparselt":
+            y = compressed_linear(input, self.cusparselt_weight, self.bias, self.compressed, self.bitmask,
+                                  self.gemm.key, self.tuned(input))
         else:
             y = semi_sparse_linear(input, self.dense(), self.bias)
         return in_autocast_dtype(y)
-
-    def _apply(self, fn, recurse=True):
-        self.sparse = None  # .to() / .cuda() / .half() move or cast the buffers: rebuilt from them
-        return super()._apply(fn, recurse)
 
     def linear_weight(self) -> torch.Tensor:
         """The (out, in) weight a plain nn.Linear needs to compute what this module does."""
         return decompress_bitmask(self.compressed, self.bitmask, self.shape)
 
 
-def forget_derived_weights(module: CompressedSemiSparseLinear, incompatible_keys=None):
-    """After new weights (set_params, load_state_dict): the dense and cuSPARSELt copies are stale."""
-    module.dense_weight = module.dense_weight.new_empty(0)
-    module.sparse = None
+@torch.no_grad()
+def remake_derived_weights(module: CompressedSemiSparseLinear, incompatible_keys=None):
+    """After load_state_dict: the dense and cuSPARSELt copies of the weight that were made are made
+    again from the loaded tensors, into the same memory (a CUDA graph that captured a forward reads
+    the new ones); copies left on another device or dtype (load_state_dict(assign=True)) are dropped."""
+    where = module.device_and_dtype()
+    if module.gemm is not None and (module.gemm.device, module.gemm.dtype) != where \
+            or module.dense_weight.numel() and (module.dense_weight.device, module.dense_weight.dtype) != where:
+        module.forget_cuda_state()
+        module.prepare()
+        return
+    if module.dense_weight.numel():
+        module.dense_weight.copy_(module.linear_weight())
+    if module.gemm is not None:
+        module.cusparselt_weight.copy_(module.gemm.compress(module.linear_weight()))
 
 
 class MaskedSemiSparseLinear(FixedMaskLinear):
@@ -161,6 +230,7 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         self.register_buffer("mask", torch.empty(out_features, in_features, dtype=torch.bool))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.gemms: TrainingGemms | None = None  # cuSPARSELt's plans, on one GPU
+        self.register_load_state_dict_post_hook(compress_under_loaded_mask)
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -171,22 +241,37 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
             self.bias.copy_(bias)
         if weight.is_cuda and self.rows:
             self.decide(weight.device, self.rows, weight.dtype)
+            self.prepare()
+
+    def device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        return self.weight.device, self.weight.dtype
+
+    def prepare_backend(self, backend: str):
+        if backend == "cusparselt" and not self.cusparselt_ready():
+            self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
+
+    def cusparselt_ready(self) -> bool:
+        return self.gemms is not None
+
+    def forget_cuda_state(self):
+        self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
-        if self.runs_cusparselt(input, self.weight.dtype):
-            if self.gemms is None:
-                self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
-            y = SparseLinearFunction.apply(input, self.weight, self.mask, self.bias, self.gemms)
+        if self.backend(input) == "cusparselt":
+            y = fixed_mask_linear(input, self.weight, self.mask, self.bias, self.gemms.key)
         else:
             y = semi_sparse_linear(input, self.weight * self.mask, self.bias)
         return in_autocast_dtype(y)
 
-    def _apply(self, fn, recurse=True):
-        self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
-        return super()._apply(fn, recurse)
-
     def linear_weight(self) -> torch.Tensor:
         return self.weight * self.mask
+
+
+def compress_under_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
+    """After load_state_dict: cuSPARSELt's compressions follow the loaded mask now, in place (a
+    CUDA graph that captured a training step runs under the new mask), not at the next call."""
+    if module.gemms is not None:
+        module.gemms.compressions(module.mask)
 
 
 class RuntimeSemiSparseLinear(nn.Module):
