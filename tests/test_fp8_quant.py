@@ -151,3 +151,22 @@ def test_the_transposing_cast_writes_the_row_quantizers_values_transposed(shape,
     assert torch.equal(rows_t.view(torch.uint8), flat.t().view(torch.uint8))
     again = fp8_quant.transposed_with_scale(x, scale, fp8.E5M2) if mul is None else None
     assert again is None or torch.equal(again.view(torch.uint8), rows_t.view(torch.uint8))
+
+
+OPCHECK_CASES = {
+    "fp8_quantize_tensorwise": lambda x: (x, fp8.E4M3, torch.rand(x.shape[-1], device=DEVICE) + 0.5, 1),
+    "fp8_quantize_with_scale": lambda x: (x, torch.tensor([0.01], device=DEVICE), fp8.E5M2,
+                                          torch.zeros((), dtype=torch.int64, device=DEVICE)),
+    "fp8_quantize_tensorwise_transposed": lambda x: (x, fp8.E5M2, None, 0),
+    "fp8_transposed_with_scale": lambda x: (x, torch.tensor([0.02], device=DEVICE), fp8.E4M3),
+    "fp8_quantize_rowwise": lambda x: (x, fp8.E4M3),
+}
+
+
+@pytest.mark.parametrize("name", OPCHECK_CASES)
+def test_quantizer_ops_pass_opcheck(name):
+    """Each quantizer is a torch.library op whose schema, fake implementation and registration
+    torch.compile can rely on."""
+    x = sample((33, 80), torch.bfloat16)
+    torch.library.opcheck(getattr(torch.ops.lowconv, name).default, OPCHECK_CASES[name](x),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -10,6 +10,10 @@
 The per-tensor quantizers may multiply x by a vector along its columns or rows first (the
 backward's folding of the forward's row scales into the gradient) without materializing it.
 
+Each entry point is a torch.library op (kernels/triton_ops.py: `torch.ops.lowconv.fp8_*`), so a
+compiled graph may hold it; the FP8 layers call them eagerly, and under torch.compile quantize with
+torch ops instead, which inductor fuses into the op that produces x (kernels/fp8.py).
+
 Division is IEEE (div_rn) and the fp32 -> fp8 cast rounds to nearest even and saturates, as
 torch's `(x.float() / scale).clamp(-max, max).to(fp8)`, on sm_90 (one cvt.rn.satfinite; Triton
 casts through fp16 on sm_89, a double rounding, so fp8.py runs the torch reference there): the
@@ -21,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowconv.kernels import fast_launch
+from lowconv.kernels.triton_ops import cdiv, triton_op, wrap
 
 FP8_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 BLOCK = 2048  # elements per program step: 8 per thread at 8 warps (16-byte loads of bf16)
@@ -158,20 +162,18 @@ def _rowwise_kernel(x, out, scales, M, K, FP8_MAX: tl.constexpr, FP8: tl.constex
         tl.store(out + base + cols, _cast(v, s[:, None], FP8_MAX, FP8), mask=ok)
 
 
-def _prepare(x: torch.Tensor, mul: torch.Tensor | None, mul_axis: str | None):
-    """Contiguous x, its row length K, the multiplier as an fp32 vector (or a dummy) and the kernels' MUL."""
+def _prepare(x: torch.Tensor, mul: torch.Tensor | None):
+    """Contiguous x, its row length K and the multiplier as an fp32 vector (or a dummy: x)."""
     x = x.contiguous()
     k = x.shape[-1] if x.dim() else 1
-    if mul is None:
-        return x, k, x, MUL_AXES[None]
-    return x, k, mul.float().contiguous().reshape(-1), MUL_AXES[mul_axis]
+    return x, k, x if mul is None else mul.float().contiguous().reshape(-1)
 
 
 def _programs(n: int, max_programs: int):
     """(programs, steps per program) of a pass over n elements in blocks."""
-    blocks = max(1, fast_launch.cdiv(n, BLOCK))
+    blocks = max(1, cdiv(n, BLOCK))
     programs = min(blocks, max_programs)
-    return programs, fast_launch.cdiv(blocks, programs)
+    return programs, cdiv(blocks, programs)
 
 
 def _wide(programs: int, steps: int) -> bool:
@@ -184,22 +186,21 @@ def _amax_bits(x, k, mul, mul_axis):
     an fp32, in a (1,) tensor."""
     programs, steps = _programs(x.numel(), MAX_PROGRAMS)
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
-    fast_launch.launch(_amax_kernel, (programs,), (x, mul, amax_bits, x.numel(), k, steps),
-                       dict(MUL=mul_axis, WIDE=_wide(programs, steps), BLOCK=BLOCK), num_warps=8)
+    wrap(_amax_kernel)[(programs,)](x, mul, amax_bits, x.numel(), k, steps, MUL=mul_axis,
+                                    WIDE=_wide(programs, steps), BLOCK=BLOCK, num_warps=8)
     return amax_bits
 
 
 def _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, amax_bits, clipped):
     """The cast pass, a program per block: with amax_bits, the scale comes from it (and is written
     to `scale`); else `scale` is given."""
-    blocks = max(1, fast_launch.cdiv(x.numel(), BLOCK))  # one program even for an empty x: it writes the scale
+    blocks = max(1, cdiv(x.numel(), BLOCK))  # one program even for an empty x: it writes the scale
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    fast_launch.launch(_cast_kernel, (blocks,),
-                       (x, mul, out, scale, scale if amax_bits is None else amax_bits,
-                        scale if clipped is None else clipped, x.numel(), k),
-                       dict(MUL=mul_axis, WIDE=_wide(blocks, 1), SCALE_FROM_AMAX=amax_bits is not None,
-                            COUNT=clipped is not None, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                            BLOCK=BLOCK), num_warps=8)
+    wrap(_cast_kernel)[(blocks,)](x, mul, out, scale, scale if amax_bits is None else amax_bits,
+                                  scale if clipped is None else clipped, x.numel(), k,
+                                  MUL=mul_axis, WIDE=_wide(blocks, 1), SCALE_FROM_AMAX=amax_bits is not None,
+                                  COUNT=clipped is not None, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                                  BLOCK=BLOCK, num_warps=8)
     return out
 
 
@@ -208,11 +209,11 @@ def _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, amax_bits):
     an empty x."""
     m, k = x.shape
     out_t = torch.empty(k, m, dtype=fp8_dtype, device=x.device)
-    grid = (max(1, fast_launch.cdiv(m, TILE_2D[0])), max(1, fast_launch.cdiv(k, TILE_2D[1])))
-    fast_launch.launch(_cast_transposed_kernel, grid,
-                       (x, mul, out_t, scale, scale if amax_bits is None else amax_bits, m, k),
-                       dict(MUL=mul_axis, SCALE_FROM_AMAX=amax_bits is not None, FP8_MAX=torch.finfo(fp8_dtype).max,
-                            FP8=FP8_TL[fp8_dtype], BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1]), num_warps=8)
+    grid = (max(1, cdiv(m, TILE_2D[0])), max(1, cdiv(k, TILE_2D[1])))
+    wrap(_cast_transposed_kernel)[grid](x, mul, out_t, scale, scale if amax_bits is None else amax_bits, m, k,
+                                        MUL=mul_axis, SCALE_FROM_AMAX=amax_bits is not None,
+                                        FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                                        BLOCK_M=TILE_2D[0], BLOCK_K=TILE_2D[1], num_warps=8)
     return out_t
 
 
@@ -220,7 +221,13 @@ def quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tens
                         mul_axis: str | None = None):
     """(x_fp8, scale (1,)) of x (times mul along mul_axis, "columns" | "rows"), in two passes and no
     host sync."""
-    x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
+    return torch.ops.lowconv.fp8_quantize_tensorwise(x, fp8_dtype, mul, MUL_AXES[mul_axis])
+
+
+@triton_op("lowconv::fp8_quantize_tensorwise", mutates_args=())
+def _quantize_tensorwise(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None,
+                         mul_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, k, mul = _prepare(x, mul)
     amax_bits = _amax_bits(x, k, mul, mul_axis)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     return _launch_cast(x, k, mul, mul_axis, fp8_dtype, scale, amax_bits, None), scale
@@ -230,17 +237,29 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
                         clipped: torch.Tensor | None = None):
     """(x_fp8, scale) with a given (1,) dequant scale, in one pass; `clipped` (an int64 scalar
     tensor) gets the number of saturated values added."""
-    x, k, no_mul, no_mul_axis = _prepare(x, None, None)
     if clipped is not None and clipped.dtype != torch.int64:
         raise TypeError(f"fp8 quantization: the clipped counter must be int64, got {clipped.dtype}")
     scale = scale.float().reshape(1).contiguous()
-    return _launch_cast(x, k, no_mul, no_mul_axis, fp8_dtype, scale, None, clipped), scale
+    return torch.ops.lowconv.fp8_quantize_with_scale(x, scale, fp8_dtype, clipped), scale
+
+
+@triton_op("lowconv::fp8_quantize_with_scale", mutates_args=("clipped",))
+def _quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                         clipped: torch.Tensor | None) -> torch.Tensor:
+    x, k, no_mul = _prepare(x, None)
+    return _launch_cast(x, k, no_mul, MUL_AXES[None], fp8_dtype, scale, None, clipped)
 
 
 def quantize_tensorwise_transposed(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None = None,
                                    mul_axis: str | None = None):
     """(x_fp8_t (K, M), scale (1,)) of a 2D x (times mul): quantize_tensorwise's values, transposed."""
-    x, k, mul, mul_axis = _prepare(x, mul, mul_axis)
+    return torch.ops.lowconv.fp8_quantize_tensorwise_transposed(x, fp8_dtype, mul, MUL_AXES[mul_axis])
+
+
+@triton_op("lowconv::fp8_quantize_tensorwise_transposed", mutates_args=())
+def _quantize_tensorwise_transposed(x: torch.Tensor, fp8_dtype: torch.dtype, mul: torch.Tensor | None,
+                                    mul_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, k, mul = _prepare(x, mul)
     amax_bits = _amax_bits(x, k, mul, mul_axis)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     return _launch_cast_transposed(x, mul, mul_axis, fp8_dtype, scale, amax_bits), scale
@@ -249,12 +268,22 @@ def quantize_tensorwise_transposed(x: torch.Tensor, fp8_dtype: torch.dtype, mul:
 def transposed_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """x_fp8_t (K, M) of a 2D x with a given (1,) scale (one that quantize_tensorwise or
     quantize_with_scale returned for x): the same values, transposed."""
-    x, _, no_mul, no_mul_axis = _prepare(x, None, None)
-    return _launch_cast_transposed(x, no_mul, no_mul_axis, fp8_dtype, scale.float().reshape(1).contiguous(), None)
+    return torch.ops.lowconv.fp8_transposed_with_scale(x, scale.float().reshape(1).contiguous(), fp8_dtype)
+
+
+@triton_op("lowconv::fp8_transposed_with_scale", mutates_args=())
+def _transposed_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    x, _, no_mul = _prepare(x, None)
+    return _launch_cast_transposed(x, no_mul, MUL_AXES[None], fp8_dtype, scale, None)
 
 
 def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
     """(x_fp8, scale (..., 1)): one scale per row of x, in one kernel."""
+    return torch.ops.lowconv.fp8_quantize_rowwise(x, fp8_dtype)
+
+
+@triton_op("lowconv::fp8_quantize_rowwise", mutates_args=())
+def _quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     k = x.shape[-1] if x.dim() else 1
     m = x.numel() // max(k, 1)
@@ -264,7 +293,6 @@ def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
         return out, scales.fill_(1.0)
     block_k = min(triton.next_power_of_2(k), BLOCK)
     block_m = max(1, BLOCK * 2 // block_k)  # ~4096 elements per program step
-    fast_launch.launch(_rowwise_kernel, (fast_launch.cdiv(m, block_m),), (x, out, scales, m, k),
-                       dict(FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m,
-                            BLOCK_K=block_k), num_warps=8)
+    wrap(_rowwise_kernel)[(cdiv(m, block_m),)](x, out, scales, m, k, FP8_MAX=torch.finfo(fp8_dtype).max,
+                                               FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
     return out, scales
