@@ -17,7 +17,7 @@ from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
 from lowconv.passes.rewrite import keep_frozen, rewrite, site_params, swap_module, tap_sites
 from lowconv.passes.sites import find_sites
-from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
+from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
 from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
@@ -111,6 +111,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         modules[site.fqn] = module.to(site_device(site, found.model))
         decision.note = module.plan_note() if hasattr(module, "plan_note") else ""
     converted = rewrite(found.model, found.trace, found.sites, modules)
+    release_graphs(found.trace, converted)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     attach_plan(converted, plan)
     return converted
@@ -246,6 +247,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         site = sites[decision.fqn]
         modules[site.fqn] = keep_frozen(op.empty(site, options), site.frozen).to(site_device(site, work))
     converted = rewrite(work, trace, list(sites.values()), modules)
+    release_graphs(trace, converted)
     cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)
