@@ -342,6 +342,7 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     tapped = tap_sites(work, trace, list(sites.values()), record)
     args, kwargs = normalize_inputs(inputs)
     reference, traced = run_eval(original, args, kwargs), run_eval(tapped, args, kwargs)
+    release_graphs(trace)  # the traced copy is not kept
     for name, ref, test in paired_outputs(reference, traced):
         nan = int(torch.isnan(ref).sum()) if ref.is_floating_point() else 0
         if nan:  # (an Inf, e.g. a masked logit, is compared as it is: the converted model must match it)

@@ -84,6 +84,27 @@ def iterate_proxy(proxy: fx.Proxy):
     return proxy.tracer.iter(proxy)
 
 
+def wrap_without_cycle(fn_or_name):
+    """torch.fx.wrap as the code of a GraphModule calls it (`wrap("name")` at the top of the code's
+    module, for a function traced as one call: SpTr's ops), without its reference cycle (as in
+    Proxy.__iter__, see iterate_proxy): the frames running when a GraphModule is compiled would stay."""
+    name = fn_or_name if isinstance(fn_or_name, str) else fn_or_name.__name__
+    caller = sys._getframe(1)
+    torch.fx._symbolic_trace._wrapped_fns_to_patch[(id(caller.f_globals), name)] = caller.f_globals
+    return fn_or_name
+
+
+# The code fx generates calls torch.fx._symbolic_trace.wrap by that name: while lowconv compiles a
+# GraphModule (fx.GraphModule(...), recompile()), the name is wrap_without_cycle's.
+COMPILING = ScopedSetting(lambda: torch.fx._symbolic_trace.wrap,
+                          lambda wrap: setattr(torch.fx._symbolic_trace, "wrap", wrap), wrap_without_cycle)
+
+
+def recompile(gm: fx.GraphModule) -> None:
+    with COMPILING.held():
+        gm.recompile()
+
+
 # What stands in for these while tracing: functions that reject a Proxy (the same value on a
 # tensor), and fx's Proxy.__iter__ (the same, without a reference cycle).
 STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy}
@@ -354,7 +375,8 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
             node.target = node.target.removesuffix("_1")  # fx named it `name_1`: keep it callable by keyword
         elif node.op == "get_attr" and not node.users:
             graph.erase_node(node)  # read by a branch not taken (a fast path's checks): no site's weight use
-    traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    with COMPILING.held():
+        traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
     traced.meta["decided"] = decisions
     return traced
 
