@@ -59,19 +59,20 @@ def test_convert_peak_is_two_copies_of_the_weights_and_one_forward():
         f"weights (one forward: {used['activations'] / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB)")
 
 
-def storages(objects) -> dict[int, int]:
-    """data_ptr -> bytes of the storages of the CPU tensors among `objects`."""
+def storages(objects, device: str = "cpu") -> dict[int, int]:
+    """data_ptr -> bytes of the storages of the tensors on `device` among `objects`."""
     found = {}
     for obj in objects:  # type(), not isinstance: some module objects warn when asked their __class__
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == device:
             storage = obj.untyped_storage()
             if storage.nbytes():
                 found[storage.data_ptr()] = storage.nbytes()
     return found
 
 
-def held_by(model: torch.nn.Module) -> set[int]:
-    """The storages a model holds: its parameters, buffers and tensor attributes (in containers too)."""
+def held_by(model: torch.nn.Module, device: str = "cpu") -> dict[int, int]:
+    """The storages a model holds on `device`: its parameters, buffers and tensor attributes (in
+    containers too)."""
     def tensors(value):
         if isinstance(value, torch.Tensor):
             yield value
@@ -82,7 +83,8 @@ def held_by(model: torch.nn.Module) -> set[int]:
             for item in value:
                 yield from tensors(item)
 
-    return set(storages(t for module in model.modules() for value in vars(module).values() for t in tensors(value)))
+    return storages((t for module in model.modules() for value in vars(module).values() for t in tensors(value)),
+                    device)
 
 
 @pytest.mark.parametrize("spec", ["hf:examples/hf/llama-tiny", "nn:transformer-encoder", "examples/point_transformer.py"])
