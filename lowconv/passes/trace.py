@@ -480,7 +480,7 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
 
     The search tries the model, then the children of what does not trace, one level of the module
     tree at a time: each level's calls are recorded by one run of the model, for that level's
-    modules only, so that one level's example values are held at a time, not every module's.
+    modules only, so that the calls held are one level's (and the regions' own), not every module's.
     Regions and untraced modules are listed in the model's order (depth first).
     """
     def region(fqn: str, module: nn.Module, call: Call | None) -> Region:
