@@ -17,7 +17,7 @@ from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
 from lowconv.passes.rewrite import keep_frozen, rewrite, site_params, swap_module, tap_sites
 from lowconv.passes.sites import find_sites
-from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, trace_model
+from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
 from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
@@ -118,6 +118,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         decision.note = "; ".join(filter(None, [module.plan_note() if hasattr(module, "plan_note") else "",
                                                 timing and f"measured {timing.describe(decision.op)}"]))
     converted = rewrite(found.model, found.trace, found.sites, modules)
+    release_graphs(found.trace, converted)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     attach_plan(converted, plan)
     return converted
@@ -260,6 +261,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         site = sites[decision.fqn]
         modules[site.fqn] = keep_frozen(op.empty(site, options), site.frozen).to(site_device(site, work))
     converted = rewrite(work, trace, list(sites.values()), modules)
+    release_graphs(trace, converted)
     cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)
@@ -354,6 +356,7 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     tapped = tap_sites(work, trace, list(sites.values()), record)
     args, kwargs = normalize_inputs(inputs)
     reference, traced = run_eval(original, args, kwargs), run_eval(tapped, args, kwargs)
+    release_graphs(trace)  # the traced copy is not kept
     for name, ref, test in paired_outputs(reference, traced):
         nan = int(torch.isnan(ref).sum()) if ref.is_floating_point() else 0
         if nan:  # (an Inf, e.g. a masked logit, is compared as it is: the converted model must match it)

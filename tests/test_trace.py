@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from lowconv.passes.trace import find_regions, trace_model
+from lowconv.passes.trace import SiteTracer, find_regions, trace_model
 
 
 class Untraceable(nn.Module):
@@ -137,3 +137,41 @@ def test_the_keys_of_a_mapping_unpacked_with_two_stars_are_guarded():
     torch.testing.assert_close(region.graph(x, parts), model(x, parts))
     with pytest.raises(AssertionError, match=r"keys \['a', 'b'\] were fixed"):
         region.graph(x, {"a": parts["a"], "b": parts["b"], "c": parts["a"]})
+
+
+class Doubling(nn.Module):
+    def forward(self, x):
+        for _ in range(8):
+            x = x * 2
+        return x
+
+
+def test_the_tracer_holds_an_example_value_only_while_the_traced_code_does():
+    """As a forward drops its intermediate tensors: not every node's value for the whole trace."""
+    tracer = SiteTracer([torch.randn(4, 4)])
+    held, evaluate = [], tracer.example.evaluate
+
+    def counting(node, root):
+        evaluate(node, root)
+        held.append(sum(isinstance(v, torch.Tensor) for v in tracer.example.values.values()))
+
+    tracer.example.evaluate = counting
+    tracer.trace(Doubling())
+    assert len(held) == 9 and max(held) <= 3  # the argument, the value read and the one made
+
+
+class ShapeReadTwice(nn.Module):
+    def forward(self, x):
+        shape = x.shape  # one fx Attribute: its node is made once, then read by both branches
+        if shape[0] > 1:
+            x = x * 2
+        if shape[-1] == 8:
+            x = x + 1
+        return x
+
+
+def test_an_attribute_read_again_after_its_value_was_dropped_still_decides():
+    x = torch.randn(3, 8)
+    (region,) = trace_model(ShapeReadTwice(), (x,)).regions
+    assert len(region.decided) == 2
+    torch.testing.assert_close(region.graph(x), ShapeReadTwice()(x))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -65,13 +66,21 @@ torch.fx.wrap("decided_keys")
 
 @dataclass
 class ExampleValues:
-    """The value of each traced node on the example arguments, and the decisions taken from them."""
+    """The value of each traced node on the example arguments, and the decisions taken from them.
+
+    A node's value is kept while a proxy of it lives (`watch`): the traced code can give a node
+    new users only through its proxies, so once they are gone its value is never read again, and
+    is dropped as a forward drops its intermediate tensors. The values held are then those the
+    traced code still holds, not every node's for the whole trace.
+    """
 
     arguments: list  # the traced forward's arguments, in placeholder order
     placeholders_seen: int = 0
-    values: dict = field(default_factory=dict)  # fx.Node -> value
+    values: dict = field(default_factory=dict)  # fx.Node -> value, while a proxy of it lives
     tainted: set = field(default_factory=set)  # nodes whose value was computed from tensor data
     decisions: list[str] = field(default_factory=list)  # "file:line: what was decided", in trace order
+    proxies: dict = field(default_factory=dict)  # fx.Node -> how many of its proxies live
+    watchers: list = field(default_factory=list)  # weak references to the proxies, whose callbacks count them
 
     def evaluate(self, node: fx.Node, root: torch.nn.Module) -> None:
         """Compute `node`'s value from its inputs' (MISSING when any is unknown, or it fails)."""
@@ -88,21 +97,50 @@ class ExampleValues:
         inputs = node.all_input_nodes
         if any(n in self.tainted for n in inputs) or (
                 not holds_tensors(value) and not reads_metadata(node)
-                and any(holds_tensors(self.values.get(n)) for n in inputs)):
+                and any(holds_tensors(self.value(n)) for n in inputs)):
             self.tainted.add(node)  # plain Python values read out of tensor data (.item(), .tolist())
 
-    def known(self, node: fx.Node):
+    def watch(self, proxy: fx.Proxy) -> None:
+        """Keep the value of the proxy's node while this proxy, or another of the node's, lives.
+        (The callback holds the counts and values, not self: no reference cycle.)"""
+        node, values, proxies = proxy.node, self.values, self.proxies
+
+        def gone(_):
+            proxies[node] -= 1
+            if not proxies[node]:
+                values.pop(node, None)
+
+        proxies[node] = proxies.get(node, 0) + 1
+        self.watchers.append(weakref.ref(proxy, gone))
+
+    def value(self, node: fx.Node):
+        """The node's value, MISSING when it is unknown. An attribute read (`x.shape`, `x.T`) is
+        read again from its object when its value was dropped: fx's Attribute proxy keeps the
+        node once made but not a proxy of it, and its object's proxy lives as long as it does."""
         value = self.values.get(node, MISSING)
+        if value is MISSING and node not in self.values and is_attribute_read(node):
+            try:
+                return getattr(*fx.node.map_arg(node.args, self.known))
+            except Exception:  # noqa: BLE001 - as in evaluate
+                return MISSING
+        return value
+
+    def known(self, node: fx.Node):
+        value = self.value(node)
         if value is MISSING:
             raise LookupError(node.name)
         return value
 
     def decidable(self, proxy: fx.Proxy):
         """The proxy's value when a branch may be decided on it, else MISSING."""
-        value = self.values.get(proxy.node, MISSING)
+        value = self.value(proxy.node)
         if proxy.node in self.tainted or isinstance(value, torch.Tensor):
             return MISSING
         return value
+
+
+def is_attribute_read(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is builtins.getattr
 
 
 def run_node(node: fx.Node, root: torch.nn.Module, args: tuple, kwargs: dict):

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from lowconv.passes.trace import HOOKS, Region, Trace, has_fused_path, has_hooks
+from lowconv.passes.trace import HOOKS, Region, Trace, has_fused_path, has_hooks, recompile
 from lowconv.passes.window_rows import drop_pair_layouts
 from lowconv.site import Site
 
@@ -141,7 +141,7 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         drop_pair_layouts(gm)  # once all of the region's sites are in: a kept chain's layout stays
         gm.delete_all_unused_submodules()
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
         gm.train(region.module.training)
         keep_buffers_out_of_state_dict(gm, region.module)
         model = swap_module(model, region.fqn, gm)
@@ -209,7 +209,7 @@ def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.M
             with gm.graph.inserting_after(site.output_node):
                 tap = gm.graph.call_module(name, args=(site.output_node, *site.args))
             site.output_node.replace_all_uses_with(tap, delete_user_cb=lambda user, tap=tap: user is not tap)
-        gm.recompile()
+        recompile(gm)
         gm.train(region.module.training)
         model = swap_module(model, region.fqn, gm)
     return model

@@ -29,9 +29,12 @@ then neither changes the user's tensors nor sees another run's writes.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import dis
 import inspect
 import operator
+import sys
 import types
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
@@ -64,8 +67,47 @@ def none_or_dtype(input):
     return None if input is None else input.dtype
 
 
-# Functions that reject a Proxy, and what stands in for them while tracing (the same value on a tensor).
-PROXY_SAFE = {(F, "_none_or_dtype"): none_or_dtype}
+def iterate_proxy(proxy: fx.Proxy):
+    """fx's Proxy.__iter__ without its reference cycle: it keeps its own frame in a local
+    (inspect.currentframe()), so that frame and every frame it was called from, with their locals
+    (the tracer and its example values, the model's tensors, the recorded example calls), stay
+    alive after the trace until the garbage collector runs. As fx does: unpacking (`a, b = x`)
+    gets as many items as the code unpacks; any other iteration asks the tracer."""
+    caller = sys._getframe(1)
+    instructions = list(dis.get_instructions(caller.f_code))
+    if sys.version_info >= (3, 11):
+        at = bisect.bisect_left(instructions, caller.f_lasti, key=lambda i: i.offset)
+    else:
+        at = caller.f_lasti // 2
+    if instructions[at].opname == "UNPACK_SEQUENCE":
+        return (proxy[i] for i in range(instructions[at].argval))
+    return proxy.tracer.iter(proxy)
+
+
+def wrap_without_cycle(fn_or_name):
+    """torch.fx.wrap as the code of a GraphModule calls it (`wrap("name")` at the top of the code's
+    module, for a function traced as one call: SpTr's ops), without its reference cycle (as in
+    Proxy.__iter__, see iterate_proxy): the frames running when a GraphModule is compiled would stay."""
+    name = fn_or_name if isinstance(fn_or_name, str) else fn_or_name.__name__
+    caller = sys._getframe(1)
+    torch.fx._symbolic_trace._wrapped_fns_to_patch[(id(caller.f_globals), name)] = caller.f_globals
+    return fn_or_name
+
+
+# The code fx generates calls torch.fx._symbolic_trace.wrap by that name: while lowconv compiles a
+# GraphModule (fx.GraphModule(...), recompile()), the name is wrap_without_cycle's.
+COMPILING = ScopedSetting(lambda: torch.fx._symbolic_trace.wrap,
+                          lambda wrap: setattr(torch.fx._symbolic_trace, "wrap", wrap), wrap_without_cycle)
+
+
+def recompile(gm: fx.GraphModule) -> None:
+    with COMPILING.held():
+        gm.recompile()
+
+
+# What stands in for these while tracing: functions that reject a Proxy (the same value on a
+# tensor), and fx's Proxy.__iter__ (the same, without a reference cycle).
+STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy}
 
 # Modules that are sites by themselves: traced as calls, never into.
 SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
@@ -146,7 +188,7 @@ class SetItemProxy(fx.Proxy):
         # `hasattr(x, "jax")` (transformers' torchax check, which then calls x.jax() when jax is
         # installed) must say False for a tensor, not record a call that fails when the graph runs.
         example = self.tracer.example
-        value = MISSING if example is None else example.values.get(self.node, MISSING)
+        value = MISSING if example is None else example.value(self.node)
         if value is not MISSING and not hasattr(value, name):
             raise AttributeError(f"{type(value).__name__} has no attribute {name!r}")
         return super().__getattr__(name)
@@ -197,6 +239,7 @@ class SiteTracer(fx.Tracer):
                     self.example.evaluate(proxy.node, self.root)
             finally:
                 self.running_example = False
+            self.example.watch(proxy)
         return proxy
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -268,13 +311,13 @@ class SiteTracer(fx.Tracer):
         # Functions a library made opaque with torch.fx.wrap that hide an attention's scores: fx
         # would record one call for them; traced into, the attention pass sees the ops. The table
         # is torch's, process-wide: an fx trace in another thread meanwhile would not see them wrapped.
-        # And functions that reject a Proxy take their PROXY_SAFE stand-ins meanwhile.
+        # And what STAND_INS lists is replaced by its stand-in meanwhile.
         table = torch.fx._symbolic_trace._wrapped_fns_to_patch
         hidden = {key: frame for key, frame in table.items() if qualified_name(frame.get(key[1])) in TRACED_INTO}
         for key in hidden:
             del table[key]
-        originals = {(module, name): getattr(module, name) for module, name in PROXY_SAFE}
-        for (module, name), stand_in in PROXY_SAFE.items():
+        originals = {(module, name): getattr(module, name) for module, name in STAND_INS}
+        for (module, name), stand_in in STAND_INS.items():
             setattr(module, name, stand_in)
         try:
             return super().trace(root, concrete_args)
@@ -322,13 +365,19 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
     finally:
         for m, mode in modes.items():
             m.training = mode
+        decisions = tracer.example.decisions if tracer.example is not None else []
+        # fx leaves its tracer in a reference cycle (Tracer.trace's recursive collect_tensor_attrs
+        # closes over it): drop what it holds (the module, the example values) now, not when the
+        # garbage collector runs.
+        vars(tracer).clear()
     for node in list(graph.nodes):
         if node.op == "placeholder" and node.target.removesuffix("_1") in (fixed or {}):
             node.target = node.target.removesuffix("_1")  # fx named it `name_1`: keep it callable by keyword
         elif node.op == "get_attr" and not node.users:
             graph.erase_node(node)  # read by a branch not taken (a fast path's checks): no site's weight use
-    traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
-    traced.meta["decided"] = tracer.example.decisions if tracer.example is not None else []
+    with COMPILING.held():
+        traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    traced.meta["decided"] = decisions
     return traced
 
 
@@ -366,7 +415,10 @@ def reads_training(module: nn.Module, graph: fx.GraphModule, fixed: dict | None 
                    call: Call | None = None) -> bool:
     """Whether the module's traced code differs between train and eval mode, guards of decided
     branches aside (torch's encoder layer checks src.is_nested in eval mode only)."""
-    return code_without_guards(trace_module(module, fixed, training=True, call=call)) != code_without_guards(graph)
+    in_training = trace_module(module, fixed, training=True, call=call)
+    differs = code_without_guards(in_training) != code_without_guards(graph)
+    release_graph(in_training)
+    return differs
 
 
 def code_without_guards(gm: fx.GraphModule) -> str:
@@ -376,7 +428,24 @@ def code_without_guards(gm: fx.GraphModule) -> str:
         if node.op == "call_function" and node.target in (decided, decided_length, decided_keys):
             graph.erase_node(node)
     graph.eliminate_dead_code()
+    graph.owning_module = None  # the copy's nodes are a reference cycle: they must not keep gm (see release_graph)
     return graph.python_code("self").src
+
+
+def release_graph(gm: fx.GraphModule) -> None:
+    """Let a GraphModule that is no longer used go as soon as nothing refers to it. It and its
+    Graph refer to each other (graph.owning_module), so it would otherwise stay, with the modules
+    it holds (the weights of the sites a conversion replaced), until the garbage collector runs.
+    What stays in a cycle then is the graph's nodes, which hold metadata, not tensors."""
+    gm.graph.owning_module = None
+
+
+def release_graphs(trace: Trace, kept: nn.Module | None = None) -> None:
+    """release_graph for each region graph of `trace` that `kept` (a converted model) does not hold."""
+    held = {id(m) for m in kept.modules()} if kept is not None else set()
+    for region in trace.regions:
+        if region.graph is not None and id(region.graph) not in held:
+            release_graph(region.graph)
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -397,61 +466,111 @@ def opaque_calls(graph: fx.GraphModule) -> list[str]:
 
 
 def find_regions(model: nn.Module, only: list[str] | None = None,
-                 none_args: dict[str, list[str]] | None = None, calls: dict[str, Call] | None = None,
+                 none_args: dict[str, list[str]] | None = None, example_inputs=None,
                  constant_args: dict[str, dict] | None = None) -> Trace:
     """Trace `model`, or where it does not trace, its largest traceable submodules.
 
     `only` replays a known list of region FQNs (from a saved plan) instead of searching.
+    Given `example_inputs`, each module is traced with its first call on them (first_calls), whose
+    values decide branches on metadata (see trace_module) and become the region's example_args
+    (and a lone site module's example_output).
     `none_args`: per module FQN, the forward arguments to trace as None; `constant_args`, those to
-    trace as a constant (name -> value).
-    `calls`: per module FQN, its first call on the example inputs (first_calls), whose values
-    decide branches on metadata (see trace_module).
-    """
-    none_args, calls, constant_args = none_args or {}, calls or {}, constant_args or {}
+    trace as a constant (name -> value); by default, those that are None, or a constant
+    (is_constant), on the example call.
 
-    def region(fqn: str, module: nn.Module) -> Region:
+    The search tries the model, then the children of what does not trace, one level of the module
+    tree at a time: each level's calls are recorded by one run of the model, for that level's
+    modules only, so that the calls held are one level's (and the regions' own), not every module's.
+    Regions and untraced modules are listed in the model's order (depth first).
+    """
+    def region(fqn: str, module: nn.Module, call: Call | None) -> Region:
+        example_args = tuple(call.arguments.values()) if call is not None and call.arguments is not None else None
         if is_site_module(module):
-            return Region(fqn, module, None)
-        nones, constants, call = none_args.get(fqn, []), constant_args.get(fqn, {}), calls.get(fqn)
+            return Region(fqn, module, None, example_args=example_args,
+                          example_output=call.output if call is not None else None)
+        nones, constants = fixed_arguments(call)
+        if none_args is not None:
+            nones = none_args.get(fqn, [])
+        if constant_args is not None:
+            constants = constant_args.get(fqn, {})
         fixed = {**dict.fromkeys(nones), **constants}
         graph = trace_module(module, fixed, call=call)
         return Region(fqn, module, graph, nones, constants, reads_training(module, graph, fixed, call),
-                      decided=graph.meta["decided"])
+                      decided=graph.meta["decided"], example_args=example_args)
 
-    def replayed(fqn: str) -> Region:
+    def replayed(fqn: str, call: Call | None) -> Region:
         try:
-            return region(fqn, model.get_submodule(fqn))
+            return region(fqn, model.get_submodule(fqn), call)
         except Exception as err:
-            hint = "" if calls else " (its branches were decided by the example inputs: pass example_inputs)"
+            hint = "" if example_inputs is not None else (
+                " (its branches were decided by the example inputs: pass example_inputs)")
             raise LowconvError(f"region {fqn or '(whole model)'} does not trace again: {first_line(err)}{hint}") from err
 
+    def calls_of(fqns: list[str]) -> dict[str, Call]:
+        return first_calls(model, example_inputs, fqns) if example_inputs is not None else {}
+
     if only is not None:
-        return Trace([replayed(fqn) for fqn in only], [])
+        calls = calls_of(only)
+        return Trace([replayed(fqn, calls.get(fqn)) for fqn in only], [])
 
     regions: list[Region] = []
     untraced: list[Untraced] = []
+    level = with_own_forward([("", model)])
+    while level:
+        level = search_level(level, calls_of([fqn for fqn, _ in level]), region, regions, untraced)
+    return Trace(sorted(regions, key=lambda r: tree_position(model, r.fqn)),
+                 sorted(untraced, key=lambda u: tree_position(model, u.fqn)))
 
-    def visit_children(fqn: str, module: nn.Module):
-        for name, child in module.named_children():
-            visit(join_fqn(fqn, name), child)
 
-    def visit(fqn: str, module: nn.Module):
-        if not has_own_forward(module):
-            visit_children(fqn, module)
-            return
+def search_level(level: list[tuple[str, nn.Module]], calls: dict[str, Call], region, regions: list[Region],
+                 untraced: list[Untraced]) -> list[tuple[str, nn.Module]]:
+    """Try each module of a level as a region (`region(fqn, module, call)`), adding it to `regions`
+    or `untraced`; the next level: the children of what did not trace, and of the opaque calls
+    (opaque_calls) of what did."""
+    below = []
+    for fqn, module in level:
         try:
-            found = region(fqn, module)
+            found = region(fqn, module, calls.get(fqn))
         except Exception as err:  # any trace failure: fall back to the children
             untraced.append(Untraced(fqn, first_line(err)))
-            visit_children(fqn, module)
-            return
+            below += children(fqn, module)
+            continue
         regions.append(found)
         if found.graph is not None:
             for target in opaque_calls(found.graph):
-                visit_children(join_fqn(fqn, target), found.graph.get_submodule(target))
+                below += children(join_fqn(fqn, target), found.graph.get_submodule(target))
+    return with_own_forward(below)
 
-    visit("", model)
-    return Trace(regions, untraced)
+
+def children(fqn: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(join_fqn(fqn, name), child) for name, child in module.named_children()]
+
+
+def with_own_forward(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules that the search tries: containers without a forward (ModuleList) are replaced
+    by their children, recursively."""
+    tried = []
+    for fqn, module in modules:
+        tried += [(fqn, module)] if has_own_forward(module) else with_own_forward(children(fqn, module))
+    return tried
+
+
+def tree_position(model: nn.Module, fqn: str) -> tuple[int, ...]:
+    """Where a depth-first walk of the model's children meets `fqn`: the index of each name
+    along its path among its parent's children."""
+    position, module = [], model
+    for name in fqn.split(".") if fqn else []:
+        position.append([n for n, _ in module.named_children()].index(name))
+        module = getattr(module, name)
+    return tuple(position)
+
+
+def fixed_arguments(call: Call | None) -> tuple[list[str], dict]:
+    """The arguments of a module's example call that tracing fixes by default: those that are
+    None, and those that are a constant (name -> value)."""
+    arguments = call.arguments if call is not None and call.arguments else {}
+    return ([name for name, value in arguments.items() if value is None],
+            {name: value for name, value in arguments.items() if is_constant(value)})
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -527,23 +646,26 @@ NO_FAST_PATH = ScopedSetting(torch.backends.mha.get_fastpath_enabled, torch.back
 @dataclass
 class Call:
     arguments: dict | None  # by name, see bind_arguments
-    output: object
+    output: object  # a site module's (None for any other module: see first_calls)
 
 
-def first_calls(model: nn.Module, example_inputs) -> dict[str, Call]:
-    """Run the model once (eval mode); what each module with a forward of its own got and gave.
+def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, Call]:
+    """Run the model once (eval mode); what each module in `fqns` got on its first call, and what
+    it gave if it is a site module (the example_output of a lone site region).
 
     The run gets fresh clones of the inputs; the model's own call is then given other fresh clones,
     so that its recorded arguments hold the example values even if the model wrote into its inputs
     (a submodule's recorded arguments are what it got, as they are after the run)."""
     calls: dict[str, Call] = {}
     handles = []
+    wanted = set(fqns)
     for fqn, module in model.named_modules():
-        if not has_own_forward(module):
+        if fqn not in wanted:
             continue
 
         def record(mod, args, kwargs, output, fqn=fqn):
-            calls.setdefault(fqn, Call(bind_arguments(mod, args, kwargs), output))
+            if fqn not in calls:
+                calls[fqn] = Call(bind_arguments(mod, args, kwargs), output if is_site_module(mod) else None)
 
         handles.append(module.register_forward_hook(record, with_kwargs=True))
     args, kwargs = normalize_inputs(example_inputs)
@@ -582,20 +704,8 @@ def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = 
     argument is guarded by the traced graph, as a None one is, and takes code such as
     `isinstance(n, int)` the way the example took it.
     """
-    calls = first_calls(model, example_inputs) if example_inputs is not None else {}
-    if none_args is None:
-        none_args = {fqn: [name for name, value in call.arguments.items() if value is None]
-                     for fqn, call in calls.items() if call.arguments}
-    if constant_args is None:
-        constant_args = {fqn: {name: value for name, value in call.arguments.items() if is_constant(value)}
-                         for fqn, call in calls.items() if call.arguments}
-    trace = find_regions(model, only, none_args, calls, constant_args)
+    trace = find_regions(model, only, none_args, example_inputs, constant_args)
     for region in trace.regions:
-        call = calls.get(region.fqn)
-        if call is not None:
-            region.example_output = call.output
-            if call.arguments is not None:
-                region.example_args = tuple(call.arguments.values())
         propagate_shapes(region)
     return trace
 

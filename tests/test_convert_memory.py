@@ -1,0 +1,108 @@
+"""What convert holds in memory: at its peak, the model's copy, the converted modules and one
+forward's activations; once it returns, nothing (no reference cycle left holding a tensor)."""
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowconv
+from lowconv.model_sources import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in a child process, whose RSS high-water mark is convert's and one forward's alone. glibc's
+# mmap threshold is fixed small (MALLOC_MMAP_THRESHOLD_ below), so a freed tensor goes back to the
+# system at once and the RSS follows the tensors alive, not what malloc kept for later.
+PEAK_OF_CONVERT = """
+import json, resource, sys
+import torch, transformers
+import lowconv
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+def high_water():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+torch.manual_seed(0)
+config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=8000)
+model = transformers.LlamaForCausalLM(config).eval()
+inputs = {"input_ids": torch.randint(0, 8000, (4, 256)), "use_cache": False}
+base = rss()
+with torch.no_grad():
+    model(**inputs)
+activations = high_water() - base
+lowconv.convert(model, sys.argv[1], inputs)
+print(json.dumps({"weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+                  "activations": activations, "convert": high_water() - base}))
+"""
+SLACK = 64 * 2**20  # what a conversion allocates beside tensors (code, graphs, plans), and RSS noise
+
+
+def test_convert_peak_is_two_copies_of_the_weights_and_one_forward():
+    pytest.importorskip("transformers")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    child = subprocess.run([sys.executable, "-c", PEAK_OF_CONVERT, "mixed"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    used = json.loads(child.stdout.strip().splitlines()[-1])
+    bound = 2 * used["weights"] + used["activations"] + SLACK
+    assert used["convert"] <= bound, (
+        f"convert took {used['convert'] / 2**20:.0f} MiB over the model's {used['weights'] / 2**20:.0f} MiB of "
+        f"weights (one forward: {used['activations'] / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB)")
+
+
+def storages(objects, device: str = "cpu") -> dict[int, int]:
+    """data_ptr -> bytes of the storages of the tensors on `device` among `objects`."""
+    found = {}
+    for obj in objects:  # type(), not isinstance: some module objects warn when asked their __class__
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == device:
+            storage = obj.untyped_storage()
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def held_by(model: torch.nn.Module, device: str = "cpu") -> dict[int, int]:
+    """The storages a model holds on `device`: its parameters, buffers and tensor attributes (in
+    containers too)."""
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            for item in value.values():
+                yield from tensors(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from tensors(item)
+
+    return storages((t for module in model.modules() for value in vars(module).values() for t in tensors(value)),
+                    device)
+
+
+@pytest.mark.parametrize("spec", ["hf:examples/hf/llama-tiny", "nn:transformer-encoder", "examples/point_transformer.py"])
+def test_convert_leaves_nothing_for_the_garbage_collector(spec):
+    """Without gc.collect(), everything convert made but the converted model is gone when it
+    returns: a tensor in a reference cycle (fx graphs, frames kept by fx, the tracer's example
+    values) would stay until the collector runs, on the GPU too."""
+    if spec.startswith("hf:"):
+        pytest.importorskip("transformers")
+    loaded = load_model(spec)
+    gc.collect()
+    gc.disable()
+    try:
+        before = set(storages(gc.get_objects()))
+        converted = lowconv.convert(loaded.model, "mixed", loaded.inputs)
+        left = {ptr: size for ptr, size in storages(gc.get_objects()).items()
+                if ptr not in before and ptr not in held_by(converted)}
+    finally:
+        gc.enable()
+    assert converted.lowconv_plan.converted()
+    assert sum(left.values()) == 0, f"{len(left)} tensors ({sum(left.values())} bytes) left by convert"
