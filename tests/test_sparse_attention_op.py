@@ -381,7 +381,7 @@ def allowed_by_layout(layout, window, causal, seq_q, seq_k):
     return torch.tensor([[rule(i, j) for j in range(seq_k)] for i in range(seq_q)])
 
 
-def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0):
+def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0, backend="auto"):
     """A functional site's module, its (q, k, v, mask) and the float64 bias of what it computes."""
     torch.manual_seed(seed)
     window = 3 if layout == "local" else None
@@ -392,7 +392,8 @@ def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0):
             "additive": torch.randn(2, 1, seq, seq, dtype=torch.float64).masked_fill(~keep, float("-inf"))}[mask_kind]
     bias = {"none": torch.zeros(()), "additive": mask}.get(mask_kind, as_bias(keep))
     bias = bias + as_bias(allowed_by_layout(layout, window, causal, seq, seq))
-    module = sa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window)
+    module = sa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window,
+                                backend=backend)
     return module.eval(), (q, k, v, mask), bias
 
 
@@ -421,7 +422,7 @@ def kernels_on_cpu(monkeypatch):
                                                        ("local", True, "additive"), ("dense", False, "keep")])
 def test_each_layout_on_the_kernels_matches_float64_with_gradients(kernels_on_cpu, layout, causal, mask_kind,
                                                                    monkeypatch):
-    module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind, seq=70, d=16)
+    module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind, seq=70, d=16, backend="triton")
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
     ran = spy_on_kernels(monkeypatch)
@@ -443,7 +444,8 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
                 info=mha_info(mha), input=TensorMeta((2, 70, 32), "float32"), module_backed=True)
-    ours = sa.from_site(site, sa.SparseAttentionOptions(layout=layout), mha.state_dict()).float().eval()
+    ours = sa.from_site(site, sa.SparseAttentionOptions(layout=layout, backend="triton"),
+                        mha.state_dict()).float().eval()
     x = torch.randn(2, 70, 32, dtype=torch.float64)
     padding = torch.arange(70)[None, :] >= torch.tensor([70, 20])[:, None]
     banned = torch.rand(70, 70) > 0.8
@@ -456,9 +458,9 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
 
 
 def spy_on_kernels(monkeypatch):
-    """The backends block_attention is called with, in order."""
-    ran, real = [], sa.block_attention
-    monkeypatch.setattr(sa, "block_attention", lambda *a, **kw: ran.append(kw["backend"]) or real(*a, **kw))
+    """The backends the op's calls run ("triton", "sdpa" or "reference"), in order."""
+    ran, real = [], sa.attend
+    monkeypatch.setattr(sa, "attend", lambda q, k, v, plan, **kw: ran.append(plan.backend) or real(q, k, v, plan, **kw))
     return ran
 
 
