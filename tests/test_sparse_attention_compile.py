@@ -176,3 +176,48 @@ def test_exported_converted_model_holds_the_op(kernels_on_cpu):
     assert [str(n.target) for n in exported.graph.nodes if "lowconv" in str(n.target)] == [
         "lowconv.block_attention_forward.default"]
     torch.testing.assert_close(exported.module()(x), converted(x), rtol=0, atol=0)
+
+
+def window_problem(rel=True):
+    """A window-attention problem as the ops take it: q, k, v, the tables, row windows, packed coordinates."""
+    from lowconv.kernels.window_attention import pack_coords, row_windows_from_offsets
+    from tests.test_window_attention import make_problem
+    q, k, v, offsets, coords, tables, _ = make_problem(sizes=[3, 0, 5, 1, 9, 2], seed=6, rel=rel)
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    tables = (None,) * 3 if tables is None else tuple(t.float().requires_grad_() for t in tables)
+    start, end = (t.int() for t in row_windows_from_offsets(offsets, q.shape[0]))
+    return q, k, v, tables, start, end, None if coords is None else pack_coords(coords), offsets
+
+
+@pytest.mark.parametrize("rel", [True, False])
+def test_window_ops_pass_opcheck(rel):
+    q, k, v, tables, start, end, coords, offsets = window_problem(rel)
+    args = (q, k, v, *tables, start, end, coords, 0.25)
+    torch.library.opcheck(torch.ops.lowconv.window_attention_forward.default, args)
+    out, lse = torch.ops.lowconv.window_attention_forward(*args)
+    detached = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args[:-1])
+    torch.library.opcheck(torch.ops.lowconv.window_attention_backward.default,
+                          (torch.randn_like(out), *detached, out.detach(), lse, 0.25))
+    torch.library.opcheck(torch.ops.lowconv.window_row_windows.default, (offsets.int(), q.shape[0]))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernels"])
+def test_converted_window_attention_compiles_whole(kernels, monkeypatch):
+    """An SpTr block with relative position, converted: the window op on the reference path, or
+    on the kernels (the ops in its forward and backward graphs); feats' gradient and the tables'."""
+    import functools
+
+    from lowconv.kernels.window_attention import window_attention
+    from tests.test_window_attention_pass import Block, scene
+    if kernels:
+        monkeypatch.setattr(sa, "window_attention", functools.partial(window_attention, backend="triton"))
+    model, inputs = Block("contextual").eval(), scene()
+    converted = lowconv.convert(model, attention_recipe('dtype = "float32"'), inputs)
+    feats = inputs[0].clone().requires_grad_()
+    tables = [p for name, p in converted.named_parameters() if "relative_pos" in name]
+    assert len(tables) == 3
+    run, recorder = compiled(converted)
+    assert_same_outputs_and_grads(converted, run, (feats, *inputs[1:]), [feats, *tables])
+    assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
+    ops = {"lowconv.window_attention_forward.default", "lowconv.window_attention_backward.default"}
+    assert (ops <= recorder.targets()) == kernels

@@ -494,13 +494,14 @@ class Launch:
         output and every gradient are 0, as SDPA's)."""
         return torch.zeros_like(t) if self.runs_nothing else torch.empty_like(t)
 
-    def run(self, launcher, kernel_name, *tensors, transposed):
-        """Launch a kernel (`launcher`: wrap_triton of it) over its tiles (of queries, or with
-        `transposed` of keys) and the batch and its heads (kv heads when transposed: a program
-        sums over its group)."""
+    def run(self, kernel, *tensors, transposed, launcher=None):
+        """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the batch
+        and its heads (kv heads when transposed: a program sums over its group). The ops launch
+        through `launcher`, wrap_triton(kernel), which torch.compile can trace; else directly."""
         if self.runs_nothing:
             return
-        tiles = kernel_tiles(kernel_name, self.head_dim, self.dtype, self.listed)
+        tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.listed)
+        launcher = launcher or kernel
         if transposed:
             grid = (triton.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
         else:
@@ -875,7 +876,7 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     launch = Launch(q, k, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale)
     out = launch.new_like(q)
     stats = q.new_empty((STATS, *q.shape[:3]), dtype=torch.float32)
-    launch.run(wrap_triton(_forward_kernel), "_forward_kernel", q, k, v, out, stats, transposed=False)
+    launch.run(_forward_kernel, q, k, v, out, stats, transposed=False, launcher=wrap_triton(_forward_kernel))
     return out, stats
 
 
@@ -898,10 +899,10 @@ def block_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     # delta_i = <dO_i, O_i>: the query kernel writes it (from the tiles it loads anyway), the key
     # kernel, launched after it, reads it.
     delta = q.new_empty(q.shape[:3], dtype=torch.float32)
-    launch.run(wrap_triton(_backward_query_kernel), "_backward_query_kernel", q, k, v, grad_out, out, stats,
-               delta, dq, transposed=False)
-    launch.run(wrap_triton(_backward_key_kernel), "_backward_key_kernel", q, k, v, grad_out, stats, delta,
-               dk, dv, transposed=True)
+    launch.run(_backward_query_kernel, q, k, v, grad_out, out, stats, delta, dq, transposed=False,
+               launcher=wrap_triton(_backward_query_kernel))
+    launch.run(_backward_key_kernel, q, k, v, grad_out, stats, delta, dk, dv, transposed=True,
+               launcher=wrap_triton(_backward_key_kernel))
     return dq, dk, dv
 
 
