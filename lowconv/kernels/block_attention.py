@@ -12,7 +12,11 @@ gradient. (An additive mask's -inf masks a key out; a finite value, however nega
 
 `block_attention` (below `attention_reference`) runs flash-attention Triton kernels on CUDA, forward and
 backward, over (batch, heads, seq, head_dim) inputs, skipping the (BLOCK_M, BLOCK_N) tiles of the
-score matrix that its layout rules out. Where the Triton numerics differ from the above:
+score matrix that its layout rules out. The kernels are the custom ops
+torch.ops.lowconv.block_attention_forward and _backward (at the end of the file), so that
+torch.compile takes them whole and CUDA graphs capture them. `block_attention_sdpa` computes the
+same through F.scaled_dot_product_attention, for what SDPA's kernels serve (it visits every tile of
+a dense or causal band). Where the Triton numerics differ from the above:
 - fp32 operands multiply in 3-pass tf32 (about fp32 accuracy);
 - the online softmax rounds exp(s - running max) to the compute dtype before P V (flash
   attention's rounding; the normalizer sums the unrounded values), where the reference rounds

@@ -41,6 +41,8 @@ padding it to a power of two); after the loop it splits into the three axes' (ro
 each re-indexed per row to (rows, L) by r (`_by_relative`), then multiplied with the table or
 with the rows: per axis an (L, d) table-gradient block per tile, added with one relaxed fp32
 atomic per element. The kernels read the coordinates packed one int per point (`pack_coords`).
+They are the custom ops torch.ops.lowconv.window_attention_forward, _backward and
+window_row_windows (at the end of the file), which torch.compile takes whole.
 (The alternatives measured on the H100 with scripts/tune_window_attention.py, and what each of
 these choices gained, are in BENCHMARKS.md, issue 3.)
 """
