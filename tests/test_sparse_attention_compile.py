@@ -1,7 +1,15 @@
-"""The sparse_attention op compiles whole (fullgraph=True): the block-attention kernels are the
-custom ops torch.ops.lowconv.block_attention_forward / _backward (opcheck here, their kernels in
-Triton's interpreter), and a converted model compiles on the CPU reference path and on the kernel
-path (simulated CUDA, as in test_sparse_attention_op), with eager's outputs and gradients."""
+"""The sparse_attention op compiles whole (fullgraph=True): the block- and window-attention kernels
+are the custom ops torch.ops.lowconv.* (opcheck here, their kernels in Triton's interpreter), and a
+converted model compiles on the CPU reference path and on the kernel path (simulated CUDA, as in
+test_sparse_attention_op), with eager's outputs and gradients. A child process without the
+interpreter traces the ops into their kernels as inductor does on the GPU (an H100 as Triton's
+target), which the interpreter's ops, kept whole, do not show."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo
@@ -221,3 +229,72 @@ def test_converted_window_attention_compiles_whole(kernels, monkeypatch):
     assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
     ops = {"lowconv.window_attention_forward.default", "lowconv.window_attention_backward.default"}
     assert (ops <= recorder.targets()) == kernels
+
+
+def test_ops_trace_into_their_kernels_as_inductor_sees_them():
+    """Forward and backward of both op families, traced with fake tensors through functionalization
+    (what AOTAutograd hands inductor): each a graph of Triton kernel calls whose written outputs
+    torch's analysis of the kernels found (no fallback to "every input is written")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.splitlines()[-1])
+    assert result["fallbacks"] == []
+    assert result["block"] == [["out", "stats"], ["delta", "dq"], ["dk", "dv"]]
+    assert result["window"] == [["lse", "out"], ["delta", "dq", "dtq", "dtv"], ["dk", "dtk", "dv"]]
+    assert result["row_windows"] == [["end", "start"]]
+
+
+def kernels_written_when_traced():
+    """In the child: the outputs each traced kernel call writes (of those an op allocates), per op family."""
+    import logging
+
+    import triton
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from triton.backends.compiler import GPUTarget
+
+    class H100:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(H100())
+    fallbacks = []
+
+    class Fallbacks(logging.Handler):
+        def emit(self, record):
+            fallbacks.append(record.getMessage()[:200])
+    logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Fallbacks())
+
+    def written(fn, *args, allocated):
+        graph = make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*args)
+        calls = [node for node in graph.graph.nodes if "triton_kernel_wrapper_functional" in str(node.target)]
+        return [sorted(set(node.kwargs["tensors_to_clone"]) & allocated) for node in calls]
+
+    q, k, v = (torch.randn(2, heads, 70, 16, requires_grad=True) for heads in (4, 2, 2))
+    keep = torch.rand(2, 1, 70, 70) > 0.3
+    padding = torch.zeros(2, 70, dtype=torch.bool)
+    blocks = block_layout(70, 70, layout="causal", mask=keep, key_padding_mask=padding)
+
+    def block(q, k, v, keep, padding, *blocks):
+        out, _ = torch.ops.lowconv.block_attention_forward(q, k, v, keep, padding, *blocks, 0, 70, True, 0.25)
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    wq, wk, wv, tables, start, end, coords, offsets = window_problem(True)
+
+    def window(q, k, v, tq, tk, tv, start, end, coords):
+        out, _ = torch.ops.lowconv.window_attention_forward(q, k, v, tq, tk, tv, start, end, coords, 0.25)
+        return torch.autograd.grad(out.square().sum(), (q, k, v, tq, tk, tv))
+
+    return {"block": written(block, q, k, v, keep, padding, *blocks,
+                             allocated={"out", "stats", "delta", "dq", "dk", "dv"}),
+            "window": written(window, wq, wk, wv, *tables, start, end, coords,
+                              allocated={"out", "lse", "delta", "dq", "dk", "dv", "dtq", "dtk", "dtv"}),
+            "row_windows": written(lambda o: torch.ops.lowconv.window_row_windows(o, 20), offsets.int(),
+                                   allocated={"start", "end"}),
+            "fallbacks": fallbacks}
+
+
+if __name__ == "__main__":
+    print(json.dumps(kernels_written_when_traced()))
