@@ -391,6 +391,7 @@ class SparseMultiheadAttention(nn.Module):
                                "pass attn_mask too")
         batch_dim = 0 if self.batch_first else 1
         unbatched = query.dim() == 2
+        self_attention = query is key and key is value
         if unbatched:
             query, key, value = (x.unsqueeze(batch_dim) for x in (query, key, value))
             if key_padding_mask is not None:
@@ -398,7 +399,7 @@ class SparseMultiheadAttention(nn.Module):
         if not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
 
-        q, k, v = self.project(query, key, value)
+        q, k, v = self.project(query, key, value, self_attention)
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
         q, k, v = (x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
                    for x in (q, k, v))
@@ -444,7 +445,10 @@ class SparseMultiheadAttention(nn.Module):
             average_attn_weights=average_attn_weights, is_causal=is_causal, **separate)
         return (out.transpose(0, 1) if batched_first else out), weights
 
-    def project(self, query, key, value):
+    def project(self, query, key, value, self_attention):
+        """q, k, v: for self-attention on packed weights one GEMM, as nn.MultiheadAttention does."""
+        if self.packed and self_attention:
+            return F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
         if self.packed:
             weights = self.in_proj_weight.chunk(3)
         else:
