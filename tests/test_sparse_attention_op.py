@@ -742,5 +742,9 @@ def test_plan_of_a_masked_site_says_the_mask_decides():
     model = PaddedEncoder().eval()
     x, padding = torch.randn(N, S, E), torch.arange(S)[None, :] >= torch.tensor([S, 4, 2])[:, None]
     [decision] = lowconv.convert(model, attention_recipe(""), (x, padding)).lowconv_plan.converted()
-    assert decision.note.startswith("on CUDA: per mask, on a dense band: lowconv's Triton kernels where the mask "
-                                    "rules out whole tiles"), decision.note
+    assert decision.note.startswith("on CUDA: SDPA on a dense band, no tile to skip; calls with a mask or key "
+                                    "padding, per mask: lowconv's Triton kernels where the mask rules out whole "
+                                    "tiles"), decision.note
+    site = functional_site(mask="keep", causal=True)
+    assert sa.from_site(site, sa.SparseAttentionOptions(), {}).plan_note().startswith(
+        "on CUDA: per mask, on a causal band: lowconv's Triton kernels where the mask rules out whole tiles")

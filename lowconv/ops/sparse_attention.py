@@ -249,9 +249,9 @@ def attend(q, k, v, plan, *, band, window, mask, key_padding_mask, scale, dropou
                    scale=scale, dtype=dtype, dropout=dropout)
 
 
-def backend_note(option, layout, window, causal, masked) -> str:
+def backend_note(option, layout, window, causal, masks) -> str:
     """Which kernels a site runs on CUDA and why, for the plan (the module doc has the rules; off
-    CUDA the torch reference runs). `masked`: whether calls may bring a mask."""
+    CUDA the torch reference runs). `masks`: "none", "given" (every call has one) or "per call"."""
     if option == "sdpa":
         return 'on CUDA: SDPA (backend "sdpa")'
     if option == "triton":
@@ -261,11 +261,14 @@ def backend_note(option, layout, window, causal, masked) -> str:
         return (f"on CUDA: lowconv's Triton kernels: they visit only the tiles of the local band (window {window}), "
                 "where SDPA would compute every tile (SDPA, the band as its mask, where they cannot run)")
     shape = "causal" if band == "causal" else "dense"
-    if listed and masked:
-        return (f"on CUDA: per mask, on a {shape} band: lowconv's Triton kernels where the mask rules out whole "
-                "tiles (they skip them), else SDPA (on the band alone where the mask allows all of it); under "
-                "torch.compile and CUDA graph capture, which cannot read the mask, SDPA with the mask")
-    return f"on CUDA: SDPA: a {shape} band{', the mask elementwise' if masked else ''}, no tile to skip"
+    if listed and masks != "none":
+        per_mask = ("lowconv's Triton kernels where the mask rules out whole tiles (they skip them), else SDPA (on "
+                    "the band alone where the mask allows all of it); under torch.compile and CUDA graph capture, "
+                    "which cannot read the mask, SDPA with the mask")
+        if masks == "given":
+            return f"on CUDA: per mask, on a {shape} band: {per_mask}"
+        return f"on CUDA: SDPA on a {shape} band, no tile to skip; calls with a mask or key padding, per mask: {per_mask}"
+    return f"on CUDA: SDPA: a {shape} band{', the mask elementwise' if masks != 'none' else ''}, no tile to skip"
 
 
 def mean_where_all_masked(out: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -338,7 +341,8 @@ class SparseAttention(nn.Module):
         return True
 
     def plan_note(self) -> str:
-        return backend_note(self.backend, self.layout, self.window, self.causal, self.mask != "none")
+        return backend_note(self.backend, self.layout, self.window, self.causal,
+                            "none" if self.mask == "none" else "given")
 
     def extra_repr(self) -> str:
         return (f"mask={self.mask}, causal={self.causal}, scale={self.scale}, "
@@ -424,7 +428,7 @@ class SparseMultiheadAttention(nn.Module):
         return (out.squeeze(batch_dim) if unbatched else out), None
 
     def plan_note(self) -> str:
-        backend = backend_note(self.backend, self.layout, self.window, False, True)
+        backend = backend_note(self.backend, self.layout, self.window, False, "per call")
         if not self.weights_when_asked:
             return backend
         return (f"{backend}; its caller is not traced and may read the attention weights: calls with "
