@@ -99,7 +99,7 @@ def test_converted_model_compiles_whole_with_inductor(options, masked):
     torch._dynamo.reset()
     counters.clear()
     run = torch.compile(converted, fullgraph=True)
-    for step in range(2):
+    for _ in range(2):
         x = torch.randn_like(inputs[0]).requires_grad_()
         x_eager = x.detach().clone().requires_grad_()
         got, want = run(x, *inputs[1:]), converted(x_eager, *inputs[1:])
