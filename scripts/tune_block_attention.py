@@ -49,10 +49,10 @@ class Problem:
         layout, window = BANDS[band]
         self.layout, self.window = layout, window
         lower, upper = ba.band(layout, window, seq, seq)
-        masks = ba.kernel_masks(None, None, BATCH, HEADS, seq, seq)
-        self.launch = ba.Launch(self.q, self.k, masks, None, (lower, upper, True), d ** -0.5)
+        self.launch = ba.Launch(self.q, self.k, None, None, None, None, None, None, lower, upper, True, d ** -0.5)
         self.out = torch.empty_like(self.q)
         self.stats = torch.empty((ba.STATS, *self.q.shape[:3]), device="cuda")
+        self.delta = torch.empty(self.q.shape[:3], device="cuda")
         self.dq, self.dk, self.dv = (torch.empty_like(self.q) for _ in range(3))
         self.call("_forward_kernel")()
         self.call("_backward_query_kernel")()  # writes delta, which the key kernel reads
@@ -60,8 +60,10 @@ class Problem:
     def call(self, kernel_name):
         kernel = getattr(ba, kernel_name)
         args = {"_forward_kernel": (self.q, self.k, self.v, self.out, self.stats),
-                "_backward_query_kernel": (self.q, self.k, self.v, self.do, self.out, self.stats, self.dq),
-                "_backward_key_kernel": (self.q, self.k, self.v, self.do, self.stats, self.dk, self.dv)}[kernel_name]
+                "_backward_query_kernel": (self.q, self.k, self.v, self.do, self.out, self.stats, self.delta,
+                                           self.dq),
+                "_backward_key_kernel": (self.q, self.k, self.v, self.do, self.stats, self.delta, self.dk,
+                                         self.dv)}[kernel_name]
         return lambda: self.launch.run(kernel, *args, transposed=kernel_name == "_backward_key_kernel")
 
     def reference(self):

@@ -4,8 +4,8 @@ padding, GQA and each compute dtype, forward and gradients."""
 import pytest
 import torch
 
-from lowconv.kernels.block_attention import (TILES, block_attention, block_attention_reference,
-                                             block_layout)
+from lowconv.kernels.block_attention import (TILES, allows_whole_band, block_attention, block_attention_reference,
+                                             block_attention_sdpa, block_layout, flash_takes, skips_tiles)
 
 # On the CPU, the Triton kernels run in Triton's interpreter (switched on in conftest.py). Where
 # CUDA is present (a GPU run collects this file too) the same tests run compiled, on CUDA tensors.
@@ -125,17 +125,20 @@ def test_output_keeps_the_input_dtype():
     assert rel_error(got, want) < 2e-3
 
 
-def test_calls_without_gradients_give_the_autograd_path_bits(monkeypatch):
-    """Under no_grad (or with no input requiring grad) the forward kernel runs without the
-    autograd Function: the same output, and no graph."""
+def test_calls_without_gradients_give_the_autograd_path_bits():
+    """Under no_grad (or with no input requiring grad) the forward kernel runs without the op's
+    autograd (which would save tensors for the backward): the same output, and no graph."""
     q, k, v, _ = make_problem(seed=6)
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     recorded = block_attention(q, k, v, layout="causal", backend="triton")
-    monkeypatch.setattr("lowconv.kernels.block_attention.BlockAttention.apply",
-                        lambda *args: pytest.fail("the Function ran"))
-    with torch.no_grad():
-        unrecorded = block_attention(q, k, v, layout="causal", backend="triton")
-    plain = block_attention(*(t.detach() for t in (q, k, v)), layout="causal", backend="triton")
+
+    def saved(t):
+        pytest.fail("the op's autograd saved tensors")
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
+        with torch.no_grad():
+            unrecorded = block_attention(q, k, v, layout="causal", backend="triton")
+        plain = block_attention(*(t.detach() for t in (q, k, v)), layout="causal", backend="triton")
     assert recorded.grad_fn is not None and unrecorded.grad_fn is None and plain.grad_fn is None
     assert torch.equal(unrecorded, recorded.detach()) and torch.equal(plain, recorded.detach())
 
@@ -288,3 +291,73 @@ def test_triton_rejects_head_dims_it_cannot_tile():
 
 def test_tiles_are_what_the_tests_assume():
     assert (TILES.block_m, TILES.block_n) == (64, 64)
+
+
+SDPA_MASKS = ["none", "bool", "additive", "padding", "bool and padding"]
+
+
+def sdpa_case_masks(masks):
+    """block_attention's mask arguments for a case of SDPA_MASKS (the masks leave rows without keys)."""
+    kwargs = {}
+    if "bool" in masks or "additive" in masks:
+        kwargs["mask"] = mask_problem("bool" if "bool" in masks else "additive", seed=8)
+    if "padding" in masks:
+        kwargs["key_padding_mask"] = ragged_padding()
+    return kwargs
+
+
+@pytest.mark.parametrize("masks", SDPA_MASKS)
+@pytest.mark.parametrize("layout,window", LAYOUTS)
+def test_sdpa_path_matches_the_reference_in_float64(layout, window, masks):
+    """block_attention_sdpa: the band and the key padding folded into SDPA's mask (a causal band
+    alone: its is_causal), GQA, rows with no allowed key: the reference's output and gradients."""
+    kwargs = dict(layout=layout, window=window, **sdpa_case_masks(masks))
+    got = errors(lambda q, k, v: block_attention_sdpa(q, k, v, scale=0.25, **kwargs),
+                 run("reference", torch.float64, scale=0.25, **kwargs), make_problem(seed=13))
+    assert max(got) < TOLERANCE[torch.float64], got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sdpa_path_computes_in_the_compute_dtype(dtype):
+    """q, k, v rounded to the compute dtype, the output back in q's: float64's errors within the
+    compute dtype's bound, forward and gradients (causal band, GQA)."""
+    problem = make_problem(seed=14)
+    got = errors(lambda q, k, v: block_attention_sdpa(q, k, v, layout="causal", dtype=dtype),
+                 run("reference", torch.float64, layout="causal"), problem)
+    assert max(got) < TOLERANCE[dtype], got
+    q, k, v, _ = problem
+    assert block_attention_sdpa(q.float(), k.float(), v.float(), dtype=dtype).dtype == torch.float32
+
+
+def test_sdpa_path_takes_grouped_heads_only_where_flash_runs():
+    """enable_gqa where SDPA's flash kernel serves the call; where it does not, SDPA's math kernel
+    would take over: k and v are repeated for its efficient kernel instead."""
+    q, k, v = torch.zeros(2, 8, 16, 64), torch.zeros(2, 2, 16, 64), torch.zeros(2, 2, 16, 64)
+    half = [t.bfloat16() for t in (q, k, v)]
+    assert flash_takes(*half, None, causal=True)
+    assert not flash_takes(*half, torch.ones(16, 16, dtype=torch.bool), causal=False)  # a mask
+    assert not flash_takes(q, k, v, None, causal=False)  # float32
+    assert not flash_takes(half[0][:, :, :8], *half[1:], None, causal=True)  # causal, 8 queries on 16 keys
+    assert not flash_takes(*(t[..., :12] for t in half), None, causal=False)  # head_dim 12
+
+
+def test_masks_the_band_alone_computes_and_tiles_a_layout_skips():
+    causal = torch.ones(SEQ_Q, SEQ_K, dtype=torch.bool, device=DEVICE).tril()
+    additive_causal = torch.zeros(SEQ_Q, SEQ_K, device=DEVICE).masked_fill(~causal, float("-inf"))
+    padding = ragged_padding()
+    assert allows_whole_band(causal, None, "causal", None, SEQ_Q, SEQ_K)  # nothing beyond the causal band
+    assert allows_whole_band(additive_causal, None, "causal", None, SEQ_Q, SEQ_K)
+    assert not allows_whole_band(causal, None, "dense", None, SEQ_Q, SEQ_K)
+    assert not allows_whole_band(additive_causal + 0.5, None, "causal", None, SEQ_Q, SEQ_K)  # adds to scores
+    assert allows_whole_band(None, torch.zeros_like(padding), "dense", None, SEQ_Q, SEQ_K)
+    assert not allows_whole_band(causal, padding, "causal", None, SEQ_Q, SEQ_K)
+
+    def skips(mask, layout="dense", key_padding_mask=None):
+        blocks = block_layout(SEQ_Q, SEQ_K, layout=layout, mask=mask, key_padding_mask=key_padding_mask)
+        return bool(skips_tiles(blocks, layout, None, SEQ_Q, SEQ_K))
+
+    assert skips(causal) and not skips(causal, "causal")  # the causal band skips them already
+    assert skips(mask_problem("bool", seed=8))  # query tile 1 by key tile 0
+    holes = torch.rand(SEQ_Q, SEQ_K, device=DEVICE) > 0.3
+    assert not skips(holes)
+    assert skips(None, key_padding_mask=padding)  # batch 1's padding-only tiles

@@ -98,7 +98,7 @@ def block_case(kernel_name, dtype, d, mask, variant):
                       **{name: None for name, pointer in optional.items() if pointer is None})
     types = {"*": POINTER[dtype], "scale": "fp32",
              **{name: pointer for name, pointer in optional.items() if pointer is not None},
-             "stats": "*fp32",
+             "stats": "*fp32", "delta": "*fp32",
              **{name: "i32" for name in kernel.arg_names if name[0].isupper() or name in ("lower", "upper")
                 or name.startswith(("mask_s", "list_s"))}}
     return compile_for_sm90(kernel, types, constexprs, tiles.num_warps, tiles.num_stages)

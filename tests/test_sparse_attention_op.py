@@ -381,7 +381,7 @@ def allowed_by_layout(layout, window, causal, seq_q, seq_k):
     return torch.tensor([[rule(i, j) for j in range(seq_k)] for i in range(seq_q)])
 
 
-def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0):
+def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0, backend="auto"):
     """A functional site's module, its (q, k, v, mask) and the float64 bias of what it computes."""
     torch.manual_seed(seed)
     window = 3 if layout == "local" else None
@@ -392,7 +392,8 @@ def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0):
             "additive": torch.randn(2, 1, seq, seq, dtype=torch.float64).masked_fill(~keep, float("-inf"))}[mask_kind]
     bias = {"none": torch.zeros(()), "additive": mask}.get(mask_kind, as_bias(keep))
     bias = bias + as_bias(allowed_by_layout(layout, window, causal, seq, seq))
-    module = sa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window)
+    module = sa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window,
+                                backend=backend)
     return module.eval(), (q, k, v, mask), bias
 
 
@@ -421,7 +422,7 @@ def kernels_on_cpu(monkeypatch):
                                                        ("local", True, "additive"), ("dense", False, "keep")])
 def test_each_layout_on_the_kernels_matches_float64_with_gradients(kernels_on_cpu, layout, causal, mask_kind,
                                                                    monkeypatch):
-    module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind, seq=70, d=16)
+    module, (q, k, v, mask), bias = layout_case(layout, causal, mask_kind, seq=70, d=16, backend="triton")
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
     ran = spy_on_kernels(monkeypatch)
@@ -443,7 +444,8 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
                 info=mha_info(mha), input=TensorMeta((2, 70, 32), "float32"), module_backed=True)
-    ours = sa.from_site(site, sa.SparseAttentionOptions(layout=layout), mha.state_dict()).float().eval()
+    ours = sa.from_site(site, sa.SparseAttentionOptions(layout=layout, backend="triton"),
+                        mha.state_dict()).float().eval()
     x = torch.randn(2, 70, 32, dtype=torch.float64)
     padding = torch.arange(70)[None, :] >= torch.tensor([70, 20])[:, None]
     banned = torch.rand(70, 70) > 0.8
@@ -456,9 +458,9 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
 
 
 def spy_on_kernels(monkeypatch):
-    """The backends block_attention is called with, in order."""
-    ran, real = [], sa.block_attention
-    monkeypatch.setattr(sa, "block_attention", lambda *a, **kw: ran.append(kw["backend"]) or real(*a, **kw))
+    """The backends the op's calls run ("triton", "sdpa" or "reference"), in order."""
+    ran, real = [], sa.attend
+    monkeypatch.setattr(sa, "attend", lambda q, k, v, plan, **kw: ran.append(plan.backend) or real(q, k, v, plan, **kw))
     return ran
 
 
@@ -540,6 +542,124 @@ def test_a_mask_layout_is_made_once_per_mask(kernels_on_cpu, monkeypatch):
     assert len(made) == 6
 
 
+# ---- which backend a call runs on CUDA (simulated: kernels_on_cpu) ----
+
+SEQ = 130  # three tiles of 64 each way, the last one partial
+
+
+def spy_on_plans(monkeypatch):
+    """(backend, masks in, tiles listed) of each call of the op, in order."""
+    ran, real = [], sa.attend
+
+    def spy(q, k, v, plan, **kw):
+        ran.append((plan.backend, plan.masked, plan.blocks is not None))
+        return real(q, k, v, plan, **kw)
+    monkeypatch.setattr(sa, "attend", spy)
+    return ran
+
+
+def dispatch_masks():
+    """Keep masks over SEQ x SEQ: everything; the causal band; holes in every tile; and holes plus
+    key tile 0 out for query tiles 1 and 2 (whole tiles the kernels skip)."""
+    gen = torch.Generator().manual_seed(3)
+    holes = torch.rand(SEQ, SEQ, generator=gen) > 0.3
+    holes.fill_diagonal_(True)
+    tiled = holes.clone()
+    tiled[64:, :64] = False
+    return {"all": torch.ones(SEQ, SEQ, dtype=torch.bool), "causal": torch.ones(SEQ, SEQ, dtype=torch.bool).tril(),
+            "holes": holes, "tiled": tiled}
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+@pytest.mark.parametrize("layout, causal, mask, backend, expected", [
+    ("auto", False, None, "auto", ("sdpa", True, False)),  # dense band
+    ("auto", True, None, "auto", ("sdpa", True, False)),  # causal band: SDPA's is_causal
+    ("causal", False, None, "auto", ("sdpa", True, False)),
+    ("local", True, None, "auto", ("triton", True, False)),  # the kernels visit the band's tiles only
+    ("auto", False, "holes", "auto", ("sdpa", True, False)),  # no whole tile to skip: SDPA, the mask in
+    ("auto", False, "tiled", "auto", ("triton", True, True)),  # whole tiles out: the kernels skip them
+    ("mask", False, "tiled", "auto", ("triton", True, True)),
+    ("dense", False, "tiled", "auto", ("sdpa", True, False)),  # "dense" visits every tile
+    ("auto", True, "causal", "auto", ("sdpa", False, False)),  # nothing beyond the band: SDPA on it alone
+    ("auto", False, "all", "auto", ("sdpa", False, False)),
+    ("auto", True, "tiled", "auto", ("triton", True, True)),
+    ("local", True, "holes", "sdpa", ("sdpa", True, False)),  # forced
+    ("auto", True, None, "triton", ("triton", True, False)),
+    ("auto", False, "holes", "triton", ("triton", True, True)),
+])
+def test_calls_run_sdpa_unless_the_kernels_skip_tiles(kernels_on_cpu, monkeypatch, layout, causal, mask, backend,
+                                                      expected):
+    torch.manual_seed(0)
+    keep = None if mask is None else dispatch_masks()[mask]
+    module = sa.SparseAttention(mask="none" if keep is None else "keep", causal=causal, scale=0.4, layout=layout,
+                                window=5 if layout == "local" else None, backend=backend).eval()
+    q, k, v = (torch.randn(1, 2, SEQ, 16, dtype=torch.float64) for _ in range(3))
+    reference = sa.SparseAttention(mask=module.mask, causal=causal, scale=0.4, layout=layout, window=module.window)
+    want = reference(q, k, v, keep)  # off the kernels' device: the torch reference
+    ran = spy_on_plans(monkeypatch)
+    got = module(*(t.float() for t in (q, k, v)), keep)
+    assert ran == [expected]
+    assert rel_error(got, want) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+def test_calls_the_kernels_cannot_run_take_sdpa_or_with_backend_triton_the_reference(kernels_on_cpu, monkeypatch):
+    q = torch.randn(1, 2, 20, 24)  # head_dim 24: not one the kernels tile
+    ran = spy_on_plans(monkeypatch)
+    sa.SparseAttention(causal=True, layout="local", window=4)(q, q, q)
+    sa.SparseAttention(causal=True, layout="local", window=4, backend="triton")(q, q, q)
+    sa.SparseAttention(causal=True, dropout=0.5).train()(q[..., :16], q[..., :16], q[..., :16])  # dropout
+    assert ran == [("sdpa", True, False), ("reference", True, False), ("sdpa", True, False)]
+
+
+def test_off_cuda_every_backend_runs_the_reference(monkeypatch):
+    q = torch.randn(1, 2, 20, 16)
+    ran = spy_on_plans(monkeypatch)
+    for backend in sa.BACKEND_CHOICES:
+        sa.SparseAttention(causal=True, backend=backend)(q, q, q)
+    assert ran == [("reference", True, False)] * 3
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+def test_layers_share_what_their_mask_decides(kernels_on_cpu, monkeypatch):
+    """Two layers, one mask: its BlockLayout made and read once; a new mask, once more."""
+    made = []
+    monkeypatch.setattr(sa, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
+    layers = [sa.SparseAttention(mask="keep", scale=0.4).eval() for _ in range(2)]
+    q = torch.randn(1, 2, SEQ, 16)
+    mask = dispatch_masks()["tiled"]
+    ran = spy_on_plans(monkeypatch)
+    for layer in layers * 2:
+        layer(q, q, q, mask)
+    assert len(made) == 1 and ran == [("triton", True, True)] * 4
+    layers[0](q, q, q, dispatch_masks()["holes"])
+    assert len(made) == 2 and ran[-1] == ("sdpa", True, False)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+def test_masked_calls_being_traced_run_sdpa_with_the_mask(kernels_on_cpu, monkeypatch):
+    """Under torch.compile or CUDA graph capture the mask cannot be read: SDPA, the mask in."""
+    monkeypatch.setattr(sa, "traced", lambda q: True)
+    made = []
+    monkeypatch.setattr(sa, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
+    q = torch.randn(1, 2, SEQ, 16)
+    ran = spy_on_plans(monkeypatch)
+    sa.SparseAttention(mask="keep", causal=True)(q, q, q, dispatch_masks()["causal"])
+    sa.SparseAttention(mask="keep", backend="triton")(q, q, q, dispatch_masks()["tiled"])  # made in the graph
+    assert ran == [("sdpa", True, False), ("triton", True, True)] and len(made) == 1
+
+
+def test_backend_options_parse_and_bad_ones_name_the_choices():
+    assert sa.SparseAttentionOptions().backend == "auto"
+    assert parse_options('backend = "sdpa"').backend == "sdpa"
+    with pytest.raises(LowconvError, match=r"options.backend: got 'cuda'; expected one of 'auto', 'sdpa', 'triton'"):
+        parse_options('backend = "cuda"')
+    with pytest.raises(ValueError, match="SparseAttention: backend must be one of 'auto', 'sdpa', 'triton'"):
+        sa.SparseAttention(backend="flash")
+    window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
+    assert 'backend "sdpa" is for ordinary attention sites' in sa.check(window, sa.SparseAttentionOptions(backend="sdpa"))
+
+
 # ---- layouts through lowconv.convert ----
 
 class CausalBlock(nn.Module):
@@ -603,3 +723,28 @@ def test_converted_multihead_attention_with_key_padding(layout):
     else:
         expected = model(x, padding)
     assert rel_error(out, expected) < 1e-12
+
+
+@pytest.mark.parametrize("options, says", [
+    ("", "on CUDA: SDPA: a causal band, no tile to skip"),
+    ('layout = "local", window = 3', "on CUDA: lowconv's Triton kernels: they visit only the tiles of the local band"),
+    ('backend = "triton"', 'on CUDA: lowconv\'s Triton kernels (backend "triton"'),
+    ('backend = "sdpa"', 'on CUDA: SDPA (backend "sdpa")'),
+])
+def test_plan_says_which_backend_a_site_runs(options, says):
+    model = CausalBlock().eval()
+    x = torch.randn(2, 10, 32)
+    [decision] = lowconv.convert(model, attention_recipe(options), (x,)).lowconv_plan.converted()
+    assert decision.note.startswith(says), decision.note
+
+
+def test_plan_of_a_masked_site_says_the_mask_decides():
+    model = PaddedEncoder().eval()
+    x, padding = torch.randn(N, S, E), torch.arange(S)[None, :] >= torch.tensor([S, 4, 2])[:, None]
+    [decision] = lowconv.convert(model, attention_recipe(""), (x, padding)).lowconv_plan.converted()
+    assert decision.note.startswith("on CUDA: SDPA on a dense band, no tile to skip; calls with a mask or key "
+                                    "padding, per mask: lowconv's Triton kernels where the mask rules out whole "
+                                    "tiles"), decision.note
+    site = functional_site(mask="keep", causal=True)
+    assert sa.from_site(site, sa.SparseAttentionOptions(), {}).plan_note().startswith(
+        "on CUDA: per mask, on a causal band: lowconv's Triton kernels where the mask rules out whole tiles")

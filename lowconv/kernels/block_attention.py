@@ -12,7 +12,11 @@ gradient. (An additive mask's -inf masks a key out; a finite value, however nega
 
 `block_attention` (below `attention_reference`) runs flash-attention Triton kernels on CUDA, forward and
 backward, over (batch, heads, seq, head_dim) inputs, skipping the (BLOCK_M, BLOCK_N) tiles of the
-score matrix that its layout rules out. Where the Triton numerics differ from the above:
+score matrix that its layout rules out. The kernels are the custom ops
+torch.ops.lowconv.block_attention_forward and _backward (at the end of the file), so that
+torch.compile takes them whole and CUDA graphs capture them. `block_attention_sdpa` computes the
+same through F.scaled_dot_product_attention, for what SDPA's kernels serve (it visits every tile of
+a dense or causal band). Where the Triton numerics differ from the above:
 - fp32 operands multiply in 3-pass tf32 (about fp32 accuracy);
 - the online softmax rounds exp(s - running max) to the compute dtype before P V (flash
   attention's rounding; the normalizer sums the unrounded values), where the reference rounds
@@ -28,9 +32,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from lowconv.kernels import fast_launch
-from lowconv.kernels.operands import as_operand, needs_autograd
+from lowconv.kernels.library import triton_op
+from lowconv.kernels.operands import as_operand
 from lowconv.kernels.window_attention import _dot, dot_precision
 
 MASK_KINDS = ("none", "additive", "keep", "drop")  # keep: True attends; drop: True is masked out
@@ -225,15 +230,8 @@ def block_layout(seq_q, seq_k, *, layout="dense", window=None, mask=None, key_pa
         raise ValueError("block_layout: give a mask or a key_padding_mask (a layout alone needs "
                          "no BlockLayout: the kernels loop over its band)")
     block_m, block_n = TILES.block_m, TILES.block_n
-    rows_of_tiles, cols_of_tiles = fast_launch.cdiv(seq_q, block_m), fast_launch.cdiv(seq_k, block_n)
     device = (mask if mask is not None else key_padding_mask).device
-    # The band: a tile is live when its range of offsets i - j meets [lower, upper].
-    lower, upper = band(layout, window, seq_q, seq_k)
-    first_row = torch.arange(rows_of_tiles, device=device)[:, None] * block_m
-    first_col = torch.arange(cols_of_tiles, device=device)[None, :] * block_n
-    last_row = (first_row + block_m).clamp(max=seq_q) - 1
-    last_col = (first_col + block_n).clamp(max=seq_k) - 1
-    live = (first_row - last_col <= upper) & (last_row - first_col >= lower)
+    live = band_tiles(layout, window, seq_q, seq_k, device)
     if mask is not None:
         allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
         while allowed.dim() < 4:
@@ -248,11 +246,50 @@ def block_layout(seq_q, seq_k, *, layout="dense", window=None, mask=None, key_pa
     return BlockLayout(*listed(live), *listed(live.transpose(-2, -1)))
 
 
+def band_tiles(layout, window, seq_q, seq_k, device):
+    """(rows of tiles, columns of tiles) bool: the tiles of the layout's band, those whose range
+    of offsets i - j meets [lower, upper]."""
+    block_m, block_n = TILES.block_m, TILES.block_n
+    lower, upper = band(layout, window, seq_q, seq_k)
+    first_row = torch.arange(triton.cdiv(seq_q, block_m), device=device)[:, None] * block_m
+    first_col = torch.arange(triton.cdiv(seq_k, block_n), device=device)[None, :] * block_n
+    last_row = (first_row + block_m).clamp(max=seq_q) - 1
+    last_col = (first_col + block_n).clamp(max=seq_k) - 1
+    return (first_row - last_col <= upper) & (last_row - first_col >= lower)
+
+
+def band_pairs(layout, window, seq_q, seq_k, device):
+    """(seq_q, seq_k) bool: the pairs (query i, key j) of the layout's band."""
+    lower, upper = band(layout, window, seq_q, seq_k)
+    offset = torch.arange(seq_q, device=device)[:, None] - torch.arange(seq_k, device=device)[None, :]
+    return (offset >= lower) & (offset <= upper)
+
+
+def skips_tiles(blocks, layout, window, seq_q, seq_k):
+    """Whether a BlockLayout (of the same layout) leaves out a tile of the band somewhere: the
+    kernels then skip work that a dense or causal kernel does. A bool tensor on blocks' device."""
+    return (blocks.count.sum(-1) < band_tiles(layout, window, seq_q, seq_k, blocks.count.device).sum()).any()
+
+
+def allows_whole_band(mask, key_padding_mask, layout, window, seq_q, seq_k):
+    """Whether a mask (bool: True attends; float: added) and key padding (True = padding), either
+    None, let every query see every key of the layout's band and add nothing to those scores: the
+    band alone then computes the same. A bool tensor on their device."""
+    device = (mask if mask is not None else key_padding_mask).device
+    whole = torch.ones((), dtype=torch.bool, device=device)
+    if key_padding_mask is not None:
+        whole = ~key_padding_mask.any()
+    if mask is not None:
+        free = mask if mask.dtype == torch.bool else mask == 0
+        whole = whole & (free | ~band_pairs(layout, window, seq_q, seq_k, device)).all()
+    return whole
+
+
 def tile_any(allowed, block_m, block_n):
     """(..., rows of tiles, columns of tiles): whether each tile of `allowed` (..., Lq, Lk)
     (padded with False to whole tiles) holds a True."""
     *lead, seq_q, seq_k = allowed.shape
-    rows, cols = fast_launch.cdiv(seq_q, block_m), fast_launch.cdiv(seq_k, block_n)
+    rows, cols = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
     padded = F.pad(allowed, (0, cols * block_n - seq_k, 0, rows * block_m - seq_q))
     return padded.view(*lead, rows, block_m, cols, block_n).any(-1).any(-2)
 
@@ -297,10 +334,12 @@ def block_attention(q, k, v, *, layout="dense", window=None, mask=None, key_padd
         blocks = block_layout(q.shape[-2], k.shape[-2], layout=layout, window=window, mask=mask,
                               key_padding_mask=key_padding_mask)
     q, k, v = (as_operand(t, dtype) for t in (q, k, v))
-    masks = kernel_masks(mask, key_padding_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.contiguous()
     lower, upper = band(layout, window, q.shape[2], k.shape[2])
-    args = (q, k, v, masks, blocks, (lower, upper, layout != "dense"), scale)
-    out = BlockAttention.apply(*args) if needs_autograd(q, k, v) else attention_forward(*args)[0]
+    lists = (None,) * 4 if blocks is None else tuple(blocks)
+    out, _ = torch.ops.lowconv.block_attention_forward(q, k, v, mask, key_padding_mask, *lists, lower, upper,
+                                                       layout != "dense", scale)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -310,11 +349,7 @@ def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None
     with the layout and padding folded into the mask. Memory O(batch heads seq_q seq_k). Also
     takes what the kernels do not: leading dims other than (batch, heads) without key padding,
     and `dropout` on the probabilities (pass 0 outside training)."""
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    lower, upper = band(layout, window, seq_q, seq_k)
-    offset = (torch.arange(seq_q, device=q.device)[:, None]
-              - torch.arange(seq_k, device=q.device)[None, :])
-    allowed = (offset >= lower) & (offset <= upper)
+    allowed = band_pairs(layout, window, q.shape[-2], k.shape[-2], q.device)
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
     if mask is None or mask.dtype == torch.bool:
@@ -327,6 +362,61 @@ def block_attention_reference(q, k, v, *, layout="dense", window=None, mask=None
         out = attention_reference(q, k, v, additive, mask_kind="additive", scale=scale,
                                   dropout=dropout, dtype=dtype)
     return out.to(q.dtype)
+
+
+def block_attention_sdpa(q, k, v, *, layout="dense", window=None, mask=None, key_padding_mask=None,
+                         scale=None, dtype=None, dropout=0.0):
+    """`block_attention` through F.scaled_dot_product_attention (same arguments, no checks; like
+    the reference it takes other leading dims without key padding, and `dropout`): q, k, v rounded
+    to the compute dtype, in which SDPA's kernels compute (fp32 accumulation and softmax, the
+    probabilities rounded to it before P V), the output cast back to q's dtype. The band and the
+    key padding join the mask (sdpa_mask); a causal band alone is SDPA's is_causal, which with no
+    mask runs its flash or cuDNN kernels. An additive mask is rounded to the compute dtype, the
+    dtype SDPA takes it in (finite values beyond its range become -inf). A query row with no
+    allowed key gives zeros, as everywhere in this file (SDPA's rule since torch 2.5)."""
+    out_dtype, dtype = q.dtype, dtype or q.dtype
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    attn_mask = sdpa_mask(mask, key_padding_mask, layout, window, q.shape[-2], k.shape[-2], dtype, q.device)
+    causal = layout == "causal" and attn_mask is None
+    gqa = q.shape[-3] != k.shape[-3]
+    if gqa and not flash_takes(q, k, v, attn_mask, causal):
+        k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])
+        gqa = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
+                                         scale=scale, enable_gqa=gqa)
+    return out.to(out_dtype)
+
+
+def sdpa_mask(mask, key_padding_mask, layout, window, seq_q, seq_k, dtype, device):
+    """The attn_mask SDPA takes for a call: the model's mask with the band and the key padding
+    folded in (bool: True attends; float: in `dtype`, -inf where the band or the padding rule a
+    key out), or None where there is nothing to mask (a dense band) or only a causal band (SDPA's
+    is_causal)."""
+    allowed = None
+    if layout != "dense" and (layout != "causal" or mask is not None or key_padding_mask is not None):
+        allowed = band_pairs(layout, window, seq_q, seq_k, device)
+    if key_padding_mask is not None:
+        keys = ~key_padding_mask[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask if allowed is None else mask & allowed
+    mask = mask.to(dtype)
+    return mask if allowed is None else mask.masked_fill(~allowed, float("-inf"))
+
+
+def flash_takes(q, k, v, attn_mask, causal) -> bool:
+    """Whether SDPA can run this call on its flash kernel, which takes k and v with fewer heads than
+    q (enable_gqa). SDPA's other fused kernel (efficient) does not, and with enable_gqa where flash
+    cannot run SDPA falls back to its math kernel (O(seq^2) memory): k and v are repeated instead.
+    The conditions are those of torch's sdp_utils (2.11): no mask, fp16 or bf16, one head_dim
+    for q, k, v, a multiple of 8 up to 256, (batch, heads, seq, head_dim) tensors, and causal
+    only with as many queries as keys (flash aligns a causal band bottom-right)."""
+    head_dim = q.shape[-1]
+    return (attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.dim() == 4
+            and head_dim == v.shape[-1] and head_dim % 8 == 0 and head_dim <= 256
+            and not (causal and q.shape[-2] != k.shape[-2]))
 
 
 def check_block_inputs(q, k, v, layout, window, mask, key_padding_mask, scale, dtype, backend):
@@ -370,104 +460,60 @@ def check_triton_inputs(q, dtype):
         raise ValueError(f"block_attention: {problem}")
 
 
-class KernelMasks(NamedTuple):
-    """The masks as the kernels read them: the model's mask as a (batch, heads, seq_q, seq_k)
-    view (broadcast dimensions have stride 0; bool as uint8), "none", "bool" or "additive", and
-    the key padding mask as uint8 (batch, seq_k)."""
-    mask: torch.Tensor | None
-    kind: str
-    padding: torch.Tensor | None
-
-
-def kernel_masks(mask, key_padding_mask, batch, heads, seq_q, seq_k):
+def kernel_mask(mask, batch, heads, seq_q, seq_k):
+    """The model's mask as the kernels read it: a (batch, heads, seq_q, seq_k) view (broadcast
+    dimensions have stride 0; bool as uint8), and its kind, "none", "bool" or "additive"."""
     if mask is None:
-        view, kind = None, "none"
-    else:
-        while mask.dim() < 4:
-            mask = mask[None]
-        view = mask.expand(batch, heads, seq_q, seq_k)
-        kind = "bool" if mask.dtype == torch.bool else "additive"
-        if kind == "bool":
-            view = view.view(torch.uint8)
-    padding = None if key_padding_mask is None else key_padding_mask.contiguous().view(torch.uint8)
-    return KernelMasks(view, kind, padding)
-
-
-def attention_forward(q, k, v, masks, blocks, bounds, scale):
-    """The forward kernel's run: out, the row statistics (STATS, batch, heads, seq_q) and the Launch."""
-    launch = Launch(q, k, masks, blocks, bounds, scale)
-    out = launch.new_like(q)
-    # Per query row (STATS): the max its softmax's exp() was taken against, 1 / the sum, and
-    # the backward's delta, in one buffer (fewer allocations and kernel arguments: host time).
-    stats = torch.empty((STATS, *q.shape[:3]), dtype=torch.float32, device=q.device)
-    launch.run(_forward_kernel, q, k, v, out, stats, transposed=False)
-    return out, stats, launch
-
-
-class BlockAttention(torch.autograd.Function):
-    """The Triton kernels; q, k, v already in the compute dtype and contiguous."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, masks, blocks, bounds, scale):
-        out, stats, launch = attention_forward(q, k, v, masks, blocks, bounds, scale)
-        ctx.save_for_backward(q, k, v, out, stats)
-        ctx.launch = launch
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, stats = ctx.saved_tensors
-        grad_out = as_operand(grad_out, q.dtype)
-        dq, dk, dv = (ctx.launch.new_like(t) for t in (q, k, v))
-        # delta_i = <dO_i, O_i>: the query kernel writes it into stats (from the tiles it loads
-        # anyway) and the key kernel, launched after it, reads it. (A write into a saved tensor
-        # that autograd does not see: the forward's two rows of stats are left as they were.)
-        ctx.launch.run(_backward_query_kernel, q, k, v, grad_out, out, stats, dq, transposed=False)
-        ctx.launch.run(_backward_key_kernel, q, k, v, grad_out, stats, dk, dv, transposed=True)
-        return dq, dk, dv, None, None, None, None
+        return None, "none"
+    while mask.dim() < 4:
+        mask = mask[None]
+    view = mask.expand(batch, heads, seq_q, seq_k)
+    if mask.dtype == torch.bool:
+        return view.view(torch.uint8), "bool"
+    return view, "additive"
 
 
 class Launch:
-    """The arguments and tile sizes every kernel of this family shares."""
+    """The arguments and tile sizes every kernel of this family shares (the ops' arguments, see
+    block_attention_forward)."""
 
-    def __init__(self, q, k, masks, blocks, bounds, scale):
-        """bounds: the band's (lower, upper) and whether it bounds anything (not dense)."""
+    def __init__(self, q, k, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale):
         self.batch, self.heads, self.seq_q, self.head_dim = q.shape
         self.kv_heads, self.seq_k = k.shape[1], k.shape[2]
         self.runs_nothing = 0 in (self.batch, self.heads, self.seq_q, self.seq_k)
-        self.blocks, self.dtype = blocks, q.dtype
-        lower, upper, banded = bounds
-        mask, padding = masks.mask, masks.padding
+        self.listed, self.dtype = count is not None, q.dtype
+        mask, kind = kernel_mask(mask, self.batch, self.heads, self.seq_q, self.seq_k)
         # The arguments after the tensors and each kernel's lists (query tiles' lists, then key
         # tiles'), built once for the three launches.
         self.args = (self.heads, self.heads // self.kv_heads, self.seq_q, self.seq_k, lower, upper,
                      scale, *(mask.stride() if mask is not None else (0, 0, 0, 0)))
-        self.lists = ((None, None, 0, 0),) * 2 if blocks is None else (
-            tile_lists(*blocks[:2]), tile_lists(*blocks[2:]))
-        self.options = dict(D=self.head_dim, BANDED=banded, MASK=masks.kind,
-                            PADDING=padding is not None, LISTED=blocks is not None,
-                            PRECISION=dot_precision(q.dtype, q.is_cuda))
-        self.masks = (mask, padding)
+        self.lists = ((None, None, 0, 0),) * 2 if count is None else (
+            tile_lists(count, index), tile_lists(count_t, index_t))
+        self.options = dict(D=self.head_dim, BANDED=banded, MASK=kind, PADDING=padding is not None,
+                            LISTED=self.listed, PRECISION=dot_precision(q.dtype, q.is_cuda))
+        self.masks = (mask, None if padding is None else padding.view(torch.uint8))
 
     def new_like(self, t: torch.Tensor) -> torch.Tensor:
         """An output the kernels fill; zeros where they run no program (no query or no key: the
         output and every gradient are 0, as SDPA's)."""
         return torch.zeros_like(t) if self.runs_nothing else torch.empty_like(t)
 
-    def run(self, kernel, *tensors, transposed):
-        """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the
-        batch and its heads (kv heads when transposed: a program sums over its group)."""
+    def run(self, kernel, *tensors, transposed, launcher=None):
+        """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the batch
+        and its heads (kv heads when transposed: a program sums over its group). The ops launch
+        through `launcher`, wrap_triton(kernel), which torch.compile can trace; else directly."""
         if self.runs_nothing:
             return
-        tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.blocks is not None)
+        tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.listed)
+        launcher = launcher or kernel
         if transposed:
-            grid = (fast_launch.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
+            grid = (triton.cdiv(self.seq_k, tiles.block_n), self.batch * self.kv_heads)
         else:
-            grid = (fast_launch.cdiv(self.seq_q, tiles.block_m), self.batch * self.heads)
+            grid = (triton.cdiv(self.seq_q, tiles.block_m), self.batch * self.heads)
         count, index, list_sb, list_sh = self.lists[transposed]
-        fast_launch.launch(kernel, grid, (*tensors, *self.masks, count, index, *self.args, list_sb, list_sh),
-                           {**self.options, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n},
-                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        launcher[grid](*tensors, *self.masks, count, index, *self.args, list_sb, list_sh, **self.options,
+                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                       num_stages=tiles.num_stages)
 
 
 def tile_lists(count, index):
@@ -477,8 +523,8 @@ def tile_lists(count, index):
     return (count, index, *strides)
 
 
-# The row statistics' buffer (stats): row_max, row_inv_sum, delta, each (batch, heads, seq_q).
-STATS = 3
+# The row statistics' buffer (stats): row_max and row_inv_sum, each (batch, heads, seq_q).
+STATS = 2
 
 # The band's bounds change with the window and the sequence: one compile for all of them (Triton
 # would otherwise compile again for a bound that is 1 or a multiple of 16).
@@ -552,7 +598,7 @@ def _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
 
 @triton.jit
 def _stat_rows(stat, bh, rows, Lq, BH):
-    """Where the rows' statistic `stat` (0 max, 1 1 / sum, 2 delta) lies in stats, a (3, BH, Lq)
+    """Where the rows' statistic `stat` (0 max, 1 1 / sum) lies in stats, a (STATS, BH, Lq)
     buffer."""
     return (stat * BH + bh).to(tl.int64) * Lq + rows
 
@@ -566,10 +612,10 @@ def _row_softmax(stats, bh, rows, Lq, BH):
 
 
 @triton.jit
-def _row_stats(stats, bh, rows, Lq, BH):
-    """The rows' softmax max, 1 / sum and delta (0 past Lq)."""
+def _row_stats(stats, delta, bh, rows, Lq, BH):
+    """The rows' softmax max, 1 / sum and delta (0 past Lq; delta is (BH, Lq))."""
     m, inv_l = _row_softmax(stats, bh, rows, Lq, BH)
-    return m, inv_l, tl.load(stats + _stat_rows(2, bh, rows, Lq, BH), mask=rows < Lq, other=0.0)
+    return m, inv_l, tl.load(delta + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
 
 
 @triton.jit
@@ -707,14 +753,14 @@ def _dq_tiles(start, end, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, 
 
 
 @triton.jit(do_not_specialize=BAND_ARGS)
-def _backward_query_kernel(q, k, v, do, out, stats, dq, mask, padding, count, index,
+def _backward_query_kernel(q, k, v, do, out, stats, delta, dq, mask, padding, count, index,
                            H, GROUP, Lq, Lk, lower, upper, scale,
                            mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                            D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
                            PADDING: tl.constexpr, LISTED: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one tile of BLOCK_M queries of one (batch, head), over the forward's key tiles; and
-    the tile's delta (<dO_i, O_i>, fp32), which the key kernel reads."""
+    the tile's delta (<dO_i, O_i>, fp32, into `delta`), which the key kernel reads."""
     tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
         H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
     start, end = _interior(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, lo, n_tiles, Lk, -upper, -lower,
@@ -724,7 +770,7 @@ def _backward_query_kernel(q, k, v, do, out, stats, dq, mask, padding, count, in
     BH = tl.num_programs(1)
     m, inv_l = _row_softmax(stats, bh, rows, Lq, BH)
     row_delta = tl.sum(dob.to(tl.float32) * _load_rows(out, q_base, rows, Lq, D).to(tl.float32), 1)
-    tl.store(stats + _stat_rows(2, bh, rows, Lq, BH), row_delta, mask=rows < Lq)
+    tl.store(delta + bh.to(tl.int64) * Lq + rows, row_delta, mask=rows < Lq)
     dqb = tl.zeros([BLOCK_M, D], tl.float32)
     dqb = _dq_tiles(0, start, dqb, dob, m, inv_l, row_delta, qb, k, v, kv_base, lo, index, list_row, tile, rows, b, h,
         Lq, Lk, lower, upper, scale, mask, padding, mask_sb, mask_sh, mask_sq, mask_sk,
@@ -739,7 +785,7 @@ def _backward_query_kernel(q, k, v, do, out, stats, dq, mask, padding, count, in
 
 
 @triton.jit
-def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, BH, q_base, bh, lo,
+def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, delta, BH, q_base, bh, lo,
                 index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
                 mask_sb, mask_sh, mask_sq, mask_sk, D: tl.constexpr, BANDED: tl.constexpr,
                 MASK: tl.constexpr, PADDING: tl.constexpr, LISTED: tl.constexpr,
@@ -751,7 +797,7 @@ def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, BH, q_base, bh
         rows = first + tl.arange(0, BLOCK_M)
         qb = _load_rows(q, q_base, rows, Lq, D)
         dob = _load_rows(do, q_base, rows, Lq, D)
-        m, inv_l, row_delta = _row_stats(stats, bh, rows, Lq, BH)
+        m, inv_l, row_delta = _row_stats(stats, delta, bh, rows, Lq, BH)
         s = _dot(qb, tl.trans(kb), PRECISION) * scale
         if EDGE:
             s = _masked_scores(s, rows, cols, b, h, Lq, Lk, lower, upper, mask, padding,
@@ -765,7 +811,7 @@ def _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, BH, q_base, bh
 
 
 @triton.jit(do_not_specialize=BAND_ARGS)
-def _backward_key_kernel(q, k, v, do, stats, dk, dv, mask, padding, count, index,
+def _backward_key_kernel(q, k, v, do, stats, delta, dk, dv, mask, padding, count, index,
                          H, GROUP, Lq, Lk, lower, upper, scale,
                          mask_sb, mask_sh, mask_sq, mask_sk, list_sb, list_sh,
                          D: tl.constexpr, BANDED: tl.constexpr, MASK: tl.constexpr,
@@ -794,17 +840,89 @@ def _backward_key_kernel(q, k, v, do, stats, dk, dv, mask, padding, count, index
                                      lower, upper, count, list_row, LISTED, BLOCK_M)
         start, end = _interior(tile * BLOCK_N, tile * BLOCK_N + BLOCK_N - 1, lo, n_tiles, Lq, lower, upper,
                                BANDED, MASK != "none" or PADDING, BLOCK_M)
-        dkb, dvb = _dkdv_tiles(0, start, dkb, dvb, kb, vb, cols, q, do, stats, BH,
+        dkb, dvb = _dkdv_tiles(0, start, dkb, dvb, kb, vb, cols, q, do, stats, delta, BH,
             q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
             mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
             True)
-        dkb, dvb = _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, BH,
+        dkb, dvb = _dkdv_tiles(start, end, dkb, dvb, kb, vb, cols, q, do, stats, delta, BH,
             q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
             mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
             False)
-        dkb, dvb = _dkdv_tiles(end, n_tiles, dkb, dvb, kb, vb, cols, q, do, stats, BH,
+        dkb, dvb = _dkdv_tiles(end, n_tiles, dkb, dvb, kb, vb, cols, q, do, stats, delta, BH,
             q_base, bh, lo, index, list_row, tile, b, h, Lq, Lk, lower, upper, scale, mask, padding,
             mask_sb, mask_sh, mask_sq, mask_sk, D, BANDED, MASK, PADDING, LISTED, PRECISION, BLOCK_M,
             True)
     _store_rows(dk, kv_base, cols, Lk, D, dkb * scale)
     _store_rows(dv, kv_base, cols, Lk, D, dvb)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels as custom ops (kernels/library.py): q, k, v in the compute dtype and contiguous; the
+# model's mask as block_attention takes it (bool: True attends; float: added); the key padding
+# contiguous bool (batch, seq_k), True = padding; a BlockLayout's four lists or four Nones; the
+# band's bounds (lower, upper), whether it bounds anything (not dense), and the scale.
+
+
+def forward_outputs(q, k, v, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale):
+    """block_attention_forward's outputs, unfilled."""
+    return torch.empty_like(q), q.new_empty((STATS, *q.shape[:3]), dtype=torch.float32)
+
+
+@triton_op("block_attention_forward", forward_outputs, _forward_kernel)
+def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            padding: torch.Tensor | None, count: torch.Tensor | None, index: torch.Tensor | None,
+                            count_t: torch.Tensor | None, index_t: torch.Tensor | None, lower: int, upper: int,
+                            banded: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: the output, and per query row (STATS, batch, heads, seq_q) the max its
+    softmax's exp() was taken against and 1 / the sum, which the backward reads (one buffer:
+    fewer allocations and kernel arguments). count_t, index_t are for the backward; autograd
+    (register_autograd below) gives q, k, v their gradients."""
+    launch = Launch(q, k, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale)
+    out = launch.new_like(q)
+    stats = q.new_empty((STATS, *q.shape[:3]), dtype=torch.float32)
+    launch.run(_forward_kernel, q, k, v, out, stats, transposed=False, launcher=wrap_triton(_forward_kernel))
+    return out, stats
+
+
+def backward_outputs(grad_out, q, k, v, out, stats, mask, padding, count, index, count_t, index_t, lower,
+                     upper, banded, scale):
+    """block_attention_backward's outputs, unfilled."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@triton_op("block_attention_backward", backward_outputs, _backward_query_kernel, _backward_key_kernel)
+def block_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, stats: torch.Tensor, mask: torch.Tensor | None,
+                             padding: torch.Tensor | None, count: torch.Tensor | None, index: torch.Tensor | None,
+                             count_t: torch.Tensor | None, index_t: torch.Tensor | None, lower: int, upper: int,
+                             banded: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv from the forward's inputs, output and stats and the output's gradient (in the
+    compute dtype, contiguous)."""
+    launch = Launch(q, k, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale)
+    dq, dk, dv = (launch.new_like(t) for t in (q, k, v))
+    # delta_i = <dO_i, O_i>: the query kernel writes it (from the tiles it loads anyway), the key
+    # kernel, launched after it, reads it.
+    delta = q.new_empty(q.shape[:3], dtype=torch.float32)
+    launch.run(_backward_query_kernel, q, k, v, grad_out, out, stats, delta, dq, transposed=False,
+               launcher=wrap_triton(_backward_query_kernel))
+    launch.run(_backward_key_kernel, q, k, v, grad_out, stats, delta, dk, dv, transposed=True,
+               launcher=wrap_triton(_backward_key_kernel))
+    return dq, dk, dv
+
+
+def save_for_backward(ctx, inputs, output):
+    q, k, v, *masks_and_lists, lower, upper, banded, scale = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, out, stats, *masks_and_lists)
+    ctx.band = (lower, upper, banded, scale)
+    ctx.mark_non_differentiable(stats)
+
+
+def attention_backward(ctx, grad_out, _):
+    q, k, v, out, stats, *masks_and_lists = ctx.saved_tensors
+    grads = torch.ops.lowconv.block_attention_backward(as_operand(grad_out, q.dtype), q, k, v, out, stats,
+                                                       *masks_and_lists, *ctx.band)
+    return *grads, *(None,) * (len(masks_and_lists) + len(ctx.band))
+
+
+block_attention_forward.register_autograd(attention_backward, setup_context=save_for_backward)

@@ -41,6 +41,8 @@ padding it to a power of two); after the loop it splits into the three axes' (ro
 each re-indexed per row to (rows, L) by r (`_by_relative`), then multiplied with the table or
 with the rows: per axis an (L, d) table-gradient block per tile, added with one relaxed fp32
 atomic per element. The kernels read the coordinates packed one int per point (`pack_coords`).
+They are the custom ops torch.ops.lowconv.window_attention_forward, _backward and
+window_row_windows (at the end of the file), which torch.compile takes whole.
 (The alternatives measured on the H100 with scripts/tune_window_attention.py, and what each of
 these choices gained, are in BENCHMARKS.md, issue 3.)
 """
@@ -50,9 +52,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from lowconv.kernels import fast_launch
-from lowconv.kernels.operands import as_operand, needs_autograd
+from lowconv.kernels.library import triton_op
+from lowconv.kernels.operands import as_operand
 
 BACKENDS = ("auto", "triton", "reference")
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -100,8 +103,7 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     else:
         coords = pack_coords(coords)
         tq, tk, tv = (as_operand(t, dtype) for t in tables)
-    args = (q, k, v, tq, tk, tv, start, end, coords, scale)
-    out = WindowAttention.apply(*args) if needs_autograd(q, k, v, tq, tk, tv) else attention_forward(*args)[0]
+    out, _ = torch.ops.lowconv.window_attention_forward(q, k, v, tq, tk, tv, start, end, coords, scale)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -291,15 +293,7 @@ def describe(t):
 def launch_row_windows(offsets, n):
     """(start, end) int32 of each row's window from offsets, in one kernel (a binary search per
     row), so the Triton path needs no host sync and no chain of small torch ops."""
-    offsets = offsets.to(torch.int32).contiguous()
-    start = torch.empty(n, dtype=torch.int32, device=offsets.device)
-    end = torch.empty_like(start)
-    if n:
-        windows = len(offsets) - 1
-        block = 1024
-        _row_windows_kernel[(fast_launch.cdiv(n, block),)](
-            offsets, start, end, n, windows, max(1, windows.bit_length()), BLOCK=block)
-    return start, end
+    return torch.ops.lowconv.window_row_windows(offsets.to(torch.int32).contiguous(), n)
 
 
 def pack_coords(coords):
@@ -308,42 +302,6 @@ def pack_coords(coords):
     (N, 3) and their copies in every layout that uses them were a sixth of the key loop."""
     c = coords.to(torch.int32)
     return (c[:, 0] | (c[:, 1] << 10) | (c[:, 2] << 20)).contiguous()
-
-
-def attention_forward(q, k, v, tq, tk, tv, start, end, coords, scale):
-    """The forward kernel's run: out and each row's log-sum-exp (N, h) fp32."""
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    Launch(q, tq, start, end, coords, scale).run(_forward_kernel, q, k, v, out, lse, tq, tk, tv)
-    return out, lse
-
-
-class WindowAttention(torch.autograd.Function):
-    """The Triton kernels; inputs already in the compute dtype and contiguous."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, tq, tk, tv, start, end, coords, scale):
-        out, lse = attention_forward(q, k, v, tq, tk, tv, start, end, coords, scale)
-        ctx.save_for_backward(q, k, v, tq, tk, tv, start, end, coords, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, tq, tk, tv, start, end, coords, out, lse = ctx.saved_tensors
-        grad_out = as_operand(grad_out, q.dtype)
-        delta = torch.empty_like(lse)  # written by the query kernel, read by the key kernel
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        rel = tq is not None
-        dtq, dtk, dtv = ((torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                          for t in (tq, tk, tv)) if rel else (None, None, None))
-        launch = Launch(q, tq, start, end, coords, ctx.scale)
-        launch.run(_backward_query_kernel, q, k, v, out, grad_out, lse, delta, dq,
-                   tq, tk, tv, dtq, dtv)
-        launch.run(_backward_key_kernel, q, k, v, grad_out, lse, delta, dk, dv,
-                   tq, tk, tv, dtk)
-        table_grads = (dtq.to(q.dtype), dtk.to(q.dtype), dtv.to(q.dtype)) if rel else (None,) * 3
-        return dq, dk, dv, *table_grads, None, None, None, None
 
 
 class Tiles(NamedTuple):
@@ -391,17 +349,23 @@ class Launch:
         self.scale = scale
         self.precision = dot_precision(q.dtype, q.is_cuda)
 
-    def run(self, kernel, *tensors):
-        """Launch `kernel` over its tiles (of queries, or of keys) and the heads."""
+    def run(self, kernel, *tensors, launcher=None):
+        """Launch `kernel` over its tiles (of queries, or of keys) and the heads. The ops launch
+        through `launcher`, wrap_triton(kernel), which torch.compile can trace; else directly.
+        A traced launch goes without the register cap (maxnreg): torch.compile's kernel wrapper
+        takes num_warps and num_stages, not maxnreg, as launch options."""
         if self.n == 0:
             return
         tiles = tile_config(kernel, self.rel)
         tile = tiles.block_n if kernel is _backward_key_kernel else tiles.block_m
-        grid = (fast_launch.cdiv(self.n, tile), self.heads)
-        fast_launch.launch(kernel, grid, (*tensors, *self.shared, self.n, self.heads, self.g, self.scale),
-                           dict(D=self.head_dim, REL=self.rel, **padded_widths(self.g),
-                                PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n),
-                           num_warps=tiles.num_warps, maxnreg=tiles.maxnreg, num_stages=tiles.num_stages)
+        launcher = launcher or kernel
+        options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        if launcher is kernel:
+            options["maxnreg"] = tiles.maxnreg
+        launcher[(triton.cdiv(self.n, tile), self.heads)](
+            *tensors, *self.shared, self.n, self.heads, self.g, self.scale, D=self.head_dim, REL=self.rel,
+            **padded_widths(self.g), PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            **options)
 
 
 @triton.jit
@@ -813,3 +777,92 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         _add_table_grad(dtk, ds_by_r, kb, head, H, D, G, LP, PRECISION)
     _store_rows(dk, cols, col_ok, head, H, D, dkb)
     _store_rows(dv, cols, col_ok, head, H, D, dvb)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels as custom ops (kernels/library.py): q, k, v (N, h, d) and the tables (L, 3, h, d) or
+# three Nones in the compute dtype, contiguous; the row windows (start, end) int32 (N,); the packed
+# coordinates (pack_coords) or None; the scale.
+
+
+def row_windows_outputs(offsets, n):
+    """window_row_windows's outputs, unfilled."""
+    start = offsets.new_empty(n)
+    return start, torch.empty_like(start)
+
+
+@triton_op("window_row_windows", row_windows_outputs, _row_windows_kernel)
+def window_row_windows(offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """launch_row_windows's kernel: offsets (W+1,) int32, contiguous."""
+    start = offsets.new_empty(n)
+    end = torch.empty_like(start)
+    if n:
+        windows = len(offsets) - 1
+        block = 1024
+        wrap_triton(_row_windows_kernel)[(triton.cdiv(n, block),)](
+            offsets, start, end, n, windows, max(1, windows.bit_length()), BLOCK=block)
+    return start, end
+
+
+def forward_outputs(q, k, v, tq, tk, tv, start, end, coords, scale):
+    """window_attention_forward's outputs, unfilled."""
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@triton_op("window_attention_forward", forward_outputs, _forward_kernel)
+def window_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor | None,
+                             tk: torch.Tensor | None, tv: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor,
+                             coords: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: out, and each row's log-sum-exp (N, h) fp32, which the backward reads;
+    autograd (register_autograd below) gives q, k, v and the tables their gradients."""
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    Launch(q, tq, start, end, coords, scale).run(_forward_kernel, q, k, v, out, lse, tq, tk, tv,
+                                                 launcher=wrap_triton(_forward_kernel))
+    return out, lse
+
+
+def backward_outputs(grad_out, q, k, v, tq, tk, tv, start, end, coords, out, lse, scale):
+    """window_attention_backward's outputs, unfilled."""
+    tables = (tq, tk, tv) if tq is not None else (q.new_empty(0),) * 3
+    return (*(torch.empty_like(t) for t in (q, k, v)), *(torch.empty_like(t) for t in tables))
+
+
+@triton_op("window_attention_backward", backward_outputs, _backward_query_kernel, _backward_key_kernel)
+def window_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              tq: torch.Tensor | None, tk: torch.Tensor | None, tv: torch.Tensor | None,
+                              start: torch.Tensor, end: torch.Tensor, coords: torch.Tensor | None, out: torch.Tensor,
+                              lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and the tables' gradients (empty tensors without tables), from the forward's
+    inputs, output and lse and the output's gradient (in the compute dtype, contiguous)."""
+    delta = torch.empty_like(lse)  # written by the query kernel, read by the key kernel
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rel = tq is not None
+    # The kernels add to the table gradients with fp32 atomics.
+    dtq, dtk, dtv = ((torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (tq, tk, tv))
+                     if rel else (None, None, None))
+    launch = Launch(q, tq, start, end, coords, scale)
+    launch.run(_backward_query_kernel, q, k, v, out, grad_out, lse, delta, dq, tq, tk, tv, dtq, dtv,
+               launcher=wrap_triton(_backward_query_kernel))
+    launch.run(_backward_key_kernel, q, k, v, grad_out, lse, delta, dk, dv, tq, tk, tv, dtk,
+               launcher=wrap_triton(_backward_key_kernel))
+    if not rel:
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0), q.new_empty(0)
+    return dq, dk, dv, dtq.to(q.dtype), dtk.to(q.dtype), dtv.to(q.dtype)
+
+
+def save_for_backward(ctx, inputs, output):
+    *tensors, scale = inputs
+    ctx.save_for_backward(*tensors, *output)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def attention_backward(ctx, grad_out, _):
+    q, k, v, tq, tk, tv, start, end, coords, out, lse = ctx.saved_tensors
+    dq, dk, dv, *table_grads = torch.ops.lowconv.window_attention_backward(
+        as_operand(grad_out, q.dtype), q, k, v, tq, tk, tv, start, end, coords, out, lse, ctx.scale)
+    return dq, dk, dv, *(table_grads if tq is not None else (None,) * 3), None, None, None, None
+
+
+window_attention_forward.register_autograd(attention_backward, setup_context=save_for_backward)

@@ -3,12 +3,22 @@
 Functional sites (SDPA, hand-written softmax(q k^T) v) become a `SparseAttention` called with
 the site's (q, k, v[, mask]); an nn.MultiheadAttention becomes a `SparseMultiheadAttention`
 with the same parameters and state-dict names. Both compute the core attention with
-`kernels.block_attention`: on CUDA its flash-style Triton kernels (forward and backward), which
-skip the tiles of the scores that the layout rules out; elsewhere, and where the kernels cannot
-run (head_dim other than 16, 32, 64, 128; a float64 compute dtype; dropout in training; q with
-other than 4 dims; a mask that needs a gradient), its torch reference, with the same numerics: q, k, v rounded to the compute
-dtype, fp32 accumulation and softmax, probabilities and output rounded to the compute dtype, then
-cast back to q's dtype.
+`kernels.block_attention`, with its numerics: q, k, v rounded to the compute dtype, fp32
+accumulation and softmax, probabilities and output rounded to the compute dtype, then cast back
+to q's dtype. Off CUDA through its torch reference. On CUDA the `backend` option picks the kernels:
+  auto    lowconv's flash-style Triton kernels (the custom ops torch.ops.lowconv.block_attention_*)
+          where they skip tiles of the scores that SDPA would compute: a local layout's band; a
+          mask that rules out whole tiles of the band. Everywhere else F.scaled_dot_product_attention,
+          whose flash, cuDNN and efficient kernels compute the same thing at least as fast: a dense
+          or causal band (the mask, if any, applied elementwise). Whether a mask rules out whole
+          tiles is read from the mask (one device sync per mask, see PreparedMasks); a mask that
+          lets every query see every key of the band goes away, and SDPA runs the band alone
+          (flash). Under torch.compile and while a CUDA graph is captured the mask cannot be read:
+          masked calls run SDPA with the mask.
+  sdpa    SDPA always (a local band becomes part of its mask).
+  triton  lowconv's Triton kernels always, where they can run, and the torch reference elsewhere.
+The Triton kernels cannot run head_dim other than 16, 32, 64, 128; a float64 compute dtype; dropout
+in training; q with other than 4 dims; a mask that needs a gradient: there "auto" runs SDPA.
 
 The `layout` option says which tiles the kernel visits. The model's mask is always applied and a
 causal site stays causal; only "local" and "causal" (on a site that is not causal) change what
@@ -35,15 +45,16 @@ import itertools
 import typing
 import weakref
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lowconv.compat import sptr
-from lowconv.kernels.block_attention import (block_attention, block_attention_reference,
-                                             block_layout, triton_problem)
+from lowconv.kernels.block_attention import (BlockLayout, allows_whole_band, block_attention,
+                                             block_attention_reference, block_attention_sdpa, block_layout,
+                                             skips_tiles, triton_problem)
 from lowconv.kernels.block_attention import check_inputs as check_attention_inputs
 from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
@@ -54,6 +65,9 @@ from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site, dtype_name
 
 Layout = Literal["auto", "dense", "causal", "local", "mask"]
 LAYOUT_CHOICES = typing.get_args(Layout)
+Backend = Literal["auto", "sdpa", "triton"]
+BACKEND_CHOICES = typing.get_args(Backend)
+LOCAL_BANDS = ("local", "causal_local")
 
 
 @dataclass
@@ -62,11 +76,15 @@ class SparseAttentionOptions:
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     layout: Layout = "auto"  # which tiles of the scores the kernel visits: see the module doc
     window: int | None = None  # W, the local layout's window (required with it, refused otherwise)
+    backend: Backend = "auto"  # which kernels compute on CUDA: see the module doc
 
     def __post_init__(self):
         if self.layout not in LAYOUT_CHOICES:
             raise ValueError(f"must be one of {', '.join(map(repr, LAYOUT_CHOICES))} "
                              f"(got {self.layout!r})", "layout")
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"must be one of {', '.join(map(repr, BACKEND_CHOICES))} "
+                             f"(got {self.backend!r})", "backend")
         if self.layout != "local":
             if self.window is not None:
                 raise ValueError(f'goes with layout = "local" only (layout is {self.layout!r})',
@@ -108,44 +126,102 @@ def runs_on_kernel_device(q) -> bool:
 
 
 def kernel_runs(q, v, dtype, dropout, masks=()) -> bool:
-    """Whether this call runs the Triton kernels; otherwise the torch reference: the kernels
-    have no dropout, take (batch, heads, seq, head_dim) only with v's head_dim q's, and pass no
-    gradient to a mask (a learned bias given as the mask gets its gradient from the reference's
-    autograd)."""
+    """Whether the Triton kernels can run this call: they have no dropout, take (batch, heads,
+    seq, head_dim) only with v's head_dim q's, and pass no gradient to a mask (a learned bias given
+    as the mask gets its gradient from SDPA's or the reference's autograd)."""
     learned = needs_autograd(*masks)
     return (runs_on_kernel_device(q) and q.dim() == 4 and v.shape[-1] == q.shape[-1] and dropout == 0.0
             and not learned and triton_problem(q.shape[-1], dtype) is None)
 
 
+class CallPlan(NamedTuple):
+    """How a call computes: its backend ("triton", "sdpa" or "reference"), the Triton kernels'
+    BlockLayout where they list the tiles a mask leaves, and whether the masks go in (False: they
+    let every query see every key of the band, which SDPA then runs alone)."""
+    backend: str
+    blocks: BlockLayout | None = None
+    masked: bool = True
+
+
+def plan_call(option, q, k, v, dtype, dropout, band, window, listed, masks, given, context) -> CallPlan:
+    """The CallPlan of a call (the module doc says which backend runs where). `masks` are (mask,
+    key_padding_mask) as block_attention takes them, `given` the masks the model passed (their
+    identity keys the plan per mask), `context` what else the plan depends on."""
+    if not runs_on_kernel_device(q):
+        return CallPlan("reference")
+    kernel = kernel_runs(q, v, dtype, dropout, given)
+    if option == "sdpa" or (option == "auto" and not kernel):
+        return CallPlan("sdpa")
+    if not kernel:  # "triton" where the kernels cannot run
+        return CallPlan("reference")
+    masked = listed and any(m is not None for m in masks)
+    if option == "triton" or band in LOCAL_BANDS:
+        if not masked:
+            return CallPlan("triton")
+        return prepared(q, given, ("triton", *context),
+                        lambda: CallPlan("triton", block_layout(q.shape[-2], k.shape[-2], layout=band, window=window,
+                                                                mask=masks[0], key_padding_mask=masks[1])))
+    if not masked or traced(q):
+        return CallPlan("sdpa")
+    return prepared(q, given, ("auto", *context), lambda: mask_plan(q.shape[-2], k.shape[-2], band, window, *masks))
+
+
+def mask_plan(seq_q, seq_k, band, window, mask, key_padding_mask) -> CallPlan:
+    """The plan that the masks decide (backend "auto", a mask or key padding over a dense or causal
+    band): SDPA on the band alone where they allow all of it, the Triton kernels where their
+    BlockLayout leaves out a tile of the band, else SDPA with the masks. One read from the device."""
+    blocks = block_layout(seq_q, seq_k, layout=band, window=window, mask=mask, key_padding_mask=key_padding_mask)
+    whole, skips = torch.stack([allows_whole_band(mask, key_padding_mask, band, window, seq_q, seq_k),
+                                skips_tiles(blocks, band, window, seq_q, seq_k)]).tolist()
+    if whole:
+        return CallPlan("sdpa", masked=False)
+    return CallPlan("triton", blocks) if skips else CallPlan("sdpa")
+
+
+def traced(q) -> bool:
+    """Whether this call is being traced (torch.compile) or captured into a CUDA graph: what it
+    computes from the masks must then be computed on each call, inside the graph."""
+    return torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 class PreparedMasks:
-    """The BlockLayout a module makes from its masks, for the last masks it was called with, kept
-    while the same masks come back: made once per mask, not per call. (The masks' kernel form is
-    made on every call: cheap, and it keeps a learned mask's autograd link.)
+    """What calls make from their masks (a CallPlan), kept for the last few masks seen by any
+    module (the layers of a model share their mask): made once per mask, not per call. (The masks'
+    kernel form is made on every call: cheap, and it keeps a learned mask's autograd link.)
 
     A mask is "the same" when it is the same tensor, or a view at the same place of the same
     tensor, unwritten since: the key is the tensor that owns the memory (a view's `_base`, held by
     a weak reference, so that the cache keeps no mask alive and a freed mask's id cannot pass for
     another tensor's), the view's offset, shape and strides, and the version counter that torch
-    bumps on every in-place write (shared by views and detach()), with what else the layout depends
+    bumps on every in-place write (shared by views and detach()), with what else the value depends
     on. Not seen: writes that torch does not count (through .data, numpy, DLPack). Inference
     tensors have no version counter: theirs are made on every call.
     """
 
-    def __init__(self):
-        self.key, self.owners, self.value = None, (), None
+    def __init__(self, entries: int = 8):
+        self.entries, self.limit = [], entries  # (key, weak references to the owners, value), newest last
 
     def get(self, masks: tuple, context: tuple, prepare):
         if all(m is None for m in masks) or any(m is not None and m.is_inference() for m in masks):
-            return prepare()  # no mask: nothing to make
+            return prepare()
         owners = tuple(None if m is None else owner_of(m) for m in masks)
         key = (context, *map(mask_key, masks))
-        same_owners = len(owners) == len(self.owners) and all(
-            owner is None if ref is None else ref() is owner for ref, owner in zip(self.owners, owners))
-        if key != self.key or not same_owners:
-            self.value = prepare()
-            self.key = key
-            self.owners = tuple(None if owner is None else weakref.ref(owner) for owner in owners)
-        return self.value
+        for entry_key, refs, value in self.entries:
+            if entry_key == key and all(owner is None if ref is None else ref() is owner
+                                        for ref, owner in zip(refs, owners)):
+                return value
+        value = prepare()
+        refs = tuple(None if owner is None else weakref.ref(owner) for owner in owners)
+        self.entries = [*self.entries, (key, refs, value)][-self.limit:]
+        return value
+
+
+MASK_PLANS = PreparedMasks()
+
+
+def prepared(q, masks: tuple, context: tuple, prepare):
+    """prepare() for these masks of a call on q: from MASK_PLANS, or made on each call while traced."""
+    return prepare() if traced(q) else MASK_PLANS.get(masks, context, prepare)
 
 
 def owner_of(mask: torch.Tensor) -> torch.Tensor:
@@ -159,25 +235,40 @@ def mask_key(mask):
     return mask.storage_offset(), mask.shape, mask.stride(), mask._version
 
 
-def attend(q, k, v, *, band, window, listed, mask, key_padding_mask, blocks, scale, dropout,
-           dtype, kernel, validate=True):
-    """block_attention on the kernels or the reference, as kernel_runs decided; q's dtype out.
-    validate=False: the caller checked the arguments (kernel_runs checked what the kernels need)."""
-    if kernel:
-        return block_attention(q, k, v, layout=band, window=window, mask=mask,
-                               key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
-                               blocks=blocks, skip_masked_tiles=False, backend="triton", validate=validate)
-    return block_attention_reference(q, k, v, layout=band, window=window, mask=mask,
-                                     key_padding_mask=key_padding_mask, scale=scale, dtype=dtype,
-                                     dropout=dropout)
+def attend(q, k, v, plan, *, band, window, mask, key_padding_mask, scale, dropout, dtype, validate=True):
+    """block_attention as the plan says; q's dtype out. validate=False: the caller checked the
+    arguments (kernel_runs checked what the kernels need)."""
+    if plan.backend == "triton":
+        return block_attention(q, k, v, layout=band, window=window, mask=mask, key_padding_mask=key_padding_mask,
+                               scale=scale, dtype=dtype, blocks=plan.blocks, skip_masked_tiles=False,
+                               backend="triton", validate=validate)
+    if not plan.masked:
+        mask = key_padding_mask = None
+    compute = block_attention_sdpa if plan.backend == "sdpa" else block_attention_reference
+    return compute(q, k, v, layout=band, window=window, mask=mask, key_padding_mask=key_padding_mask,
+                   scale=scale, dtype=dtype, dropout=dropout)
 
 
-def listed_blocks(q, k, band, window, mask, key_padding_mask, wanted):
-    """The BlockLayout of the masks when the kernel lists tiles (`wanted`) and there are masks."""
-    if not wanted or (mask is None and key_padding_mask is None):
-        return None
-    return block_layout(q.shape[-2], k.shape[-2], layout=band, window=window, mask=mask,
-                        key_padding_mask=key_padding_mask)
+def backend_note(option, layout, window, causal, masks) -> str:
+    """Which kernels a site runs on CUDA and why, for the plan (the module doc has the rules; off
+    CUDA the torch reference runs). `masks`: "none", "given" (every call has one) or "per call"."""
+    if option == "sdpa":
+        return 'on CUDA: SDPA (backend "sdpa")'
+    if option == "triton":
+        return "on CUDA: lowconv's Triton kernels (backend \"triton\"; the torch reference where they cannot run)"
+    band, listed = kernel_band(layout, window, causal)
+    if band in LOCAL_BANDS:
+        return (f"on CUDA: lowconv's Triton kernels: they visit only the tiles of the local band (window {window}), "
+                "where SDPA would compute every tile (SDPA, the band as its mask, where they cannot run)")
+    shape = "causal" if band == "causal" else "dense"
+    if listed and masks != "none":
+        per_mask = ("lowconv's Triton kernels where the mask rules out whole tiles (they skip them), else SDPA (on "
+                    "the band alone where the mask allows all of it); under torch.compile and CUDA graph capture, "
+                    "which cannot read the mask, SDPA with the mask")
+        if masks == "given":
+            return f"on CUDA: per mask, on a {shape} band: {per_mask}"
+        return f"on CUDA: SDPA on a {shape} band, no tile to skip; calls with a mask or key padding, per mask: {per_mask}"
+    return f"on CUDA: SDPA: a {shape} band{', the mask elementwise' if masks != 'none' else ''}, no tile to skip"
 
 
 def mean_where_all_masked(out: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -196,10 +287,11 @@ class SparseAttention(nn.Module):
     def __init__(self, mask: str = "none", causal: bool = False, scale: float | None = None,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
                  mask_kind_from_dtype: bool = False, layout: str = "auto",
-                 window: int | None = None, causal_from_mask: bool = False, finite_fill: bool = False):
+                 window: int | None = None, causal_from_mask: bool = False, finite_fill: bool = False,
+                 backend: str = "auto"):
         super().__init__()
         try:  # the checks a recipe's options get; forward then skips block_attention's
-            SparseAttentionOptions(layout=layout, window=window)
+            SparseAttentionOptions(layout=layout, window=window, backend=backend)
         except ValueError as error:
             message, option = error.args
             raise ValueError(f"SparseAttention: {option} {message}") from None
@@ -214,8 +306,7 @@ class SparseAttention(nn.Module):
         self.scale = scale
         self.dropout = dropout
         self.compute_dtype = compute_dtype  # None: q's dtype
-        self.layout, self.window = layout, window
-        self.prepared = PreparedMasks()
+        self.layout, self.window, self.backend = layout, window, backend
 
     def forward(self, q, k, v, mask=None):
         if mask is None:
@@ -229,14 +320,11 @@ class SparseAttention(nn.Module):
         causal = self.causal and not self.one_query_of_many_keys(q, k)
         check_attention_inputs(q, k, v, mask, kind, causal, self.scale, dropout, dtype)
         band, listed = kernel_band(self.layout, self.window, causal)
-        kernel = kernel_runs(q, v, dtype, dropout, (mask,))
         kernel_mask = ~mask if kind == "drop" else mask  # block_attention's: True attends
-        blocks = self.prepared.get(
-            (mask,), (kind, band, self.window, listed, kernel, q.shape[-2], k.shape[-2]),
-            lambda: listed_blocks(q, k, band, self.window, kernel_mask, None, kernel and listed))
-        out = attend(q, k, v, band=band, window=self.window, listed=listed, mask=kernel_mask,
-                     key_padding_mask=None, blocks=blocks, scale=self.scale, dropout=dropout,
-                     dtype=dtype, kernel=kernel, validate=False)
+        plan = plan_call(self.backend, q, k, v, dtype, dropout, band, self.window, listed, (kernel_mask, None),
+                         (mask,), ("functional", kind, band, self.window, q.shape[-2], k.shape[-2]))
+        out = attend(q, k, v, plan, band=band, window=self.window, mask=kernel_mask, key_padding_mask=None,
+                     scale=self.scale, dropout=dropout, dtype=dtype, validate=False)
         if self.finite_fill and kind in ("keep", "drop"):
             out = mean_where_all_masked(out, v, kernel_mask)
         return out
@@ -252,10 +340,14 @@ class SparseAttention(nn.Module):
                              f"{q.shape[-2]} queries and {k.shape[-2]} keys do not fit it (nor the original model)")
         return True
 
+    def plan_note(self) -> str:
+        return backend_note(self.backend, self.layout, self.window, self.causal,
+                            "none" if self.mask == "none" else "given")
+
     def extra_repr(self) -> str:
         return (f"mask={self.mask}, causal={self.causal}, scale={self.scale}, "
                 f"dropout={self.dropout}, compute_dtype={self.compute_dtype}, "
-                f"layout={self.layout}, window={self.window}")
+                f"layout={self.layout}, window={self.window}, backend={self.backend}")
 
 
 class SparseMultiheadAttention(nn.Module):
@@ -269,7 +361,7 @@ class SparseMultiheadAttention(nn.Module):
                  vdim: int | None = None, bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, compute_dtype: torch.dtype | None = None,
                  layout: str = "auto", window: int | None = None, device=None, dtype=None,
-                 weights_when_asked: bool = False):
+                 weights_when_asked: bool = False, backend: str = "auto"):
         super().__init__()
         self.weights_when_asked = weights_when_asked
         if embed_dim % num_heads:
@@ -278,8 +370,7 @@ class SparseMultiheadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         self.batch_first, self.dropout, self.compute_dtype = batch_first, dropout, compute_dtype
-        self.layout, self.window = layout, window
-        self.prepared = PreparedMasks()
+        self.layout, self.window, self.backend = layout, window, backend
         # Read by nn.TransformerEncoderLayer; False also keeps it off its fused fast path,
         # which would bypass this module.
         self._qkv_same_embed_dim = False
@@ -304,6 +395,7 @@ class SparseMultiheadAttention(nn.Module):
                                "pass attn_mask too")
         batch_dim = 0 if self.batch_first else 1
         unbatched = query.dim() == 2
+        self_attention = query is key and key is value
         if unbatched:
             query, key, value = (x.unsqueeze(batch_dim) for x in (query, key, value))
             if key_padding_mask is not None:
@@ -311,7 +403,7 @@ class SparseMultiheadAttention(nn.Module):
         if not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
 
-        q, k, v = self.project(query, key, value)
+        q, k, v = self.project(query, key, value, self_attention)
         n, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
         q, k, v = (x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
                    for x in (q, k, v))
@@ -324,25 +416,24 @@ class SparseMultiheadAttention(nn.Module):
         dtype = self.compute_dtype or q.dtype
         dropout = self.dropout if self.training else 0.0
         band, listed = kernel_band(self.layout, self.window, causal)
-        kernel = kernel_runs(q, v, dtype, dropout, (attn_mask, key_padding_mask))
         mask, padding = mha_kernel_masks(attn_mask, key_padding_mask, n, self.num_heads, seq_q, seq_k, q.dtype)
-        blocks = self.prepared.get(
-            (attn_mask, key_padding_mask), (band, self.window, listed, kernel, n, seq_q, seq_k, q.dtype),
-            lambda: listed_blocks(q, k, band, self.window, mask, padding, kernel and listed))
-        out = attend(q, k, v, band=band, window=self.window, listed=listed, mask=mask,
-                     key_padding_mask=padding, blocks=blocks, scale=None, dropout=dropout,
-                     dtype=dtype, kernel=kernel)
+        plan = plan_call(self.backend, q, k, v, dtype, dropout, band, self.window, listed, (mask, padding),
+                         (attn_mask, key_padding_mask),
+                         ("mha", band, self.window, n, self.num_heads, seq_q, seq_k, q.dtype))
+        out = attend(q, k, v, plan, band=band, window=self.window, mask=mask, key_padding_mask=padding,
+                     scale=None, dropout=dropout, dtype=dtype)
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         if not self.batch_first:
             out = out.transpose(0, 1)
         return (out.squeeze(batch_dim) if unbatched else out), None
 
     def plan_note(self) -> str:
+        backend = backend_note(self.backend, self.layout, self.window, False, "per call")
         if not self.weights_when_asked:
-            return ""
-        return ("its caller is not traced and may read the attention weights: calls with need_weights=True "
-                "(nn.MultiheadAttention's default) run nn.MultiheadAttention's own computation, which returns "
-                "them; calls with need_weights=False run the kernel")
+            return backend
+        return (f"{backend}; its caller is not traced and may read the attention weights: calls with "
+                "need_weights=True (nn.MultiheadAttention's default) run nn.MultiheadAttention's own "
+                "computation, which returns them; calls with need_weights=False run the kernel")
 
     def with_weights(self, query, key, value, key_padding_mask, attn_mask, average_attn_weights, is_causal):
         """nn.MultiheadAttention.forward with need_weights=True, on this module's parameters."""
@@ -358,7 +449,10 @@ class SparseMultiheadAttention(nn.Module):
             average_attn_weights=average_attn_weights, is_causal=is_causal, **separate)
         return (out.transpose(0, 1) if batched_first else out), weights
 
-    def project(self, query, key, value):
+    def project(self, query, key, value, self_attention):
+        """q, k, v: for self-attention on packed weights one GEMM, as nn.MultiheadAttention does."""
+        if self.packed and self_attention:
+            return F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
         if self.packed:
             weights = self.in_proj_weight.chunk(3)
         else:
@@ -448,6 +542,9 @@ def check(site: Site, options: SparseAttentionOptions) -> str | None:
         if options.layout != "auto":
             return (f'layout {options.layout!r} is for ordinary attention sites; an SpTr window '
                     f'chain keeps its windows (use layout "auto")')
+        if options.backend == "sdpa":
+            return ('backend "sdpa" is for ordinary attention sites; an SpTr window chain runs the '
+                    'window-attention kernels (use backend "auto" or "triton")')
         if site_may_run_on_cuda(site):
             return window_kernel_problem(info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
         return None
@@ -491,7 +588,7 @@ def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.M
         vdim=params["v_proj_weight"].shape[1] if "v_proj_weight" in params else None,
         bias="in_proj_bias" in params, batch_first=info.batch_first, dropout=info.dropout,
         compute_dtype=compute_dtype(options), layout=options.layout, window=options.window,
-        device=weight.device, dtype=weight.dtype, weights_when_asked=info.weights_unknown)
+        device=weight.device, dtype=weight.dtype, weights_when_asked=info.weights_unknown, backend=options.backend)
     module.load_state_dict(params)
     return module
 
@@ -506,7 +603,7 @@ def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
         info.embed_dim, info.heads, kdim=info.kdim, vdim=info.vdim, bias=info.bias,
         batch_first=info.batch_first, dropout=info.dropout,
         compute_dtype=compute_dtype(options), layout=options.layout, window=options.window,
-        dtype=dtype, weights_when_asked=info.weights_unknown)
+        dtype=dtype, weights_when_asked=info.weights_unknown, backend=options.backend)
 
 
 def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> nn.Module:
@@ -516,14 +613,15 @@ def functional_module(info: AttentionInfo, options: SparseAttentionOptions) -> n
                            dropout=info.dropout, compute_dtype=compute_dtype(options),
                            mask_kind_from_dtype=info.form == "sdpa", layout=options.layout,
                            window=options.window, causal_from_mask=info.causal_from_mask,
-                           finite_fill=info.finite_fill)
+                           finite_fill=info.finite_fill, backend=options.backend)
 
 
 SPARSE_ATTENTION = register(Op(
     name="sparse_attention",
     kind="attention",
-    description="attention through lowconv's block-attention kernels in a chosen dtype "
-                "(fp32 accumulation and softmax) and tile layout (auto, dense, causal, local, mask)",
+    description="attention in a chosen dtype (fp32 accumulation and softmax) and tile layout (auto, dense, "
+                "causal, local, mask); on CUDA through SDPA, or lowconv's block-attention kernels where they "
+                "skip tiles of the scores that SDPA computes",
     options=SparseAttentionOptions,
     check=check,
     from_site=from_site,
