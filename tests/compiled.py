@@ -5,14 +5,14 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 
-def compile_recording(fn, backend=aot_eager, **options):
-    """(torch.compile(fn, fullgraph=True, backend=...), the FX graphs dynamo hands `backend`, in order)."""
+def compile_recording(fn, backend=aot_eager, fullgraph=True, **options):
+    """(torch.compile(fn, fullgraph=..., backend=...), the FX graphs dynamo hands `backend`, in order)."""
     graphs = []
 
     def record(gm, example_inputs):
         graphs.append(gm)
         return backend(gm, example_inputs)
-    return torch.compile(fn, fullgraph=True, backend=record, **options), graphs
+    return torch.compile(fn, fullgraph=fullgraph, backend=record, **options), graphs
 
 
 def inductor_with_cuda_graphs(gm, example_inputs):
@@ -23,10 +23,13 @@ def inductor_with_cuda_graphs(gm, example_inputs):
 
 
 def lowconv_ops(graphs) -> set[str]:
-    """The torch.ops.lowconv.* ops the graphs call ("lowconv::name")."""
-    return {node.target.name() for graph in graphs for node in graph.graph.nodes
-            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "lowconv"}
+    """The torch.ops.lowconv.* ops the graphs call ("lowconv::name"), in their subgraphs too (the
+    bodies of autograd.Functions dynamo traced)."""
+    packets = [node.target if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target.overloadpacket
+               for graph in graphs for sub in graph.modules() if isinstance(sub, torch.fx.GraphModule)
+               for node in sub.graph.nodes
+               if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+    return {p._qualified_op_name for p in packets if p._qualified_op_name.startswith("lowconv::")}
 
 
 def fallbacks() -> dict:

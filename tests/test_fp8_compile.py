@@ -7,7 +7,7 @@ import torch._dynamo
 
 from lowconv.ops.fp8 import Fp8Options, from_site
 from tests import sites
-from tests.compiled_graphs import GraphRecorder
+from tests.compiled import compile_recording, lowconv_ops
 
 MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
          [("dynamic", "tensor"), ("dynamic", "row"), ("static", "tensor"), ("delayed", "row")]
@@ -30,8 +30,7 @@ def fp8_module(options, dtype=torch.float32):
 def test_fp8_module_compiles_whole(options):
     torch._dynamo.reset()
     eager, compiled = fp8_module(options), fp8_module(options)
-    recorder = GraphRecorder()
-    run = torch.compile(compiled, fullgraph=True, backend=recorder)
+    run, graphs = compile_recording(compiled)
     for step in range(3):  # a second and third call reuse the graph (no recompile on counters, history)
         x = torch.randn(2, 5, 64) * (1 + step)
         x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -43,8 +42,8 @@ def test_fp8_module_compiles_whole(options):
     if options.training:
         torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled.bias.grad, eager.bias.grad, rtol=1e-5, atol=1e-5)
-    assert len(recorder.graphs) == 1
-    assert recorder.lowconv_ops() == {"lowconv.fp8_gemm"}
+    assert len(graphs) == 1
+    assert lowconv_ops(graphs) == {"lowconv::fp8_gemm"}
     assert compiled.report_stats() == eager.report_stats()
     if options.scaling == "delayed":
         assert torch.equal(compiled.amax_history, eager.amax_history)
