@@ -22,6 +22,9 @@ Models (random weights, bf16, eval):
                  is launch-bound
   vit_b_16       torchvision vit_b_16, batch 64 at 224 x 224
   vit_l_16       torchvision vit_l_16, batch 64
+  gpt-16k        examples/gpt.py's causal LM (SDPA, is_causal) at 16384 tokens: dim 512, 8 heads,
+                 4 layers; with the recipe local-256 (attention on a causal window of 256 keys, a
+                 change of the model's semantics on purpose), not built in, defined here
 
     PYTHONPATH=. python3 scripts/bench_models.py --out DIR [--models llama-prefill,vit_b_16]
         [--recipes fp8-row,fp8-dynamic] [--rounds 5]
@@ -50,9 +53,10 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import lowconv  # noqa: E402
+from lowconv.recipe import parse_recipe  # noqa: E402
 from scripts.bench_common import first_line  # noqa: E402
 
-MODELS = ("llama-prefill", "llama-decode", "vit_b_16", "vit_l_16")
+MODELS = ("llama-prefill", "llama-decode", "vit_b_16", "vit_l_16", "gpt-16k")
 # fp16acc converts fp16 models only; keep-all converts nothing.
 RECIPES = ("fp8-row", "fp8-dynamic", "fp8-static", "semi-sparse", "sparse-attention-bf16", "mixed")
 BF16 = torch.bfloat16
@@ -147,8 +151,25 @@ def vit(name):
     return build
 
 
+def gpt_16k(device, tiny):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from gpt import GPT
+    tokens = 256 if tiny else 16384
+    model = GPT(vocab=512, context=tokens, dim=64 if tiny else 512, depth=2 if tiny else 4, heads=4 if tiny else 8)
+    model = model.to(device, BF16).eval()
+    ids = torch.randint(512, (1, tokens), device=device)
+    return Case(model, (ids,), lambda m: m(ids))
+
+
 BUILDERS = {"llama-prefill": llama_prefill, "llama-decode": llama_decode, "vit_b_16": vit("vit_b_16"),
-            "vit_l_16": vit("vit_l_16")}
+            "vit_l_16": vit("vit_l_16"), "gpt-16k": gpt_16k}
+# Recipes the bench defines itself (the rest are lowconv's built-in ones, by name)
+BENCH_RECIPES = {"local-256": """name = "local-256"
+[[rules]]
+kind = "attention"
+op = "sparse_attention"
+options = { dtype = "bfloat16", layout = "local", window = 256 }
+"""}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -176,7 +197,8 @@ def convert(case: Case, recipe: str, variant: Variant, device):
         torch.cuda.reset_peak_memory_stats()
     base = allocated(device)
     start = time.perf_counter()
-    converted = lowconv.convert(case.model, recipe, example_inputs=case.convert_inputs)
+    spec = parse_recipe(BENCH_RECIPES[recipe], recipe) if recipe in BENCH_RECIPES else recipe
+    converted = lowconv.convert(case.model, spec, example_inputs=case.convert_inputs)
     if device.type == "cuda":
         torch.cuda.synchronize()
         variant.convert_peak_bytes = torch.cuda.max_memory_allocated() - base
@@ -335,7 +357,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--model", help=argparse.SUPPRESS)  # a child process: this one model
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated built-in recipes")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help=f"comma-separated built-in recipes, or the bench's own: {', '.join(BENCH_RECIPES)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup-ms", type=float, default=50)
     parser.add_argument("--rep-ms", type=float, default=300)
