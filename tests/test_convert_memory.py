@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import is_fake  # torch.compile's caches keep fake tensors: no memory
 
 import lowconv
 from lowconv.model_sources import load_model
@@ -63,7 +64,7 @@ def storages(objects, device: str = "cpu") -> dict[int, int]:
     """data_ptr -> bytes of the storages of the tensors on `device` among `objects`."""
     found = {}
     for obj in objects:  # type(), not isinstance: some module objects warn when asked their __class__
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == device:
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == device and not is_fake(obj):
             storage = obj.untyped_storage()
             if storage.nbytes():
                 found[storage.data_ptr()] = storage.nbytes()
