@@ -50,12 +50,10 @@ def test_fp8_module_compiles_whole(options):
 
 
 def test_static_scale_never_set_is_an_error_under_compile():
-    module = fp8_module(Fp8Options(scaling="dynamic"))
     uncalibrated = from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
                              {"weight": torch.randn(48, 64), "bias": torch.randn(48)})
-    assert module(torch.randn(3, 64)).shape == (3, 48)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="input_scale is not set"):
+    with pytest.raises((torch._dynamo.exc.Unsupported, RuntimeError), match="input_scale was neither calibrated nor loaded"):
         torch.compile(uncalibrated, fullgraph=True, backend="eager")(torch.randn(3, 64))
 
 

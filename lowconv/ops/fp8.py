@@ -129,7 +129,9 @@ class Fp8Linear(nn.Module):
             past = self.amax_history[:1] if self.options.amax_reduction == "most_recent" else \
                 self.amax_history.max().reshape(1)
             # An empty history (never calibrated, first step) falls back to the current amax.
-            scale = self.last_scale = amax_to_scale(torch.where(past > 0, past, amax), E4M3)
+            scale = amax_to_scale(torch.where(past > 0, past, amax), E4M3)
+            if not torch.compiler.is_compiling():  # only eager recomputes read it (recomputing())
+                self.last_scale = scale
             if self.training:  # only training updates the history, so eval outputs are reproducible
                 self.amax_history.copy_(torch.cat([amax, self.amax_history[:-1]]))
         self.elements += x.numel()
@@ -138,7 +140,11 @@ class Fp8Linear(nn.Module):
     def check_input_scale(self):
         """Set input_scale_set where the static scale was given some other way than calibration or
         a checkpoint (checked once, eagerly: the check reads the scale on the host)."""
-        if torch.compiler.is_compiling() or not (self.input_scale > 0).all():
+        if torch.compiler.is_compiling():
+            raise RuntimeError("fp8 static scaling: input_scale was neither calibrated nor loaded, and a compiled "
+                               "graph cannot read it to check: calibrate the module (begin_calibration, run "
+                               "inputs, end_calibration), load a checkpoint, or call it once eagerly first")
+        if not (self.input_scale > 0).all():
             raise RuntimeError("fp8 static scaling: input_scale is not set; calibrate the module "
                                "(begin_calibration, run inputs, end_calibration) or load a checkpoint")
         self.input_scale_set = True
