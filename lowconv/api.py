@@ -19,7 +19,7 @@ from lowconv.passes.rewrite import keep_frozen, rewrite, site_params, swap_modul
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
 from lowconv.plan import Plan
-from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options
+from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings
 from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
 from lowconv.site_timing import SiteTiming, time_linear_site
 from lowconv.version import __version__
@@ -68,12 +68,19 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
     recipe = load_recipe(recipe)
     found = analyze(model, example_inputs)
     plan = make_plan(found.sites, found.trace, recipe)
-    plan.warnings += nested_tensor_warnings(found.model, plan)
-    if hasattr(model, PLAN_ATTR):
-        plan.warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
-                             "modules now and are not found again; convert the original model to change them")
+    plan.warnings = conversion_warnings(model, found, plan, recipe)
     plan.model = {"signature": checkpoint.model_signature(model.state_dict())}
     return found, plan
+
+
+def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: Recipe) -> list[str]:
+    """The plan's warnings for its decisions as they stand (convert asks again once never-slower
+    has kept sites: a region none of whose sites is converted any more is not rewritten)."""
+    warnings = plan_warnings(plan.decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(found.model, plan)
+    if hasattr(model, PLAN_ATTR):
+        warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
+                        "modules now and are not found again; convert the original model to change them")
+    return warnings
 
 
 def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
@@ -99,6 +106,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     scales) unless `calibration` (an iterable of such inputs) is given.
     """
     progress("tracing and finding sites")
+    recipe = load_recipe(recipe)
     found, plan = plan_conversion(model, recipe, example_inputs)
     todo = plan.converted()
     progress(f"{len(found.sites)} sites, {len(todo)} to convert")
@@ -117,6 +125,8 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         modules[site.fqn] = module
         decision.note = "; ".join(filter(None, [module.plan_note() if hasattr(module, "plan_note") else "",
                                                 timing and f"measured {timing.describe(decision.op)}"]))
+    if len(modules) < len(todo):  # never-slower kept some sites: the warnings follow the final decisions
+        plan.warnings = conversion_warnings(model, found, plan, recipe)
     converted = rewrite(found.model, found.trace, found.sites, modules)
     release_graphs(found.trace, converted)
     calibrate(converted, calibration if calibration is not None else [example_inputs], progress)

@@ -243,6 +243,23 @@ def decide(site: Site, rules: list[Rule]) -> Decision:
 
 def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
     decisions = [decide(site, recipe.rules) for site in sites]
+    return Plan(
+        recipe=recipe.name,
+        recipe_text=recipe.text,
+        decisions=decisions,
+        regions=[r.fqn for r in trace.regions],
+        none_args={r.fqn: r.none_args for r in trace.regions if r.none_args},
+        constant_args={r.fqn: r.constant_args for r in trace.regions if r.constant_args},
+        decided={r.fqn: r.decided for r in trace.regions if r.decided},
+        untraced=[dataclasses.asdict(u) for u in trace.untraced],
+        warnings=plan_warnings(decisions, sites, trace, recipe),
+        gate_min_sqnr_db=recipe.min_sqnr_db,
+    )
+
+
+def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, recipe: Recipe) -> list[str]:
+    """What the plan warns of, given its decisions: rules that matched nothing, and what changes in
+    the regions that the converted sites make the rewrite replace."""
     warnings = [
         f"{rule.label()} (op {rule.op}) matched no site"
         for rule in recipe.rules
@@ -269,15 +286,4 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         f"compute is now part of the converted region and what they do besides (recording, printing) will not happen"
         for r in trace.regions if r.fqn in rewritten and (hooked := hooked_inside(r))
     ]
-    return Plan(
-        recipe=recipe.name,
-        recipe_text=recipe.text,
-        decisions=decisions,
-        regions=[r.fqn for r in trace.regions],
-        none_args={r.fqn: r.none_args for r in trace.regions if r.none_args},
-        constant_args={r.fqn: r.constant_args for r in trace.regions if r.constant_args},
-        decided={r.fqn: r.decided for r in trace.regions if r.decided},
-        untraced=[dataclasses.asdict(u) for u in trace.untraced],
-        warnings=warnings,
-        gate_min_sqnr_db=recipe.min_sqnr_db,
-    )
+    return warnings

@@ -68,3 +68,26 @@ def test_timing_on_the_gpu_compares_the_op_with_f_linear():
     timing = time_linear_site(site, nn.Linear(4096, 4096, bias=False).cuda().bfloat16(), {"weight": weight})
     assert timing is not None and 0.5 < timing.op_ms / timing.original_ms < 2  # the same GEMM, timed twice
     assert timing.shape == "4096 x 4096 x 4096"
+
+
+class Branching(nn.Module):
+    """One functional linear (a traced region's site) after a branch on the input's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 64))
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 2
+        return torch.nn.functional.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("slower", [False, True])
+def test_the_plan_warns_of_a_rewritten_region_only_if_a_site_in_it_stays_converted(monkeypatch, slower):
+    monkeypatch.setattr(api, "time_linear_site", timing_by_fqn({"linear"} if slower else set()))
+    converted = lowconv.convert(Branching(), parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
+    [decision] = converted.lowconv_plan.decisions
+    assert decision.op == ("keep" if slower else "fp8")
+    assert any("branches decided" in w for w in converted.lowconv_plan.warnings) == (not slower)
+    assert (type(converted) is Branching) == slower
