@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Mapping
 
@@ -339,7 +340,10 @@ def measure_compiled_ms(model: torch.nn.Module, args: tuple, kwargs: dict) -> fl
 
     try:
         forward()  # compiles
-    except Exception:  # noqa: BLE001 - a model that does not compile has no compiled time to report
+    except Exception as err:  # noqa: BLE001 - a model that does not compile has no compiled time to report
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        warnings.warn(f"torch.compile of {type(model).__name__} failed, so the report has no compiled time for it: "
+                      f"{type(err).__name__}: {first_line}", stacklevel=2)
         return None
     from triton.testing import do_bench
     return float(do_bench(forward, return_mode="median"))

@@ -312,3 +312,15 @@ def test_compiled_times_are_shown_and_kept():
 def test_compiled_time_of_a_model_on_the_gpu():
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()).cuda()
     assert measure_compiled_ms(model, (torch.randn(64, 256, device="cuda"),), {}) > 0
+
+
+def test_a_model_that_does_not_compile_has_no_compiled_time_and_says_why():
+    class Refuses(torch.nn.Module):
+        def forward(self, x):
+            if torch.compiler.is_compiling():
+                raise RuntimeError("not under compile")
+            return x
+
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="torch.compile of Refuses failed.*not under compile"):
+        assert measure_compiled_ms(Refuses(), (torch.randn(2),), {}) is None
