@@ -595,7 +595,9 @@ def test_calls_run_sdpa_unless_the_kernels_skip_tiles(kernels_on_cpu, monkeypatc
                                 window=5 if layout == "local" else None, backend=backend).eval()
     q, k, v = (torch.randn(1, 2, SEQ, 16, dtype=torch.float64) for _ in range(3))
     reference = sa.SparseAttention(mask=module.mask, causal=causal, scale=0.4, layout=layout, window=module.window)
-    want = reference(q, k, v, keep)  # off the kernels' device: the torch reference
+    with monkeypatch.context() as off_the_kernels_device:  # the torch reference, not SDPA in float64
+        off_the_kernels_device.setattr(sa, "runs_on_kernel_device", lambda q: False)
+        want = reference(q, k, v, keep)
     ran = spy_on_plans(monkeypatch)
     got = module(*(t.float() for t in (q, k, v)), keep)
     assert ran == [expected]
