@@ -111,14 +111,19 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     todo = plan.converted()
     progress(f"{len(found.sites)} sites, {len(todo)} to convert")
     by_fqn = {s.fqn: s for s in found.sites}
-    modules = {}
+    modules, timings = {}, {}
     for i, decision in enumerate(todo, 1):
         progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
         params = site_params(site, found.model)
         module = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
-        timing = time_linear_site(site, module, params) if op.timed and not decision.forced else None
+        timing = None
+        if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
+            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params)
+            if key not in timings:
+                timings[key] = time_linear_site(site, module, params)
+            timing = timings[key]
         if timing is not None and timing.slower:
             keep_slower(decision, timing)
             continue

@@ -91,3 +91,17 @@ def test_the_plan_warns_of_a_rewritten_region_only_if_a_site_in_it_stays_convert
     assert decision.op == ("keep" if slower else "fp8")
     assert any("branches decided" in w for w in converted.lowconv_plan.warnings) == (not slower)
     assert (type(converted) is Branching) == slower
+
+
+def test_sites_of_the_same_gemm_are_timed_once(monkeypatch):
+    timed = []
+
+    def fake(site, module, params):
+        timed.append(site.fqn)
+        return SiteTiming(op_ms=0.5, original_ms=1.0, shape="")
+    monkeypatch.setattr(api, "time_linear_site", fake)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    converted = lowconv.convert(model, parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
+    assert timed == ["0", "4"]  # "2" has layer 0's GEMM: its timing is reused
+    assert all("measured fp8" in d.note for d in converted.lowconv_plan.decisions)
