@@ -340,7 +340,7 @@ def current_stream(device: torch.device) -> int:
 class WeightLayout:
     """The structured descriptor of a 2:4 weight (N, K) and its compressed and scratch sizes, made
     once: its init and destroy take ~185 us of host time on the H100 machines' hosts, against
-    ~10 us for the compression call itself (4096 x 1024 fp16, 2026-11-22); fixed-mask training
+    ~10 us for the compression call itself (4096 x 1024 fp16, on the H100); fixed-mask training
     compresses with it per mask (FixedMaskCompression), or every step where that falls back."""
 
     def __init__(self, lib: Library, handle, n: int, k: int, dtype: torch.dtype):
