@@ -1,6 +1,8 @@
 """torch.compile in the tests: fullgraph compiles that keep the FX graphs dynamo captured, the
 lowconv ops those graphs call, and the counters that say whether anything fell back."""
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
@@ -20,6 +22,20 @@ def inductor_with_cuda_graphs(gm, example_inputs):
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True})
+
+
+def aot_recording(graphs: list):
+    """An aot_autograd backend that appends AOTAutograd's forward and backward graphs to `graphs`
+    (what inductor would be given) and runs them as they are."""
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def call_targets(graphs) -> set[str]:
+    """str() of what every call node of the graphs calls ("lowconv.fp8_gemm.default", ...)."""
+    return {str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
 
 
 def lowconv_ops(graphs) -> set[str]:

@@ -13,45 +13,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from functorch.compile import make_boxed_func
 from torch import nn
-from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 import lowconv
 import lowconv.ops.sparse_attention as sa
 from lowconv.kernels.block_attention import band, block_layout
+from tests.compiled import aot_recording, call_targets, compile_recording
 from tests.test_sparse_attention_op import CausalBlock, attention_recipe, kernels_on_cpu, spy_on_plans  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
 
-class GraphRecorder:
-    """A dynamo backend that runs aot_eager (the fake implementations and the registered autograd,
-    traced as inductor would) and keeps the graphs: dynamo's and AOTAutograd's forward and backward."""
-
-    def __init__(self):
-        self.graphs, self.dynamo_graphs = [], 0
-
-        def keep(gm, example_inputs):
-            self.graphs.append(gm)
-            return make_boxed_func(gm)
-        self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
-
-    def __call__(self, gm, example_inputs):
-        self.dynamo_graphs += 1
-        self.graphs.append(gm)
-        return self.backend(gm, example_inputs)
-
-    def targets(self):
-        return {str(node.target) for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"}
-
-
 def compiled(module):
+    """(module compiled with fullgraph=True, dynamo's graphs, AOTAutograd's forward and backward graphs)."""
     torch._dynamo.reset()
     counters.clear()
-    recorder = GraphRecorder()
-    return torch.compile(module, fullgraph=True, backend=recorder), recorder
+    aot_graphs = []
+    run, dynamo_graphs = compile_recording(module, backend=aot_recording(aot_graphs))
+    return run, dynamo_graphs, aot_graphs
 
 
 def assert_same_outputs_and_grads(module, run, inputs, grad_inputs):
@@ -105,9 +85,9 @@ def test_converted_model_compiles_whole_on_the_reference_path(options):
     model = CausalBlock().eval()
     x = torch.randn(2, 10, 32, requires_grad=True)
     converted = lowconv.convert(model, attention_recipe(options), (x.detach(),))
-    run, recorder = compiled(converted)
+    run, dynamo_graphs, aot_graphs = compiled(converted)
     assert_same_outputs_and_grads(converted, run, (x,), [x])
-    assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
+    assert len(dynamo_graphs) == 1 and counters["graph_break"] == {}
 
 
 class PaddedEncoder(nn.Module):
@@ -127,12 +107,12 @@ def test_converted_multihead_attention_with_padding_compiles_whole(options, kern
     model = PaddedEncoder().eval()
     x = torch.randn(3, 70, 32, requires_grad=True)
     converted = lowconv.convert(model, attention_recipe(options), (x.detach(), torch.zeros(3, 70, dtype=torch.bool)))
-    run, recorder = compiled(converted)
+    run, dynamo_graphs, aot_graphs = compiled(converted)
     for lengths in ([70, 40, 2], [70, 70, 65]):
         padding = torch.arange(70)[None, :] >= torch.tensor(lengths)[:, None]
         assert_same_outputs_and_grads(converted, run, (x, padding), [x])
-    assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
-    uses_kernels = "lowconv.block_attention_forward.default" in recorder.targets()
+    assert len(dynamo_graphs) == 1 and counters["graph_break"] == {}
+    uses_kernels = "lowconv.block_attention_forward.default" in call_targets(dynamo_graphs + aot_graphs)
     assert uses_kernels == ("triton" in options)
 
 
@@ -149,13 +129,13 @@ def test_kernel_path_compiles_whole_with_the_ops_in_its_graphs(kernels_on_cpu, m
     masks = {None: (), "keep": (keep,), "additive": (torch.zeros(keep.shape).masked_fill(~keep, float("-inf")),)}
     module = sa.SparseAttention(mask=mask or "none", causal=True, layout=layout, window=5 if layout == "local" else None,
                                 backend=backend)
-    run, recorder = compiled(module)
+    run, dynamo_graphs, aot_graphs = compiled(module)
     ran = spy_on_plans(monkeypatch)
     assert_same_outputs_and_grads(module, run, (q, k, v, *masks[mask]), [q, k, v])
     assert {backend for backend, _, _ in ran} == {"triton"}
     assert {"lowconv.block_attention_forward.default",
-            "lowconv.block_attention_backward.default"} <= recorder.targets()
-    assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
+            "lowconv.block_attention_backward.default"} <= call_targets(dynamo_graphs + aot_graphs)
+    assert len(dynamo_graphs) == 1 and counters["graph_break"] == {}
 
 
 def test_masked_calls_compile_to_sdpa(kernels_on_cpu):
@@ -166,11 +146,11 @@ def test_masked_calls_compile_to_sdpa(kernels_on_cpu):
     keep[:, :, :, :64] = False
     keep[..., 0] = True
     module = sa.SparseAttention(mask="keep", causal=True)
-    run, recorder = compiled(module)
+    run, dynamo_graphs, aot_graphs = compiled(module)
     assert_same_outputs_and_grads(module, run, (q, k, v, keep), [q, k, v])
-    targets = recorder.targets()
+    targets = call_targets(dynamo_graphs + aot_graphs)
     assert not any("lowconv" in t for t in targets) and any("scaled_dot_product" in t for t in targets)
-    assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
+    assert len(dynamo_graphs) == 1 and counters["graph_break"] == {}
 
 
 def test_exported_converted_model_holds_the_op(kernels_on_cpu):
@@ -224,11 +204,11 @@ def test_converted_window_attention_compiles_whole(kernels, monkeypatch):
     feats = inputs[0].clone().requires_grad_()
     tables = [p for name, p in converted.named_parameters() if "relative_pos" in name]
     assert len(tables) == 3
-    run, recorder = compiled(converted)
+    run, dynamo_graphs, aot_graphs = compiled(converted)
     assert_same_outputs_and_grads(converted, run, (feats, *inputs[1:]), [feats, *tables])
-    assert recorder.dynamo_graphs == 1 and counters["graph_break"] == {}
+    assert len(dynamo_graphs) == 1 and counters["graph_break"] == {}
     ops = {"lowconv.window_attention_forward.default", "lowconv.window_attention_backward.default"}
-    assert (ops <= recorder.targets()) == kernels
+    assert (ops <= call_targets(dynamo_graphs + aot_graphs)) == kernels
 
 
 def test_ops_trace_into_their_kernels_as_inductor_sees_them():
