@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from lowconv.kernels.library import triton_op
+from lowconv.kernels.triton_ops import triton_op, wrap
 from lowconv.kernels.operands import as_operand
 from lowconv.kernels.window_attention import _dot, dot_precision
 
@@ -501,7 +500,7 @@ class Launch:
     def run(self, kernel, *tensors, transposed, launcher=None):
         """Launch `kernel` over its tiles (of queries, or with `transposed` of keys) and the batch
         and its heads (kv heads when transposed: a program sums over its group). The ops launch
-        through `launcher`, wrap_triton(kernel), which torch.compile can trace; else directly."""
+        through `launcher`, triton_ops.wrap(kernel), which torch.compile can trace; else directly."""
         if self.runs_nothing:
             return
         tiles = kernel_tiles(kernel.__name__, self.head_dim, self.dtype, self.listed)
@@ -857,18 +856,13 @@ def _backward_key_kernel(q, k, v, do, stats, delta, dk, dv, mask, padding, count
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernels as custom ops (kernels/library.py): q, k, v in the compute dtype and contiguous; the
+# The kernels as custom ops (kernels/triton_ops.py): q, k, v in the compute dtype and contiguous; the
 # model's mask as block_attention takes it (bool: True attends; float: added); the key padding
 # contiguous bool (batch, seq_k), True = padding; a BlockLayout's four lists or four Nones; the
 # band's bounds (lower, upper), whether it bounds anything (not dense), and the scale.
 
 
-def forward_outputs(q, k, v, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale):
-    """block_attention_forward's outputs, unfilled."""
-    return torch.empty_like(q), q.new_empty((STATS, *q.shape[:3]), dtype=torch.float32)
-
-
-@triton_op("block_attention_forward", forward_outputs, _forward_kernel)
+@triton_op("lowconv::block_attention_forward", mutates_args=())
 def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                             padding: torch.Tensor | None, count: torch.Tensor | None, index: torch.Tensor | None,
                             count_t: torch.Tensor | None, index_t: torch.Tensor | None, lower: int, upper: int,
@@ -880,17 +874,11 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     launch = Launch(q, k, mask, padding, count, index, count_t, index_t, lower, upper, banded, scale)
     out = launch.new_like(q)
     stats = q.new_empty((STATS, *q.shape[:3]), dtype=torch.float32)
-    launch.run(_forward_kernel, q, k, v, out, stats, transposed=False, launcher=wrap_triton(_forward_kernel))
+    launch.run(_forward_kernel, q, k, v, out, stats, transposed=False, launcher=wrap(_forward_kernel))
     return out, stats
 
 
-def backward_outputs(grad_out, q, k, v, out, stats, mask, padding, count, index, count_t, index_t, lower,
-                     upper, banded, scale):
-    """block_attention_backward's outputs, unfilled."""
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-@triton_op("block_attention_backward", backward_outputs, _backward_query_kernel, _backward_key_kernel)
+@triton_op("lowconv::block_attention_backward", mutates_args=())
 def block_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, stats: torch.Tensor, mask: torch.Tensor | None,
                              padding: torch.Tensor | None, count: torch.Tensor | None, index: torch.Tensor | None,
@@ -904,9 +892,9 @@ def block_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     # kernel, launched after it, reads it.
     delta = q.new_empty(q.shape[:3], dtype=torch.float32)
     launch.run(_backward_query_kernel, q, k, v, grad_out, out, stats, delta, dq, transposed=False,
-               launcher=wrap_triton(_backward_query_kernel))
+               launcher=wrap(_backward_query_kernel))
     launch.run(_backward_key_kernel, q, k, v, grad_out, stats, delta, dk, dv, transposed=True,
-               launcher=wrap_triton(_backward_key_kernel))
+               launcher=wrap(_backward_key_kernel))
     return dq, dk, dv
 
 

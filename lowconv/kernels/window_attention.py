@@ -52,9 +52,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from lowconv.kernels.library import triton_op
+from lowconv.kernels.triton_ops import triton_op, wrap
 from lowconv.kernels.operands import as_operand
 
 BACKENDS = ("auto", "triton", "reference")
@@ -351,7 +350,7 @@ class Launch:
 
     def run(self, kernel, *tensors, launcher=None):
         """Launch `kernel` over its tiles (of queries, or of keys) and the heads. The ops launch
-        through `launcher`, wrap_triton(kernel), which torch.compile can trace; else directly.
+        through `launcher`, triton_ops.wrap(kernel), which torch.compile can trace; else directly.
         A traced launch goes without the register cap (maxnreg): torch.compile's kernel wrapper
         takes num_warps and num_stages, not maxnreg, as launch options."""
         if self.n == 0:
@@ -780,18 +779,12 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernels as custom ops (kernels/library.py): q, k, v (N, h, d) and the tables (L, 3, h, d) or
+# The kernels as custom ops (kernels/triton_ops.py): q, k, v (N, h, d) and the tables (L, 3, h, d) or
 # three Nones in the compute dtype, contiguous; the row windows (start, end) int32 (N,); the packed
 # coordinates (pack_coords) or None; the scale.
 
 
-def row_windows_outputs(offsets, n):
-    """window_row_windows's outputs, unfilled."""
-    start = offsets.new_empty(n)
-    return start, torch.empty_like(start)
-
-
-@triton_op("window_row_windows", row_windows_outputs, _row_windows_kernel)
+@triton_op("lowconv::window_row_windows", mutates_args=())
 def window_row_windows(offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """launch_row_windows's kernel: offsets (W+1,) int32, contiguous."""
     start = offsets.new_empty(n)
@@ -799,17 +792,12 @@ def window_row_windows(offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, tor
     if n:
         windows = len(offsets) - 1
         block = 1024
-        wrap_triton(_row_windows_kernel)[(triton.cdiv(n, block),)](
+        wrap(_row_windows_kernel)[(triton.cdiv(n, block),)](
             offsets, start, end, n, windows, max(1, windows.bit_length()), BLOCK=block)
     return start, end
 
 
-def forward_outputs(q, k, v, tq, tk, tv, start, end, coords, scale):
-    """window_attention_forward's outputs, unfilled."""
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-
-
-@triton_op("window_attention_forward", forward_outputs, _forward_kernel)
+@triton_op("lowconv::window_attention_forward", mutates_args=())
 def window_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor | None,
                              tk: torch.Tensor | None, tv: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor,
                              coords: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -817,17 +805,11 @@ def window_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     autograd (register_autograd below) gives q, k, v and the tables their gradients."""
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
     Launch(q, tq, start, end, coords, scale).run(_forward_kernel, q, k, v, out, lse, tq, tk, tv,
-                                                 launcher=wrap_triton(_forward_kernel))
+                                                 launcher=wrap(_forward_kernel))
     return out, lse
 
 
-def backward_outputs(grad_out, q, k, v, tq, tk, tv, start, end, coords, out, lse, scale):
-    """window_attention_backward's outputs, unfilled."""
-    tables = (tq, tk, tv) if tq is not None else (q.new_empty(0),) * 3
-    return (*(torch.empty_like(t) for t in (q, k, v)), *(torch.empty_like(t) for t in tables))
-
-
-@triton_op("window_attention_backward", backward_outputs, _backward_query_kernel, _backward_key_kernel)
+@triton_op("lowconv::window_attention_backward", mutates_args=())
 def window_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               tq: torch.Tensor | None, tk: torch.Tensor | None, tv: torch.Tensor | None,
                               start: torch.Tensor, end: torch.Tensor, coords: torch.Tensor | None, out: torch.Tensor,
@@ -843,9 +825,9 @@ def window_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
                      if rel else (None, None, None))
     launch = Launch(q, tq, start, end, coords, scale)
     launch.run(_backward_query_kernel, q, k, v, out, grad_out, lse, delta, dq, tq, tk, tv, dtq, dtv,
-               launcher=wrap_triton(_backward_query_kernel))
+               launcher=wrap(_backward_query_kernel))
     launch.run(_backward_key_kernel, q, k, v, grad_out, lse, delta, dk, dv, tq, tk, tv, dtk,
-               launcher=wrap_triton(_backward_key_kernel))
+               launcher=wrap(_backward_key_kernel))
     if not rel:
         return dq, dk, dv, q.new_empty(0), q.new_empty(0), q.new_empty(0)
     return dq, dk, dv, dtq.to(q.dtype), dtk.to(q.dtype), dtv.to(q.dtype)
