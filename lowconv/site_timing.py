@@ -39,8 +39,9 @@ class SiteTiming:
                 f"(CUDA graph replay, {self.original_ms / self.op_ms:.2f}x)")
 
 
-def graph_ms(fn) -> float:
-    """Median ms of one fn() replayed from a CUDA graph."""
+def captured(fn, calls: int = 1):
+    """(a CUDA graph of `calls` calls of fn, the last call's outputs), after warm-up calls on a side
+    stream (which compile Triton kernels, pick cuBLASLt's and make cuSPARSELt's plans)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -49,8 +50,14 @@ def graph_ms(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPLAYS):
-            fn()
+        for _ in range(calls):
+            outputs = fn()
+    return graph, outputs
+
+
+def graph_ms(fn) -> float:
+    """Median ms of one fn() replayed from a CUDA graph."""
+    graph, _ = captured(fn, REPLAYS)
     times = []
     for _ in range(SAMPLES):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
