@@ -372,7 +372,8 @@ def block_attention_sdpa(q, k, v, *, layout="dense", window=None, mask=None, key
     key padding join the mask (sdpa_mask); a causal band alone is SDPA's is_causal, which with no
     mask runs its flash or cuDNN kernels. An additive mask is rounded to the compute dtype, the
     dtype SDPA takes it in (finite values beyond its range become -inf). A query row with no
-    allowed key gives zeros, as everywhere in this file (SDPA's rule since torch 2.5)."""
+    allowed key gives zeros, as everywhere in this file: set here, since not every SDPA kernel
+    keeps that rule (on the H100, torch 2.11, fp16 and bf16 with a bool mask did not)."""
     out_dtype, dtype = q.dtype, dtype or q.dtype
     q, k, v = (t.to(dtype) for t in (q, k, v))
     attn_mask = sdpa_mask(mask, key_padding_mask, layout, window, q.shape[-2], k.shape[-2], dtype, q.device)
@@ -383,6 +384,10 @@ def block_attention_sdpa(q, k, v, *, layout="dense", window=None, mask=None, key
         gqa = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
                                          scale=scale, enable_gqa=gqa)
+    if attn_mask is not None:
+        keyless = ~attn_mask.any(-1, keepdim=True) if attn_mask.dtype == torch.bool else (
+            attn_mask == float("-inf")).all(-1, keepdim=True)
+        out = out.masked_fill(keyless, 0)
     return out.to(out_dtype)
 
 
@@ -461,14 +466,14 @@ def check_triton_inputs(q, dtype):
 
 def kernel_mask(mask, batch, heads, seq_q, seq_k):
     """The model's mask as the kernels read it: a (batch, heads, seq_q, seq_k) view (broadcast
-    dimensions have stride 0; bool as uint8), and its kind, "none", "bool" or "additive"."""
+    dimensions have stride 0), and its kind, "none", "bool" or "additive"."""
     if mask is None:
         return None, "none"
     while mask.dim() < 4:
         mask = mask[None]
     view = mask.expand(batch, heads, seq_q, seq_k)
     if mask.dtype == torch.bool:
-        return view.view(torch.uint8), "bool"
+        return view, "bool"
     return view, "additive"
 
 
@@ -490,7 +495,7 @@ class Launch:
             tile_lists(count, index), tile_lists(count_t, index_t))
         self.options = dict(D=self.head_dim, BANDED=banded, MASK=kind, PADDING=padding is not None,
                             LISTED=self.listed, PRECISION=dot_precision(q.dtype, q.is_cuda))
-        self.masks = (mask, None if padding is None else padding.view(torch.uint8))
+        self.masks = (mask, padding)
 
     def new_like(self, t: torch.Tensor) -> torch.Tensor:
         """An output the kernels fill; zeros where they run no program (no query or no key: the
@@ -705,6 +710,7 @@ def _forward_kernel(q, k, v, out, stats, mask, padding, count, index,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile of BLOCK_M queries of one (batch, head): online softmax over its key tiles, the
     band's edge tiles masked, the interior ones not."""
+    scale = tl.cast(scale, tl.float32)  # fp32 as launched directly; wrapped by inductor, a Python float arrives as fp64
     tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
         H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
     start, end = _interior(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, lo, n_tiles, Lk, -upper, -lower,
@@ -760,6 +766,7 @@ def _backward_query_kernel(q, k, v, do, out, stats, delta, dq, mask, padding, co
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one tile of BLOCK_M queries of one (batch, head), over the forward's key tiles; and
     the tile's delta (<dO_i, O_i>, fp32, into `delta`), which the key kernel reads."""
+    scale = tl.cast(scale, tl.float32)
     tile, bh, b, h, q_base, kv_base, rows, list_row, lo, n_tiles = _query_tile(
         H, GROUP, Lq, Lk, lower, upper, count, list_sb, list_sh, D, LISTED, BLOCK_M, BLOCK_N)
     start, end = _interior(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, lo, n_tiles, Lk, -upper, -lower,
@@ -819,6 +826,7 @@ def _backward_key_kernel(q, k, v, do, stats, delta, dk, dv, mask, padding, count
     """dk, dv for one tile of BLOCK_N keys of one (batch, kv head): the sum over the GROUP query
     heads it serves (in one program, so no atomics) of each head's live query tiles (`count`,
     `index`: the BlockLayout's transposed lists)."""
+    scale = tl.cast(scale, tl.float32)
     tile = tl.program_id(0)
     bkv = tl.program_id(1)
     b = bkv // (H // GROUP)

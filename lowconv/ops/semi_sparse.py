@@ -249,6 +249,9 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
     def prepare_backend(self, backend: str):
         if backend == "cusparselt" and not self.cusparselt_ready():
             self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
+            # Their buffers made now: made at the first call, under CUDA graph trees they would be
+            # taken from the graph's pool and outlive the call that made them.
+            self.gemms.compressions(self.mask)
 
     def cusparselt_ready(self) -> bool:
         return self.gemms is not None
