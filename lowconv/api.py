@@ -15,11 +15,12 @@ from lowconv.errors import LowconvError
 from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
+from lowconv.passes.mha_expand import expand_mha, mha_to_expand
 from lowconv.passes.rewrite import keep_frozen, rewrite, site_params, swap_module, tap_sites
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
 from lowconv.plan import Plan
-from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings
+from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings, would_convert
 from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
 from lowconv.site_timing import SiteTiming, time_linear_site
 from lowconv.version import __version__
@@ -41,6 +42,7 @@ class Analysis:
     model: nn.Module  # the copy that was traced
     trace: Trace
     sites: list[Site]
+    expanded_mha: list[str]  # its nn.MultiheadAttention modules expanded before tracing
 
 
 def copy_of(model: nn.Module) -> nn.Module:
@@ -52,11 +54,14 @@ def copy_of(model: nn.Module) -> nn.Module:
                            f"{type(err).__name__}: {err}") from err
 
 
-def analyze(model: nn.Module, example_inputs) -> Analysis:
-    """Trace a copy of `model` and find its sites (the user's model is never touched)."""
+def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None) -> Analysis:
+    """Trace a copy of `model` and find its sites (the user's model is never touched). With a
+    recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
     work = copy_of(model)
+    expanded = mha_to_expand(work, lambda site: would_convert(site, recipe.rules)) if recipe else []
+    work = expand_mha(work, expanded)
     trace = trace_model(work, example_inputs)
-    return Analysis(work, trace, find_sites(work, trace))
+    return Analysis(work, trace, find_sites(work, trace), expanded)
 
 
 def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis, Plan]:
@@ -66,8 +71,9 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
         raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
                            "of keyword arguments, or one tensor")
     recipe = load_recipe(recipe)
-    found = analyze(model, example_inputs)
+    found = analyze(model, example_inputs, recipe)
     plan = make_plan(found.sites, found.trace, recipe)
+    plan.expanded_mha = found.expanded_mha
     plan.warnings = conversion_warnings(model, found, plan, recipe)
     plan.model = {"signature": checkpoint.model_signature(model.state_dict())}
     return found, plan
@@ -76,7 +82,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
 def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: Recipe) -> list[str]:
     """The plan's warnings for its decisions as they stand (convert asks again once never-slower
     has kept sites: a region none of whose sites is converted any more is not rewritten)."""
-    warnings = plan_warnings(plan.decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(found.model, plan)
+    warnings = plan_warnings(plan.decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(model, plan)
     if hasattr(model, PLAN_ATTR):
         warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
                         "modules now and are not found again; convert the original model to change them")
@@ -267,7 +273,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         raise LowconvError(
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
-    work = copy_of(model)
+    work = expand_mha(copy_of(model), plan.expanded_mha)
     trace, sites = refind_sites(work, plan, example_inputs, str(path))
     modules = {}
     for decision in plan.converted():
@@ -361,7 +367,11 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     The sites are seen through a traced copy; that copy must compute what the original does,
     or tracing changed the model (data-dependent code frozen) and no number would mean anything.
     """
-    work = copy_of(original)
+    work = expand_mha(copy_of(original), plan.expanded_mha)
+    args, kwargs = normalize_inputs(inputs)
+    # The traced copy is checked against the copy it was traced from: an expanded MHA computes what
+    # nn.MultiheadAttention does, but not in the operations of torch's fused kernel.
+    untraced = run_eval(work, args, kwargs) if plan.expanded_mha else None
     trace, sites = refind_sites(work, plan, inputs, "compare")
     calls: dict[str, SiteCall] = {}
 
@@ -369,10 +379,9 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
         calls.setdefault(fqn, SiteCall(args, kwargs, [])).outputs.append(first_tensor(output).clone())
 
     tapped = tap_sites(work, trace, list(sites.values()), record)
-    args, kwargs = normalize_inputs(inputs)
     reference, traced = run_eval(original, args, kwargs), run_eval(tapped, args, kwargs)
     release_graphs(trace)  # the traced copy is not kept
-    for name, ref, test in paired_outputs(reference, traced):
+    for name, ref, test in paired_outputs(reference if untraced is None else untraced, traced):
         nan = int(torch.isnan(ref).sum()) if ref.is_floating_point() else 0
         if nan:  # (an Inf, e.g. a masked logit, is compared as it is: the converted model must match it)
             raise LowconvError(

@@ -41,6 +41,8 @@ class Plan:
     decided: dict[str, list[str]] = field(default_factory=dict)  # region FQN -> branches its example inputs decided
     gate_min_sqnr_db: float | None = None
     model: dict = field(default_factory=dict)  # how the original was made: signature, seed, dtype, ...
+    # nn.MultiheadAttention modules replaced before tracing, so that their projections convert (passes/mha_expand.py)
+    expanded_mha: list[str] = field(default_factory=list)
 
     def converted(self) -> list[Decision]:
         return [d for d in self.decisions if d.converted]
@@ -110,5 +112,6 @@ def model_problem(model: dict) -> str | None:
 
 # What from_json checks before it builds a Plan (the rest is read as the dataclasses say).
 FIELD_KINDS = {"recipe": str, "recipe_text": str, "decisions": list, "regions": list, "none_args": dict,
-               "untraced": list, "warnings": list, "constant_args": dict, "decided": dict, "model": dict}
+               "untraced": list, "warnings": list, "constant_args": dict, "decided": dict, "model": dict,
+               "expanded_mha": list}
 SITE_KINDS = {"kind": str, "region": str, "info": dict, "graph": dict, "module_backed": bool, "frozen": list}

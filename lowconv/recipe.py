@@ -223,6 +223,12 @@ def rule_matches(rule: Rule, site: Site) -> bool:
     return not any(pattern_matches(p, site) for p in rule.ignore)
 
 
+def would_convert(site: Site, rules: list[Rule]) -> bool:
+    """Whether the first rule that matches `site` converts it (before the op's own checks)."""
+    rule = next((r for r in rules if rule_matches(r, site)), None)
+    return rule is not None and rule.op != "keep"
+
+
 def decide(site: Site, rules: list[Rule]) -> Decision:
     keep_options = dataclasses.asdict(OPS["keep"].options())
     if site.unsupported:

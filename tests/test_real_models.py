@@ -144,12 +144,18 @@ def test_transformer_encoder_with_padding_mask(recipe):
     loaded = load_model("nn:transformer-encoder")
     converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
     plan = converted.lowconv_plan
-    assert found_linears(plan) == linear_names(loaded.model)
     assert sum(d.site["kind"] == "attention" for d in plan.decisions) == 2
     out_proj = [d for d in plan.decisions if d.fqn.endswith("out_proj")]
-    assert len(out_proj) == 2 and all("inside nn.MultiheadAttention" in d.reason for d in out_proj)
+    assert len(out_proj) == 2
+    if recipe != "fp8-dynamic":  # no rule for the projections: the MHA modules stay, their projections kept
+        assert found_linears(plan) == linear_names(loaded.model) and not plan.expanded_mha
+        assert all("inside nn.MultiheadAttention" in d.reason for d in out_proj)
+    else:  # expanded: in_proj and out_proj are linear sites like the MLP's
+        assert plan.expanded_mha == ["layers.0.self_attn", "layers.1.self_attn"]
+        assert found_linears(plan) == linear_names(loaded.model) | {f"layers.{i}.self_attn.in_proj" for i in (0, 1)}
+        assert all(d.op == "fp8" for d in out_proj)
     report = lowconv.compare(loaded.model, converted, loaded.inputs)
-    assert report.passed and len(plan.converted()) == (2 if recipe == "sparse-attention-bf16" else 4)
+    assert report.passed and len(plan.converted()) == {"fp8-dynamic": 8, "semi-sparse": 4}.get(recipe, 2)
 
 
 @pytest.mark.parametrize("nested", [False, True])
@@ -164,7 +170,9 @@ def test_transformer_encoder_runs_where_torch_takes_its_fast_path(nested, recipe
     padding[1, 12:] = True
     inputs = {"src": torch.randn(2, 16, 64), "src_key_padding_mask": padding}
     converted = lowconv.convert(model, recipe, inputs)
-    assert len(converted.lowconv_plan.converted()) == 4 and torch.backends.mha.get_fastpath_enabled()
+    # fp8: linear1, linear2 and the attention's in_proj and out_proj; 2:4: the MLP's
+    assert len(converted.lowconv_plan.converted()) == (8 if recipe == "fp8-dynamic" else 4)
+    assert torch.backends.mha.get_fastpath_enabled()
     lowconv.save(converted, tmp_path)
     for run in (converted, lowconv.load(model, tmp_path, inputs)):
         fast_path_check(model, run, inputs, recipe, rows=~padding)
@@ -211,7 +219,9 @@ def test_an_encoder_layer_that_does_not_trace_leaves_its_fast_path(monkeypatch):
     monkeypatch.setattr(trace, "trace_module", no_layers)
     model, inputs = encoder(nested=True), load_model("nn:transformer-encoder").inputs
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
-    assert type(converted.layers[0]) is nn.TransformerEncoderLayer and len(converted.lowconv_plan.converted()) == 4
+    # linear1, linear2 and out_proj: the attention, traced as a region of its own, sees q, k and v as
+    # three inputs, so it projects them with slices of in_proj's weight (no linear site)
+    assert type(converted.layers[0]) is nn.TransformerEncoderLayer and len(converted.lowconv_plan.converted()) == 6
     assert converted.layers[0].activation_relu_or_gelu == 0 and not converted.use_nested_tensor
     fast_path_check(model, converted, inputs, "fp8-dynamic", rows=~inputs["src_key_padding_mask"])
 

@@ -378,7 +378,24 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
     with COMPILING.held():
         traced = fx.GraphModule(module, graph, class_name=type(module).__name__)
     traced.meta["decided"] = decisions
+    keep_read_containers(traced, module)
     return traced
+
+
+def keep_read_containers(traced: fx.GraphModule, module: nn.Module) -> None:
+    """fx holds a traced submodule's children in bare nn.Module containers; a module whose class
+    says READ_FROM_OUTSIDE_GRAPH (attributes that code outside the graph reads: an expanded MHA's
+    batch_first, read by nn.TransformerEncoder) is put back as itself, holding the same children."""
+    for name, sub in module.named_modules():
+        if not name or not getattr(type(sub), "READ_FROM_OUTSIDE_GRAPH", False):
+            continue
+        parent, _, attr = name.rpartition(".")
+        try:
+            holder = traced.get_submodule(parent)
+        except AttributeError:
+            continue
+        if isinstance(getattr(holder, attr, None), nn.Module):
+            setattr(holder, attr, sub)
 
 
 def bound_forward(module: nn.Module, arguments: dict | None):
