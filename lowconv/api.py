@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 import torch
 from torch import fx, nn
 
-from lowconv import checkpoint, report as reports
+from lowconv import checkpoint, hf, report as reports
 from lowconv.errors import LowconvError
 from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
@@ -71,12 +71,32 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
         raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
                            "of keyword arguments, or one tensor")
     recipe = load_recipe(recipe)
+    quantized = already_quantized(model)
+    if quantized:
+        raise LowconvError(f"the model is quantized already: {quantized}; convert the model it was made from")
     found = analyze(model, example_inputs, recipe)
     plan = make_plan(found.sites, found.trace, recipe)
     plan.expanded_mha = found.expanded_mha
     plan.warnings = conversion_warnings(model, found, plan, recipe)
-    plan.model = {"signature": checkpoint.model_signature(model.state_dict())}
+    plan.model = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
     return found, plan
+
+
+def already_quantized(model: nn.Module) -> str | None:
+    """Why a model is a quantized one already (None: it is not): a quantization_config, FP8 weights,
+    or tensor subclasses (torchao's quantized weights). A model lowconv made is converted again
+    where it still has sites (conversion_warnings says so)."""
+    if hasattr(model, PLAN_ATTR):
+        return None
+    described = hf.quantized_config(model)
+    if described:
+        return described
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            return f"{name} is a {type(tensor).__name__} (a tensor subclass, as torchao's quantized weights are)"
+        if tensor.dtype in (E4M3, E5M2):
+            return f"{name} is {tensor.dtype}"
+    return None
 
 
 def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: Recipe) -> list[str]:
@@ -186,8 +206,12 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
 
 def attach_plan(converted: nn.Module, plan: Plan) -> None:
     """Keep the plan on the converted model, also through copy.deepcopy: a GraphModule's deepcopy
-    keeps only the attributes its meta lists (torch.fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY)."""
+    keeps only the attributes its meta lists (torch.fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY).
+    A transformers model's save_pretrained, which would write the converted weights under the
+    original's config, refuses and points to lowconv.save."""
     setattr(converted, PLAN_ATTR, plan)
+    if hasattr(converted, "save_pretrained"):
+        converted.save_pretrained = hf.refuse_save_pretrained
     if isinstance(converted, fx.GraphModule):
         converted.meta.setdefault("_user_preserved_attributes", {})[PLAN_ATTR] = plan
 
@@ -228,8 +252,9 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
 
 
 def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str] | None = None) -> Path:
-    """Write directory/model.safetensors: the converted state dict, recipe and plan; and any
-    `text_files` ({file name: text}, the CLI's plan and reports) beside it, all or none."""
+    """Write directory/model.safetensors: the converted state dict, recipe and plan; for a
+    transformers model the Hugging Face folder around it (hf.py: config.json, tokenizer files);
+    and any `text_files` ({file name: text}, the CLI's plan and reports) beside it, all or none."""
     plan = plan_of(converted)
     metadata = {
         "lowconv.version": __version__,
@@ -237,7 +262,8 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
         "lowconv.plan": plan.to_json(),
         "lowconv.model": plan.model.get("signature", ""),
     }
-    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata, text_files)
+    files = {**hf.folder_files(plan), **(text_files or {})}
+    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata, files)
 
 
 def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:

@@ -28,15 +28,16 @@ PLAN_KEY = "lowconv.plan"  # the plan as JSON
 MODEL_KEY = "lowconv.model"  # model_signature() of the original model
 ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this file
 REQUIRED_KEYS = (VERSION_KEY, RECIPE_KEY, PLAN_KEY, MODEL_KEY)
+FORMAT_KEY = "format"  # safetensors' own convention
 
 MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
 
 
 def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                    text_files: dict[str, str] | None = None) -> Path:
-    """Write `directory/model.safetensors` and any `text_files` ({file name: text}) beside it, all
-    or none: an existing checkpoint is replaced only by a complete one, and never next to reports
-    of another run."""
+                    files: dict[str, str | bytes] | None = None) -> Path:
+    """Write `directory/model.safetensors` and any `files` ({file name: text or bytes}) beside it,
+    all or none: an existing checkpoint is replaced only by a complete one, and never next to
+    reports of another run."""
     missing = [key for key in REQUIRED_KEYS if key not in metadata]
     if missing:
         raise ValueError(f"checkpoint metadata lacks {missing}")
@@ -47,16 +48,19 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     metadata = {key: value for key, value in metadata.items() if key != ALIASES_KEY}
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    metadata[FORMAT_KEY] = "pt"  # torch tensors, for other readers: transformers 4.x refuses a file without it
     path = Path(directory) / CHECKPOINT_FILE
     writes = {path: lambda tmp: save_file(stored, tmp, metadata=metadata)}
-    for name, text in (text_files or {}).items():
-        writes[Path(directory) / name] = _text_writer(text)
+    for name, content in (files or {}).items():
+        writes[Path(directory) / name] = _file_writer(content)
     _replace_atomically(writes)
     return path
 
 
-def _text_writer(text: str) -> Callable[[Path], None]:
-    return lambda tmp: tmp.write_text(text, encoding="utf-8")
+def _file_writer(content: str | bytes) -> Callable[[Path], None]:
+    if isinstance(content, bytes):
+        return lambda tmp: tmp.write_bytes(content)
+    return lambda tmp: tmp.write_text(content, encoding="utf-8")
 
 
 def checkpoint_path(directory: str | Path) -> Path:
@@ -90,6 +94,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     if written_by is None or written_by > _version(__version__):
         raise LowconvError(f"{path} was written by lowconv {metadata[VERSION_KEY]!r}, which this lowconv "
                            f"{__version__} does not know: read it with that version or a later one")
+    metadata.pop(FORMAT_KEY, None)
     aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
     for alias, stored_name in aliases.items():
         tensors[alias] = tensors[stored_name]

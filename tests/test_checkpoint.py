@@ -132,7 +132,7 @@ def test_text_files_replace_the_old_ones_with_the_checkpoint_all_or_none(tmp_pat
             tmp.write_text(text, encoding="utf-8")
         return write
 
-    monkeypatch.setattr(checkpoint, "_text_writer", full_disk_at_report_json)
+    monkeypatch.setattr(checkpoint, "_file_writer", full_disk_at_report_json)
     with pytest.raises(LowconvError, match=f"cannot write {tmp_path / 'report.json'}: No space left on device; "
                                            f"nothing in {tmp_path} was changed"):
         save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {name: "run 2" for name in files})

@@ -1,0 +1,132 @@
+"""The Hugging Face folder lowconv.save writes for a transformers model (lowconv/hf.py): loaded by
+transformers with compressed-tensors where the conversion has that form, refused by name elsewhere."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import lowconv
+from lowconv.cli import main
+from lowconv.errors import LowconvError
+from lowconv.hf import fp8_scheme, quantization_config
+from lowconv.model_sources import load_model
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
+# compressed-tensors is pinned with transformers in the test extras: a missing one fails here, not skips
+import compressed_tensors  # noqa: E402,F401
+
+
+def sqnr_db(want: torch.Tensor, got: torch.Tensor) -> float:
+    want, got = want.double(), got.double()
+    return (20 * torch.log10(want.norm() / (want - got).norm())).item()
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """examples/hf/llama-tiny with tokenizer and generation files beside its config, and no weights
+    (random ones, drawn under the seed)."""
+    source = tmp_path / "llama"
+    shutil.copytree("examples/hf/llama-tiny", source)
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (source / "tokenizer.model").write_bytes(b"\x00\x01binary")
+    (source / "generation_config.json").write_text('{"do_sample": false}')
+    return source
+
+
+@pytest.mark.parametrize("recipe", ["fp8-row", "fp8-dynamic", "fp8-static"])
+def test_transformers_loads_an_fp8_folder_as_the_converted_model(llama_dir, tmp_path, recipe):
+    loaded = load_model(f"hf:{llama_dir}")
+    converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
+    out = tmp_path / "out"
+    lowconv.save(converted, out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    for name in ("tokenizer_config.json", "tokenizer.model", "generation_config.json"):
+        assert (out / name).read_bytes() == (llama_dir / name).read_bytes()
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata()["format"] == "pt"
+    served = transformers.AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        want, got = converted(**loaded.inputs).logits, served(**loaded.inputs).logits
+    assert sqnr_db(want, got) >= 60
+    assert sqnr_db(loaded.model(**loaded.inputs).logits, got) < 40  # it is the FP8 model, not the original
+
+
+def test_the_schemes_written_for_each_fp8_option():
+    assert fp8_scheme({"scaling": "dynamic", "granularity": "row"}) == {
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                              "dynamic": True}}
+    static = fp8_scheme({"scaling": "static", "granularity": "tensor"})
+    assert static["input_activations"]["strategy"] == "tensor" and not static["input_activations"]["dynamic"]
+    assert fp8_scheme({"scaling": "delayed", "granularity": "tensor"}) is None
+    assert fp8_scheme({"scaling": "dynamic", "granularity": "row", "training": True}) is None
+
+
+@pytest.mark.parametrize("recipe", ["semi-sparse", "sparse-attention-bf16"])
+def test_a_folder_without_a_compressed_tensors_form_is_refused_by_transformers(llama_dir, tmp_path, recipe):
+    loaded = load_model(f"hf:{llama_dir}")
+    converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
+    lowconv.save(converted, tmp_path / "out")
+    quantization = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert "quant_method" not in quantization and "only lowconv.load reads" in quantization["lowconv_only"]
+    with pytest.raises(ValueError, match="quant_method"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    again = lowconv.load(loaded.model, tmp_path / "out", loaded.inputs)  # lowconv reads it
+    with torch.no_grad():
+        assert torch.equal(again(**loaded.inputs).logits, converted(**loaded.inputs).logits)
+
+
+def test_nothing_converted_writes_a_plain_config(llama_dir, tmp_path):
+    loaded = load_model(f"hf:{llama_dir}")
+    lowconv.save(lowconv.convert(loaded.model, "keep-all", loaded.inputs), tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert quantization_config(lowconv.convert(loaded.model, "keep-all", loaded.inputs).lowconv_plan) is None
+
+
+def test_save_pretrained_of_a_converted_model_points_to_lowconv_save(llama_dir, tmp_path):
+    loaded = load_model(f"hf:{llama_dir}")
+    converted = lowconv.convert(loaded.model, "fp8-row", loaded.inputs)
+    with pytest.raises(LowconvError, match="use lowconv.save"):
+        converted.save_pretrained(tmp_path / "trap")
+    assert not (tmp_path / "trap").exists()
+    lowconv.save(converted, tmp_path / "out")
+    with pytest.raises(LowconvError, match="use lowconv.save"):
+        lowconv.load(loaded.model, tmp_path / "out", loaded.inputs).save_pretrained(tmp_path / "trap")
+
+
+def test_models_not_from_transformers_get_no_config(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    lowconv.save(lowconv.convert(model, "fp8-row", (torch.randn(4, 32),)), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_the_cli_writes_the_folder_for_an_hf_source(llama_dir, tmp_path):
+    assert main(["convert", f"hf:{llama_dir}", "fp8-row", "-o", str(tmp_path / "out")]) == 0
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"config.json", "tokenizer.model", "model.safetensors", "plan.json", "report.md"} <= names
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_gpt2_conv1d_sites_are_not_described_as_compressed_tensors(tmp_path):
+    """lowconv stores a Conv1D's FP8 weight (out, in) under its (in, out) name: a loader would fail
+    on the shapes, or silently transpose a square one, so the folder says lowconv only."""
+    loaded = load_model("hf:examples/hf/gpt2-tiny")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-row", loaded.inputs), tmp_path)
+    reason = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["lowconv_only"]
+    assert "Conv1D stored (out, in)" in reason
+
+
+def test_a_quantized_model_is_refused_with_what_it_is(llama_dir, tmp_path):
+    loaded = load_model(f"hf:{llama_dir}")
+    lowconv.save(lowconv.convert(loaded.model, "fp8-row", loaded.inputs), tmp_path)
+    served = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)  # llm-compressor's kind of checkpoint
+    with pytest.raises(LowconvError, match=r"quantized already: .*quant_method compressed-tensors.*convert the model "
+                                           r"it was made from"):
+        lowconv.convert(served, "fp8-row", loaded.inputs)
+    fp8 = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    fp8[0].weight.data = fp8[0].weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(LowconvError, match="0.weight is torch.float8_e4m3fn"):
+        lowconv.convert(fp8, "fp8-row", (torch.randn(2, 32),))
