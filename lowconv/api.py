@@ -160,7 +160,10 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         plan.warnings = conversion_warnings(model, found, plan, recipe)
     converted = rewrite(found.model, found.trace, found.sites, modules)
     release_graphs(found.trace, converted)
-    calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
+    seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
+    if seen:
+        plan.model["calibration"] = (f"{seen} batch{'es' if seen > 1 else ''} of the calibration inputs given"
+                                     if calibration is not None else "the example inputs (1 batch)")
     attach_plan(converted, plan)
     return converted
 
@@ -180,11 +183,12 @@ def site_device(site: Site, model: nn.Module) -> torch.device:
     return next(owner.parameters(), torch.empty(0)).device
 
 
-def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
-    """Run the batches through modules that observe their inputs (static/delayed scales)."""
+def calibrate(model: nn.Module, batches: Iterable, progress) -> int:
+    """Run the batches through modules that observe their inputs (static/delayed scales); how many
+    ran (0: no module observes, and the batches are not asked for)."""
     observers = [m for m in model.modules() if getattr(m, "needs_calibration", False)]
     if not observers:
-        return
+        return 0
     progress(f"calibrating {len(observers)} modules")
     try:  # iter(), not isinstance(Iterable): a map-style Dataset iterates through __getitem__
         if isinstance(batches, torch.Tensor):
@@ -202,6 +206,7 @@ def calibrate(model: nn.Module, batches: Iterable, progress) -> None:
         raise LowconvError("calibration holds no batch: static scales need at least one")
     for m in observers:
         m.end_calibration()
+    return seen
 
 
 def attach_plan(converted: nn.Module, plan: Plan) -> None:
@@ -480,7 +485,8 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(
         in_model, {d.fqn: d.op for d in plan.converted()}, outputs, site_alone=alone,
-        gate_min_sqnr_db=gate, logits=logits, site_stats=stats, perf=perf, recipe=plan.recipe, site_notes=notes)
+        gate_min_sqnr_db=gate, logits=logits, site_stats=stats, perf=perf, recipe=plan.recipe, site_notes=notes,
+        calibration=plan.model.get("calibration", ""))
 
 
 def worst_call(original: list[torch.Tensor], converted: list[torch.Tensor]) -> tuple[tuple, str]:

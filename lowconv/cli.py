@@ -35,6 +35,18 @@ downloaded. RECIPE is a .toml path or a built-in name."""
 
 
 MODEL_HELP = "model file (defines build_model() and example_inputs()), or hf:DIR, timm:NAME, torchvision:NAME, nn:NAME"
+CALIBRATION_BATCHES = 64  # what convert takes of calibration_inputs() unless --calibration says
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of batches, 1 or more (got {text!r})")
+    return value
 
 
 def progress(message: str) -> None:
@@ -126,7 +138,11 @@ def cmd_convert(args) -> int:
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
-    converted = api.convert(loaded.model, recipe, loaded.inputs, progress=progress)
+    if args.calibration and loaded.calibration is None:
+        raise LowconvError(f"--calibration: {args.model} defines no calibration_inputs() (a model file may define "
+                           "one that returns an iterable of batches, each as example_inputs() returns them)")
+    calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
+    converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration, progress=progress)
     plan = api.plan_of(converted)
     plan.model.update(file=str(args.model), seed=args.seed, dtype=args.dtype)
     print(plan_table(plan))
@@ -211,6 +227,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("model", help=MODEL_HELP)
     c.add_argument("recipe", help="recipe file or built-in recipe name (see `lowconv recipes`)")
     c.add_argument("-o", "--output", required=True, help="output directory")
+    c.add_argument("--calibration", type=positive, metavar="N",
+                   help="calibrate static and delayed FP8 scales on the first N batches of the model file's "
+                        f"calibration_inputs() (default: up to {CALIBRATION_BATCHES} of them where the file "
+                        "defines it, else the example inputs)")
     model_options(c)
     c = command("compare", "rebuild a saved conversion and re-check it against the original",
                 cmd_compare, "lowconv compare examples/vit.py out/")

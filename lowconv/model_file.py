@@ -2,13 +2,15 @@
 
     def build_model() -> torch.nn.Module     # the model to convert, weights loaded
     def example_inputs()                      # a tuple of forward args, a dict of kwargs, or one tensor
+    def calibration_inputs()                  # optional: an iterable of such batches, for static scales
     LOGITS = True                             # optional: outputs are logits (report adds KL, top-1)
 """
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,9 @@ class ModelFile:
     model: nn.Module
     inputs: object  # as example_inputs() returned it, moved and cast
     logits: bool | None
+    # calibration(n): the first n batches of calibration_inputs(), moved and cast, drawn lazily
+    # (only a conversion with static or delayed scales asks); None where the file defines none
+    calibration: Callable[[int], Iterator] | None = None
 
 
 def import_file(path: Path):
@@ -98,7 +103,24 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
     logits = getattr(module, "LOGITS", None)
     if logits is not None and not isinstance(logits, bool):
         raise LowconvError(f"{path}: LOGITS must be True or False, got {logits!r}")
-    return placed(str(path), model, inputs, logits, device, cast)
+    loaded = placed(str(path), model, inputs, logits, device, cast)
+    if hasattr(module, "calibration_inputs"):
+        loaded.calibration = lambda count: calibration_batches(module, path, count, torch.device(device), cast)
+    return loaded
+
+
+def calibration_batches(module, path: Path, count: int, device: torch.device, cast: torch.dtype | None) -> Iterator:
+    """The first `count` batches of the file's calibration_inputs(), moved and cast as the example
+    inputs are."""
+    batches = call(module, path, "calibration_inputs")
+    try:
+        batches = iter(batches)
+    except TypeError:
+        raise LowconvError(f"{path}: calibration_inputs() returned {type(batches).__name__}, not an iterable of "
+                           f"batches (each a tuple of forward arguments, a dict of keyword arguments or one "
+                           f"tensor)") from None
+    for batch in itertools.islice(batches, count):
+        yield to_device(batch, device, cast)
 
 
 def checked_cast(dtype: str | None, seed) -> torch.dtype | None:

@@ -75,6 +75,7 @@ class Report:
     perf: Perf | None = None
     title: str = ""
     recipe: str = ""  # the recipe's name
+    calibration: str = ""  # what calibrated static and delayed FP8 scales, where some were
 
     @property
     def passed(self) -> bool:
@@ -173,6 +174,7 @@ def build_report(
     title: str = "",
     recipe: str = "",
     site_notes: dict[str, str] | None = None,
+    calibration: str = "",
 ) -> Report:
     """site_pairs: fqn -> (original, converted) output of each site in the model; site_alone: the
     same with the op run on the original's inputs; site_ops: fqn -> op name, in plan order;
@@ -202,7 +204,7 @@ def build_report(
     for name, ref, test in output_pairs:
         logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None
         outputs.append(OutputRow(name, tensor_metrics(ref, test), logit_row))
-    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe)
+    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe, calibration)
 
 
 def _wants_logit_metrics(name: str, ref: torch.Tensor, logits: bool | None) -> bool:
@@ -243,6 +245,8 @@ def report_to_markdown(report: Report) -> str:
     parts = [f"# {report.title or 'lowconv report'}"]
     if report.recipe:
         parts.append(f"Recipe: `{report.recipe}`")
+    if report.calibration:
+        parts.append(f"Scales calibrated on {report.calibration}.")
     parts.append(_verdict(report))
     for heading, headers, rows in _tables(report):
         parts.append(f"## {heading}\n\n" + tabulate(rows, headers, tablefmt="github", disable_numparse=True))
@@ -297,6 +301,7 @@ def report_from_dict(d: dict) -> Report:
         ),
         title=d["title"],
         recipe=d["recipe"],
+        calibration=d.get("calibration", ""),
     )
 
 
