@@ -151,3 +151,62 @@ def test_the_converted_model_compiles_whole():
     compiled = torch.compile(converted, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), converted(x))
+
+
+class DefaultCall(nn.Module):
+    """`out, _ = mha(x, x, x)`: need_weights left at True, no mask, the weights dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        out, _ = self.mha(x, x, x)
+        return out
+
+
+class CrossAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x, memory):
+        return self.mha(x, memory, memory, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("model, inputs, in_proj", [
+    (DefaultCall, (torch.randn(2, 10, 32),), "fp8"),
+    (CrossAttention, (torch.randn(2, 7, 32), torch.randn(2, 10, 32)), "keep"),
+])
+def test_converted_calls_save_and_load_without_example_inputs(tmp_path, model, inputs, in_proj):
+    torch.manual_seed(0)
+    model = model().eval()
+    converted = lowconv.convert(model, "fp8-row", inputs)
+    decisions = {d.fqn: d for d in converted.lowconv_plan.decisions}
+    assert decisions["mha.out_proj"].op == "fp8" and decisions["mha.in_proj"].op == in_proj
+    if in_proj == "keep":  # cross-attention projects with slices of in_proj's weight: said, not silent
+        assert "query is not its key and value" in decisions["mha.in_proj"].reason
+    lowconv.save(converted, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(lowconv.load(model, tmp_path)(*inputs), converted(*inputs))
+        want = model(*inputs)
+        assert (converted(*inputs) - want).norm() / want.norm() < 0.1
+
+
+def test_a_decoder_layer_inside_a_model_is_traced_into():
+    """fx keeps torch.nn's modules as calls; a decoder layer's self-attention must be one graph
+    with the layer, so that its q, k and v are one tensor and in_proj converts."""
+    torch.manual_seed(0)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+
+        def forward(self, tgt, memory):
+            return self.layer(tgt, memory)
+
+    inputs = (torch.randn(2, 5, 32), torch.randn(2, 7, 32))
+    ops = {d.fqn: d.op for d in lowconv.convert(Wrap().eval(), "fp8-row", inputs).lowconv_plan.decisions}
+    assert ops["layer.self_attn.in_proj"] == "fp8" and ops["layer.multihead_attn.in_proj"] == "keep"
+    assert ops["layer.linear1"] == ops["layer.multihead_attn.out_proj"] == "fp8"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.passes.fx_nodes import ADDS, MATMULS
+from lowconv.passes.mha_expand import ExpandedMultiheadAttention
 from lowconv.passes.trace import Region, join_fqn
 from lowconv.site import LinearInfo, Site, class_names, dtype_name, tensor_meta, value_meta
 
@@ -167,4 +168,21 @@ def find_linear_sites(region: Region) -> list[Site]:
             site = functional_site(node, region)
             if site is not None:
                 sites.append(site)
+    return sites + uncalled_in_projs(region, called)
+
+
+def uncalled_in_projs(region: Region, called: set[str]) -> list[Site]:
+    """The in_proj of each expanded MHA in the region's graph that the graph does not call: its q,
+    k and v are not one tensor (cross-attention, or an MHA traced as a region of its own, whose
+    three inputs are three placeholders), so it projects them with slices of the weight. Listed,
+    kept, with the reason."""
+    sites = []
+    for name, module in region.graph.named_modules():
+        if isinstance(module, ExpandedMultiheadAttention) and module.packed and f"{name}.in_proj" not in called:
+            site = module_site(region, join_fqn(region.fqn, f"{name}.in_proj"), module.in_proj, None)
+            site.input = site.output = None
+            site.unsupported = ("the expanded nn.MultiheadAttention's query is not its key and value (cross-attention, "
+                                "or an attention traced on its own, with q, k and v as three inputs): it projects "
+                                "them with slices of this weight")
+            sites.append(site)
     return sites

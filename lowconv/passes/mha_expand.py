@@ -63,7 +63,8 @@ class ExpandedMultiheadAttention(nn.Module):
         q, k, v = self.project(query, key, value, self_attention)
         q, k, v = (x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-2, -3) for x in (q, k, v))
         causal = is_causal and key_padding_mask is None and not need_weights  # the hint replaces the mask
-        mask = None if causal else additive_mask(attn_mask, key_padding_mask, q, self.num_heads)
+        masked = not causal and (attn_mask is not None or key_padding_mask is not None)
+        mask = additive_mask(attn_mask, key_padding_mask, q, self.num_heads) if masked else None
         dropout = self.dropout if self.dropout and self.training else 0.0
         if need_weights:
             scores = (q * self.head_dim ** -0.5) @ k.transpose(-2, -1)
@@ -79,14 +80,17 @@ class ExpandedMultiheadAttention(nn.Module):
 
     def project(self, query, key, value, self_attention):
         """q, k, v (..., seq, embed_dim): one GEMM for self-attention on packed weights, as
-        nn.MultiheadAttention."""
+        nn.MultiheadAttention; otherwise three, on slices of in_proj's weight (no linear site).
+        Pieces are taken by index: iterating a traced value would be a branch decided at tracing."""
         if not self.packed:
             return self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if self_attention:
-            return self.in_proj(query).chunk(3, -1)
-        weights = self.in_proj.weight.chunk(3)
-        biases = self.in_proj.bias.chunk(3) if self.in_proj.bias is not None else (None,) * 3
-        return tuple(F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+            qkv = self.in_proj(query).chunk(3, -1)
+            return qkv[0], qkv[1], qkv[2]
+        weights, bias = self.in_proj.weight.chunk(3), self.in_proj.bias
+        biases = bias.chunk(3) if bias is not None else None
+        return tuple(F.linear(x, weights[i], None if biases is None else biases[i])
+                     for i, x in enumerate((query, key, value)))
 
 
 def linear_of(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:

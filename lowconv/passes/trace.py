@@ -327,7 +327,8 @@ class SiteTracer(fx.Tracer):
                 setattr(module, name, original)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, FUSED_INFERENCE_PATHS):
+        # fx keeps torch.nn's modules as calls; these hold linears and attention to convert
+        if isinstance(m, FUSED_INFERENCE_PATHS + (nn.TransformerDecoderLayer,)):
             return False
         return is_site_module(m) or super().is_leaf_module(m, qualname)
 
