@@ -256,10 +256,12 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
     return reverted
 
 
-def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str] | None = None) -> Path:
-    """Write directory/model.safetensors: the converted state dict, recipe and plan; for a
-    transformers model the Hugging Face folder around it (hf.py: config.json, tokenizer files);
-    and any `text_files` ({file name: text}, the CLI's plan and reports) beside it, all or none."""
+def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str] | None = None,
+         max_shard_bytes: int = checkpoint.MAX_SHARD_BYTES) -> Path:
+    """Write directory/model.safetensors (shards and their index above max_shard_bytes): the
+    converted state dict, recipe and plan; for a transformers model the Hugging Face folder around
+    it (hf.py: config.json, tokenizer files); and any `text_files` ({file name: text}, the CLI's
+    plan and reports) beside it, all or none."""
     plan = plan_of(converted)
     metadata = {
         "lowconv.version": __version__,
@@ -268,7 +270,7 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
         "lowconv.model": plan.model.get("signature", ""),
     }
     files = {**hf.folder_files(plan), **(text_files or {})}
-    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata, files)
+    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata, files, max_shard_bytes)
 
 
 def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:

@@ -1,8 +1,10 @@
-"""Converted checkpoints: one safetensors file per output directory, written atomically.
+"""Converted checkpoints: safetensors files in an output directory, written atomically.
 
 `out/model.safetensors` holds the converted state dict; its metadata (all strings) holds the
 lowconv version, the recipe text, the plan and a signature of the original model. Tied
-tensors are stored once and restored as the same tensor on read.
+tensors are stored once and restored as the same tensor on read. Above MAX_SHARD_BYTES the state
+dict goes into shards as Hugging Face names them (`model-00001-of-00003.safetensors`, each with the
+same metadata) and `model.safetensors.index.json` maps each tensor to its shard.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from lowconv.errors import LowconvError
 from lowconv.version import __version__
 
 CHECKPOINT_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_PATTERN = "model-*-of-*.safetensors"
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 
 VERSION_KEY = "lowconv.version"
 RECIPE_KEY = "lowconv.recipe"  # the recipe's TOML text
@@ -34,10 +39,12 @@ MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
 
 
 def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                    files: dict[str, str | bytes] | None = None) -> Path:
-    """Write `directory/model.safetensors` and any `files` ({file name: text or bytes}) beside it,
-    all or none: an existing checkpoint is replaced only by a complete one, and never next to
-    reports of another run."""
+                    files: dict[str, str | bytes] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write `directory/model.safetensors` (or its shards and index, above max_shard_bytes) and any
+    `files` ({file name: text or bytes}) beside it, all or none: an existing checkpoint is replaced
+    only by a complete one, and never next to reports of another run; then the files of the other
+    layout (a single file where shards were written, stale shards) are removed. Returns the path of
+    the file or the index."""
     missing = [key for key in REQUIRED_KEYS if key not in metadata]
     if missing:
         raise ValueError(f"checkpoint metadata lacks {missing}")
@@ -49,12 +56,51 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     metadata[FORMAT_KEY] = "pt"  # torch tensors, for other readers: transformers 4.x refuses a file without it
-    path = Path(directory) / CHECKPOINT_FILE
-    writes = {path: lambda tmp: save_file(stored, tmp, metadata=metadata)}
+    directory = Path(directory)
+    shards = _shards(stored, max_shard_bytes)
+    if len(shards) == 1:
+        path = directory / CHECKPOINT_FILE
+        writes = {path: _tensor_writer(stored, metadata)}
+    else:
+        names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        writes = {directory / name: _tensor_writer(shard, metadata) for name, shard in zip(names, shards)}
+        index = {"metadata": {"total_size": sum(_nbytes(t) for t in stored.values())},
+                 "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
+        path = directory / INDEX_FILE
+        writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
     for name, content in (files or {}).items():
-        writes[Path(directory) / name] = _file_writer(content)
+        writes[directory / name] = _file_writer(content)
+    stale = [p for p in [directory / CHECKPOINT_FILE, directory / INDEX_FILE, *directory.glob(SHARD_PATTERN)]
+             if p.is_file() and p not in writes]
     _replace_atomically(writes)
+    for old in stale:
+        try:
+            old.unlink()
+        except OSError as err:
+            raise LowconvError(f"wrote {path}, but cannot remove {old} of the previous checkpoint: {_reason(err)}; "
+                               f"remove it, or loaders may read it instead") from None
     return path
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """The tensors in order, cut into shards of at most max_bytes (a larger tensor alone in one)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + _nbytes(tensor) > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += _nbytes(tensor)
+    return shards
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _tensor_writer(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callable[[Path], None]:
+    return lambda tmp: save_file(tensors, tmp, metadata=metadata)
 
 
 def _file_writer(content: str | bytes) -> Callable[[Path], None]:
@@ -64,10 +110,13 @@ def _file_writer(content: str | bytes) -> Callable[[Path], None]:
 
 
 def checkpoint_path(directory: str | Path) -> Path:
-    """directory/model.safetensors, or the file itself when a user points at it (an output
-    directory may itself be named *.safetensors)."""
+    """directory/model.safetensors (its index where the checkpoint is sharded), or the file itself
+    when a user points at it (an output directory may itself be named *.safetensors)."""
     directory = Path(directory)
-    return directory if directory.suffix == ".safetensors" and not directory.is_dir() else directory / CHECKPOINT_FILE
+    if directory.suffix == ".safetensors" and not directory.is_dir():
+        return directory
+    single = directory / CHECKPOINT_FILE
+    return directory / INDEX_FILE if not single.is_file() and (directory / INDEX_FILE).is_file() else single
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -77,14 +126,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
         raise LowconvError(f"{path} does not exist")
     if not path.is_file():
         raise LowconvError(f"no {path.name} in {path.parent}/: is this a lowconv output directory?")
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = f.get_tensors()
-    except (SafetensorError, OSError) as e:
-        raise LowconvError(
-            f"{path} cannot be read ({e}): the file is truncated or corrupt; run lowconv convert again to rewrite it"
-        ) from e
+    tensors, metadata = _read_shards(path) if path.name == INDEX_FILE else _read_file(path)
     if VERSION_KEY not in metadata:
         raise LowconvError(f"{path} is not a lowconv checkpoint: its metadata has no {VERSION_KEY!r}")
     missing = [key for key in REQUIRED_KEYS if key not in metadata]
@@ -98,6 +140,36 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
     for alias, stored_name in aliases.items():
         tensors[alias] = tensors[stored_name]
+    return tensors, metadata
+
+
+def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensors(), dict(f.metadata() or {})
+    except (SafetensorError, OSError) as e:
+        raise LowconvError(
+            f"{path} cannot be read ({e}): the file is truncated or corrupt; run lowconv convert again to rewrite it"
+        ) from e
+
+
+def _read_shards(index_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every shard the index names, merged; the metadata of the first (each shard holds the same)."""
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        shards = list(dict.fromkeys(weight_map.values()))
+        if not shards or not all(isinstance(name, str) and "/" not in name for name in shards):
+            raise ValueError("no shard files named")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LowconvError(f"{index_path} is not a safetensors index ({_reason(err) if isinstance(err, OSError) else err}); "
+                           f"run lowconv convert again to rewrite it") from None
+    tensors, metadata = {}, None
+    for name in shards:
+        if not (index_path.parent / name).is_file():
+            raise LowconvError(f"{index_path} names {name}, which is not in {index_path.parent}/")
+        shard, shard_metadata = _read_file(index_path.parent / name)
+        tensors.update(shard)
+        metadata = shard_metadata if metadata is None else metadata
     return tensors, metadata
 
 

@@ -5,7 +5,7 @@ hold: compressed-tensors' "float-quantized" format where every converted site is
 linear of a scheme it describes (what transformers and vLLM load); else a `lowconv_only` reason and
 no `quant_method`, which transformers refuses (a quant_method it does not know, it skips with a
 warning and loads the weights as plain values). The source directory's tokenizer and generation
-files are copied beside it. Not yet: shards and their index for large models (one file is written).
+files are copied beside it (checkpoint.py shards the weights above 5 GB, as transformers does).
 
 compressed-tensors' FP8 schemes as lowconv writes them (the tensor names are already theirs:
 `weight` e4m3, `weight_scale` (1,) or (out, 1), `input_scale` (1,) for static scales):

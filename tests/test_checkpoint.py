@@ -295,3 +295,40 @@ def test_a_checkpoint_of_an_unknown_or_newer_version_is_refused(tmp_path, versio
         read_checkpoint(tmp_path)
     save_checkpoint(tmp_path, {"w": torch.ones(2)}, {**METADATA, "lowconv.version": "0.0.9"})
     read_checkpoint(tmp_path)  # an older one is read
+
+
+def test_a_checkpoint_above_the_shard_size_is_sharded_as_hugging_face_names_it(tmp_path):
+    tensors = mixed_tensors()
+    tensors["tied"] = tensors["half"]  # an alias in one shard of a tensor stored in another
+    path = save_checkpoint(tmp_path, tensors, METADATA, max_shard_bytes=600)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert path == tmp_path / "model.safetensors.index.json" and len(shards) > 2
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (tmp_path / CHECKPOINT_FILE).exists()
+    index = json.loads(path.read_text())
+    assert set(index["weight_map"]) == set(tensors) - {"tied"} and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "tied")
+    found, metadata = read_checkpoint(tmp_path)
+    assert metadata == METADATA and all(same_bits(found[name], t) for name, t in tensors.items())
+    assert found["tied"] is found["half"]
+
+
+def test_a_new_layout_removes_the_old_ones_files(tmp_path):
+    tensors = mixed_tensors()
+    save_checkpoint(tmp_path, tensors, METADATA, max_shard_bytes=600)
+    save_checkpoint(tmp_path, tensors, METADATA, max_shard_bytes=1000)  # fewer shards: the others go
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert shards and all(name.endswith(f"-of-{len(shards):05d}.safetensors") for name in shards)
+    save_checkpoint(tmp_path, tensors, METADATA)  # one file: the shards and the index go
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE]
+    assert read_checkpoint(tmp_path)[1] == METADATA
+
+
+def test_a_shard_missing_or_a_broken_index_names_the_file(tmp_path):
+    save_checkpoint(tmp_path, mixed_tensors(), METADATA, max_shard_bytes=600)
+    (tmp_path / "model-00002-of-00003.safetensors").rename(tmp_path / "elsewhere")
+    with pytest.raises(LowconvError, match="names model-00002-of-00003.safetensors, which is not in"):
+        read_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(LowconvError, match="model.safetensors.index.json is not a safetensors index"):
+        read_checkpoint(tmp_path)

@@ -130,3 +130,16 @@ def test_a_quantized_model_is_refused_with_what_it_is(llama_dir, tmp_path):
     fp8[0].weight.data = fp8[0].weight.data.to(torch.float8_e4m3fn)
     with pytest.raises(LowconvError, match="0.weight is torch.float8_e4m3fn"):
         lowconv.convert(fp8, "fp8-row", (torch.randn(2, 32),))
+
+
+def test_a_sharded_folder_loads_in_transformers_and_lowconv(llama_dir, tmp_path):
+    loaded = load_model(f"hf:{llama_dir}")
+    converted = lowconv.convert(loaded.model, "fp8-row", loaded.inputs)
+    lowconv.save(converted, tmp_path, max_shard_bytes=20_000)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1 and not (tmp_path / "model.safetensors").exists()
+    served = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    again = lowconv.load(loaded.model, tmp_path, loaded.inputs)
+    with torch.no_grad():
+        want = converted(**loaded.inputs).logits
+        assert torch.equal(again(**loaded.inputs).logits, want)
+        assert sqnr_db(want, served(**loaded.inputs).logits) >= 60
