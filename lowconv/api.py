@@ -269,8 +269,11 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
         "lowconv.plan": plan.to_json(),
         "lowconv.model": plan.model.get("signature", ""),
     }
-    files = {**hf.folder_files(plan), **(text_files or {})}
-    return checkpoint.save_checkpoint(directory, converted.state_dict(), metadata, files, max_shard_bytes)
+    state = converted.state_dict()
+    floating = {t.dtype for t in state.values() if t.is_floating_point() and t.dtype not in (E4M3, E5M2)}
+    dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else None
+    files = {**hf.folder_files(plan, dtype), **(text_files or {})}
+    return checkpoint.save_checkpoint(directory, state, metadata, files, max_shard_bytes)
 
 
 def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:

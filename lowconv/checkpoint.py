@@ -34,6 +34,7 @@ MODEL_KEY = "lowconv.model"  # model_signature() of the original model
 ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this file
 REQUIRED_KEYS = (VERSION_KEY, RECIPE_KEY, PLAN_KEY, MODEL_KEY)
 FORMAT_KEY = "format"  # safetensors' own convention
+FILES_KEY = "lowconv.files"  # JSON [names of the files written beside the weights]; internal to this file
 
 MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
 
@@ -56,6 +57,7 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     metadata[FORMAT_KEY] = "pt"  # torch tensors, for other readers: transformers 4.x refuses a file without it
+    metadata[FILES_KEY] = json.dumps(sorted(files or {}))
     directory = Path(directory)
     shards = _shards(stored, max_shard_bytes)
     if len(shards) == 1:
@@ -70,7 +72,10 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
         writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
     for name, content in (files or {}).items():
         writes[directory / name] = _file_writer(content)
-    stale = [p for p in [directory / CHECKPOINT_FILE, directory / INDEX_FILE, *directory.glob(SHARD_PATTERN)]
+    # The previous checkpoint's files that this one does not write: its other layout, and what it
+    # wrote beside the weights (another model's tokenizer files)
+    stale = [p for p in [directory / CHECKPOINT_FILE, directory / INDEX_FILE, *directory.glob(SHARD_PATTERN),
+                         *(directory / name for name in _files_written_by(directory))]
              if p.is_file() and p not in writes]
     _replace_atomically(writes)
     for old in stale:
@@ -80,6 +85,20 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
             raise LowconvError(f"wrote {path}, but cannot remove {old} of the previous checkpoint: {_reason(err)}; "
                                f"remove it, or loaders may read it instead") from None
     return path
+
+
+def _files_written_by(directory: Path) -> list[str]:
+    """The names a previous lowconv checkpoint in `directory` wrote beside its weights ([] when
+    there is none, or it cannot be read)."""
+    path = checkpoint_path(directory)
+    if path.name == INDEX_FILE:
+        path = next(iter(sorted(directory.glob(SHARD_PATTERN))), path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = json.loads((f.metadata() or {}).get(FILES_KEY, "[]"))
+    except (SafetensorError, OSError, ValueError):
+        return []
+    return [name for name in names if isinstance(name, str) and "/" not in name and not name.startswith(".")]
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -137,6 +156,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
         raise LowconvError(f"{path} was written by lowconv {metadata[VERSION_KEY]!r}, which this lowconv "
                            f"{__version__} does not know: read it with that version or a later one")
     metadata.pop(FORMAT_KEY, None)
+    metadata.pop(FILES_KEY, None)
     aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
     for alias, stored_name in aliases.items():
         tensors[alias] = tensors[stored_name]

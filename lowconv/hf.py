@@ -15,6 +15,9 @@ compressed-tensors' FP8 schemes as lowconv writes them (the tensor names are alr
   scaling "static":     activations strategy "tensor", dynamic false, input_scale stored
   scaling "delayed", training modules (master weights), Conv1D sites (GPT-2's: lowconv stores their
   weights (out, in) under HF's (in, out) names) and every other op: no such form.
+compressed-tensors 0.20's own forward (transformers on the CPU) takes "token" scales over all but the
+last dimension only for inputs of 3 or more; a 2-D input (OPT's MLP, BERT's pooler) it scales as one
+tensor, where lowconv scales each row: there transformers computes another model (27-38 dB apart).
 """
 from __future__ import annotations
 
@@ -48,9 +51,10 @@ def origin(model: nn.Module) -> dict:
     return found
 
 
-def folder_files(plan: Plan) -> dict[str, str | bytes]:
-    """{file name: content} of the Hugging Face folder for a converted transformers model; {} for
-    other models."""
+def folder_files(plan: Plan, dtype: str | None) -> dict[str, str | bytes]:
+    """{file name: content} of the Hugging Face folder for a converted transformers model whose
+    floating weights are in `dtype` (None: several), {} for other models. config.json says that
+    dtype: a model cast after it was built keeps the dtype it was built in in its config."""
     config = plan.model.get(CONFIG_KEY)
     if config is None:
         return {}
@@ -60,6 +64,9 @@ def folder_files(plan: Plan) -> dict[str, str | bytes]:
         files.update({p.name: p.read_bytes() for p in sorted(Path(source).iterdir())
                       if p.is_file() and p.name not in NOT_COPIED and not p.name.endswith(WEIGHT_SUFFIXES)})
     config = dict(config)
+    for key in ("dtype", "torch_dtype"):
+        if dtype is not None and key in config:
+            config[key] = dtype
     quantization = quantization_config(plan)
     if quantization is None:
         config.pop("quantization_config", None)
@@ -88,7 +95,8 @@ def quantization_config(plan: Plan) -> dict | None:
         groups.setdefault(key, {"targets": [], **scheme})["targets"].append(decision.fqn)
     if unserved:  # no quant_method: transformers raises on that (an unknown one it skips, loading plain weights)
         return {"lowconv_only": f"compressed-tensors has no form for {len(unserved)} converted sites, e.g. "
-                                f"{', '.join(unserved[:3])}: only lowconv.load reads this folder (plan.json)"}
+                                f"{', '.join(unserved[:3])}: only lowconv.load reads this folder (its plan is in "
+                                f"model.safetensors' metadata)"}
     if not groups:
         return None
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",

@@ -265,7 +265,8 @@ def test_a_new_checkpoint_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(
         os.chmod(path, 0o600)
         save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA)
         assert path.stat().st_mode & 0o777 == 0o600
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "report.md"]
+        # the first save's report described the first checkpoint: it goes with it
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     finally:
         os.umask(umask)
 
@@ -332,3 +333,11 @@ def test_a_shard_missing_or_a_broken_index_names_the_file(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{")
     with pytest.raises(LowconvError, match="model.safetensors.index.json is not a safetensors index"):
         read_checkpoint(tmp_path)
+
+
+def test_files_a_previous_checkpoint_wrote_go_with_it_and_others_stay(tmp_path):
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, {"tokenizer.json": "{}", "report.md": "r1"})
+    (tmp_path / "notes.txt").write_text("mine")
+    save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {"report.md": "r2"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "notes.txt", "report.md"]
+    assert (tmp_path / "report.md").read_text() == "r2"

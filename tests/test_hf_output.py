@@ -143,3 +143,12 @@ def test_a_sharded_folder_loads_in_transformers_and_lowconv(llama_dir, tmp_path)
         want = converted(**loaded.inputs).logits
         assert torch.equal(again(**loaded.inputs).logits, want)
         assert sqnr_db(want, served(**loaded.inputs).logits) >= 60
+
+
+def test_config_json_says_the_dtype_the_weights_are_in(llama_dir, tmp_path):
+    loaded = load_model(f"hf:{llama_dir}")
+    model = loaded.model.to(torch.bfloat16)  # cast after it was built: its config still says float32
+    converted = lowconv.convert(model, "fp8-row", loaded.inputs)
+    lowconv.save(converted, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path).model.norm.weight.dtype == torch.bfloat16
