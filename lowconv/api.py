@@ -270,7 +270,7 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
         "lowconv.model": plan.model.get("signature", ""),
     }
     state = converted.state_dict()
-    floating = {t.dtype for t in state.values() if t.is_floating_point() and t.dtype not in (E4M3, E5M2)}
+    floating = floating_dtypes(state.values())
     dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else None
     files = {**hf.folder_files(plan, dtype), **(text_files or {})}
     return checkpoint.save_checkpoint(directory, state, metadata, files, max_shard_bytes)
@@ -334,11 +334,14 @@ def cast_like(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """A model saved after a module-wide cast (.half(), .to(torch.bfloat16)) holds its floating
     tensors in another dtype than the original it is rebuilt from: cast the rebuilt model the same
     way. Only where each side has one floating dtype (FP8 weights aside, which casts keep)."""
-    def floating_dtypes(values) -> set[torch.dtype]:
-        return {t.dtype for t in values if t.is_floating_point() and t.dtype not in (E4M3, E5M2)}
     saved, built = floating_dtypes(tensors.values()), floating_dtypes(model.state_dict().values())
     if len(saved) == 1 and len(built) == 1 and saved != built:
         model.to(saved.pop())
+
+
+def floating_dtypes(tensors) -> set[torch.dtype]:
+    """The floating dtypes among the tensors, FP8 aside."""
+    return {t.dtype for t in tensors if t.is_floating_point() and t.dtype not in (E4M3, E5M2)}
 
 
 def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from lowconv.kernels.sparse24 import (TrainingGemms, compress_bitmask, compresse
                                       mask_24_transposable, prune_24)
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear
 from lowconv.recipe import parse_recipe
+from lowconv.site_timing import captured
 from tests.compiled import compile_recording, fallbacks, inductor_with_cuda_graphs, lowconv_ops, run_with_grads
 
 pytestmark = [
@@ -221,22 +222,14 @@ def test_a_training_step_captured_in_a_cuda_graph_matches_eager():
         return torch.autograd.grad(converted(x).float().square().mean(), params)
 
     eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, graphed = captured(step)
     with torch.no_grad():
         for p in params:
             p.mul_(0.5)  # new weights: the replay must compress them anew
     graph.replay()
     torch.cuda.synchronize()
     again = step()
-    for got, want, before in zip(captured, again, eager):
+    for got, want, before in zip(graphed, again, eager):
         scale = want.abs().max()
         assert (got - want).abs().max() <= 1e-3 * scale  # cuBLAS may pick other kernels in a capture
         assert (got - before).abs().max() > 0.1 * scale
