@@ -311,3 +311,32 @@ def test_an_image_config_without_image_size_says_to_write_a_model_file(transform
     model = types.SimpleNamespace(main_input_name="pixel_values", forward=lambda pixel_values: None)
     with pytest.raises(LowconvError, match="config.json has no image_size.*model file"):
         hf_inputs(model, config, "hf:somewhere")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_models_as_users_call_them_convert_and_answer(transformers, family, attention):
+    """model(ids) with transformers' defaults (use_cache=True: a DynamicCache made inside forward,
+    which each layer appends to): tracing records each layer's arguments as they were at its call
+    and runs on copies, so the converted model answers these and other lengths, with a cache of its own."""
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          attn_implementation=attention)
+        model = transformers.LlamaForCausalLM(config).eval()
+    else:
+        config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         attn_implementation=attention)
+        model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    for recipe, min_db in (("sparse-attention-bf16", 40), ("fp8-row", 20)):
+        converted = lowconv.convert(model, recipe, (ids,))
+        assert sum(d.converted for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention") == (
+            2 if recipe == "sparse-attention-bf16" else 0)
+        for length in (16, 24):
+            x = torch.randint(0, 128, (2, length))
+            with torch.no_grad():
+                want, got = model(x), converted(x)
+            assert 20 * torch.log10(want.logits.norm() / (want.logits - got.logits).norm()) > min_db
+            assert got.past_key_values.get_seq_length() == length

@@ -30,6 +30,7 @@ then neither changes the user's tensors nor sees another run's writes.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import dis
 import inspect
@@ -605,8 +606,9 @@ def fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """(args, kwargs) with every tensor in them (through tuples, lists, dicts and other pytree
     containers) a detached clone, requires_grad kept; anything else as it is. A tensor passed twice
     gets one clone, so the run sees the aliasing it had (views of one another become separate).
-    What each internal run of a model is given, so that writes into its inputs change neither the
-    caller's tensors nor what the next run sees."""
+    Other objects a run may change (a KV cache) are copies too (as_called). What each internal run
+    of a model is given, so that writes into its inputs change neither the caller's tensors and
+    objects nor what the next run sees."""
     clones: dict[int, torch.Tensor] = {}
 
     def clone(t: torch.Tensor) -> torch.Tensor:
@@ -614,7 +616,7 @@ def fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             clones[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
         return clones[id(t)]
 
-    return pytree.tree_map_only(torch.Tensor, clone, (tuple(args), dict(kwargs)))
+    return pytree.tree_map_only(torch.Tensor, clone, as_called(args, kwargs))
 
 
 def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
@@ -681,11 +683,16 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
         if fqn not in wanted:
             continue
 
-        def record(mod, args, kwargs, output, fqn=fqn):
+        def record_arguments(mod, args, kwargs, fqn=fqn):
             if fqn not in calls:
-                calls[fqn] = Call(bind_arguments(mod, args, kwargs), output if is_site_module(mod) else None)
+                calls[fqn] = Call(bind_arguments(mod, *as_called(args, kwargs)), None)
 
-        handles.append(module.register_forward_hook(record, with_kwargs=True))
+        def record_output(mod, args, kwargs, output, fqn=fqn):
+            if is_site_module(mod) and calls[fqn].output is None:
+                calls[fqn].output = output
+
+        handles.append(module.register_forward_pre_hook(record_arguments, with_kwargs=True))
+        handles.append(module.register_forward_hook(record_output, with_kwargs=True))
     args, kwargs = normalize_inputs(example_inputs)
     run_args, run_kwargs = fresh_inputs(args, kwargs)
     try:
@@ -699,6 +706,20 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
     if "" in calls and calls[""].arguments is not None:
         calls[""].arguments = bind_arguments(model, *fresh_inputs(args, kwargs))
     return calls
+
+
+def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A module's arguments as they are when it is called: objects the call may change (a
+    transformers KV cache, which each layer appends to) copied; tensors, constants and what cannot
+    be copied as they are."""
+    def copied(value):
+        if isinstance(value, (torch.Tensor, nn.Module)) or is_constant(value) or value is None:
+            return value
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is recorded as it is
+            return value
+    return pytree.tree_map(copied, (tuple(args), dict(kwargs)))
 
 
 def propagate_shapes(region: Region) -> None:
