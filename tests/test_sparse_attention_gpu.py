@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 import lowconv
 import lowconv.ops.sparse_attention as sa
 from lowconv.kernels.block_attention import block_attention_reference, block_attention_sdpa
+from lowconv.site_timing import captured
 from tests.test_block_attention import TOLERANCE, make_problem, outputs_and_grads, rel_error
 from tests.test_sparse_attention_op import CausalBlock, attention_recipe, spy_on_plans
 
@@ -119,15 +120,7 @@ def test_converted_model_replays_in_a_cuda_graph(options, masked):
     _, converted, inputs = converted_block(options, masked)
     static = [t.clone() for t in inputs]
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                converted(*static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = converted(*static)
+        graph, out = captured(lambda: converted(*static))
         torch._dynamo.reset()
         reduced = torch.compile(converted, fullgraph=True, mode="reduce-overhead")
         for step in range(3):
@@ -189,15 +182,7 @@ def test_window_attention_replays_in_a_cuda_graph():
                       row_windows=(start, end))
     static = [t.clone() for t in (q, k, v)]
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                call(*static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call(*static)
+        graph, out = captured(lambda: call(*static))
         for _ in range(2):
             fresh = [torch.randn_like(t) for t in static]
             for t, new in zip(static, fresh):
