@@ -4,6 +4,7 @@ padding, GQA and each compute dtype, forward and gradients."""
 import pytest
 import torch
 
+from lowconv.kernels import block_attention as block_attention_module
 from lowconv.kernels.block_attention import (TILES, allows_whole_band, block_attention, block_attention_reference,
                                              block_attention_sdpa, block_layout, flash_takes, skips_tiles)
 
@@ -327,6 +328,23 @@ def test_sdpa_path_computes_in_the_compute_dtype(dtype):
     assert max(got) < TOLERANCE[dtype], got
     q, k, v, _ = problem
     assert block_attention_sdpa(q.float(), k.float(), v.float(), dtype=dtype).dtype == torch.float32
+
+
+@pytest.mark.parametrize("masks", ["none", "bool", "additive", "padding"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_sdpa_path_runs_a_grouped_decode_step_without_repeating_the_cache(masks, dtype, monkeypatch):
+    """One query per sequence on GQA's k and v with a mask (a decode step over a KV cache): each kv
+    head's query heads run as rows of one SDPA call, k and v not repeated (the repeat copies the
+    cache); the reference's output and gradients, a batch row with no allowed key zero."""
+    keep = torch.rand(2, 1, 1, SEQ_K, generator=torch.Generator().manual_seed(31)) > 0.3
+    keep[1] = False
+    kwargs = {"none": {}, "bool": dict(mask=keep.to(DEVICE)), "padding": dict(key_padding_mask=~keep[:, 0, 0].to(DEVICE)),
+              "additive": dict(mask=torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).to(DEVICE))}[masks]
+    problem = make_problem(heads=8, kv_heads=2, seq_q=1, seed=32)
+    want = outputs_and_grads(run("reference", torch.float64, **kwargs), problem)
+    monkeypatch.setattr(block_attention_module, "repeat_kv", None)  # called: TypeError
+    got = outputs_and_grads(lambda q, k, v: block_attention_sdpa(q, k, v, dtype=dtype, **kwargs), problem)
+    assert max(map(rel_error, got, want)) < TOLERANCE[dtype]
 
 
 def test_sdpa_path_takes_grouped_heads_only_where_flash_runs():

@@ -340,3 +340,32 @@ def test_hf_models_as_users_call_them_convert_and_answer(transformers, family, a
                 want, got = model(x), converted(x)
             assert 20 * torch.log10(want.logits.norm() / (want.logits - got.logits).norm()) > min_db
             assert got.past_key_values.get_seq_length() == length
+
+
+def test_a_decode_step_over_a_static_cache_converts_its_attention(transformers):
+    """A decode step (one new token per sequence over a StaticCache), converted on such a step: the
+    attention's is_causal (transformers passes `q_length > 1`, decided by the trace) is the
+    constant its guard holds, so the attention converts, and the next step answers as the original."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = transformers.StaticCache(config=config, max_cache_len=24)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (3, 16)), past_key_values=cache, cache_position=torch.arange(16))
+
+    def step(m, position):
+        for layer in cache.layers:  # the cache counts the tokens it took: rewind to `position`
+            layer.cumulative_length.fill_(position)
+        return m(input_ids=ids, past_key_values=cache, cache_position=torch.tensor([position])).logits
+
+    ids = torch.randint(0, 128, (3, 1))
+    step(model, 16)  # the cache's slot 16 written: the state convert sees
+    converted = lowconv.convert(model, "sparse-attention-bf16",
+                                {"input_ids": ids, "past_key_values": cache, "cache_position": torch.tensor([16])})
+    attention = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    assert [d.converted for d in attention] == [True, True], [d.reason for d in attention]
+    with torch.no_grad():
+        want, got = step(model, 17), step(converted, 17)
+    assert 20 * torch.log10(want.norm() / (want - got).norm()) > 40

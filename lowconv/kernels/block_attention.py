@@ -379,11 +379,17 @@ def block_attention_sdpa(q, k, v, *, layout="dense", window=None, mask=None, key
     attn_mask = sdpa_mask(mask, key_padding_mask, layout, window, q.shape[-2], k.shape[-2], dtype, q.device)
     causal = layout == "causal" and attn_mask is None
     gqa = q.shape[-3] != k.shape[-3]
-    if gqa and not flash_takes(q, k, v, attn_mask, causal):
-        k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])
-        gqa = False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
-                                         scale=scale, enable_gqa=gqa)
+    if gqa and not flash_takes(q, k, v, attn_mask, causal) and groups_as_rows(q, attn_mask, causal):
+        groups = q.shape[-3] // k.shape[-3]
+        rows = q.unflatten(-3, (k.shape[-3], groups)).flatten(-3, -2)
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale)
+        out = out.unflatten(-2, (groups, q.shape[-2])).flatten(-4, -3)
+    else:
+        if gqa and not flash_takes(q, k, v, attn_mask, causal):
+            k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
+                                             scale=scale, enable_gqa=gqa)
     if attn_mask is not None:
         keyless = ~attn_mask.any(-1, keepdim=True) if attn_mask.dtype == torch.bool else (
             attn_mask == float("-inf")).all(-1, keepdim=True)
@@ -408,6 +414,16 @@ def sdpa_mask(mask, key_padding_mask, layout, window, seq_q, seq_k, dtype, devic
         return mask if allowed is None else mask & allowed
     mask = mask.to(dtype)
     return mask if allowed is None else mask.masked_fill(~allowed, float("-inf"))
+
+
+def groups_as_rows(q, attn_mask, causal) -> bool:
+    """Whether a GQA call can run as one with as many heads as k and v, each kv head's group of
+    query heads as rows of its queries (what a decode step's grouped attention needs: the repeat
+    of k and v would copy the whole cache, four times its size at 32 / 8 heads, on every step).
+    The rows of a group then share the mask's row: one query, a mask the same for every head,
+    and no causal band (its diagonal would move with the row)."""
+    mask_heads_one = attn_mask is None or attn_mask.dim() < 3 or attn_mask.shape[-3] == 1
+    return q.dim() == 4 and q.shape[-2] == 1 and mask_heads_one and not causal
 
 
 def flash_takes(q, k, v, attn_mask, causal) -> bool:

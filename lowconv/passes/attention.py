@@ -40,6 +40,7 @@ from torch import nn
 from lowconv.passes.attention_masks import (
     Mask, causal_chain, causal_part, looks_boolean, mask_fill, zero_scores,
 )
+from lowconv.passes.example_values import decided
 from lowconv.passes.fx_nodes import (
     ADDS, MATMULS, all_ints, call_args, is_cast, is_number, is_slice, mutates, op_is, submodule,
 )
@@ -142,8 +143,13 @@ def match_sdpa(region: Region, node: fx.Node) -> Match | None:
 
 
 def constant(match: Match, what: str, value, default):
-    """`value`, or `default` and a problem when it is computed at run time."""
+    """`value`, or `default` and a problem when it is computed at run time. A value that a branch
+    of the trace was decided on (Hugging Face's decode step passes `is_causal = q_length > 1`, after
+    `q_length > 1 and ...` chose its branch) is the constant the branch's guard holds it to."""
     if isinstance(value, fx.Node):
+        guarded = [user.args[1] for user in value.users if user.op == "call_function" and user.target is decided]
+        if guarded:
+            return guarded[0]
         match.problems.append(f"{what} is computed at run time (a tensor), not a constant")
         return default
     return value
