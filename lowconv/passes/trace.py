@@ -47,7 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.fx.proxy import TraceError
 
 from lowconv.compat import sptr, sptr_install
@@ -730,6 +730,17 @@ def propagate_shapes(region: Region) -> None:
     args, _ = fresh_inputs(region.example_args, {})
     with evaluating(region.graph):
         ShapeProp(region.graph).propagate(*args)
+    for node in region.graph.graph.nodes:  # ShapeProp keeps a result's other objects (a KV cache): metadata only
+        if "tensor_meta" in node.meta:
+            node.meta["tensor_meta"] = pytree.tree_map(metadata_only, node.meta["tensor_meta"], is_leaf=is_metadata)
+
+
+def is_metadata(value) -> bool:
+    return isinstance(value, TensorMetadata)
+
+
+def metadata_only(value):
+    return value if is_metadata(value) or is_constant(value) else None
 
 
 def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,
