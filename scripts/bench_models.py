@@ -9,7 +9,7 @@ rounds' spread, the ratio to bf16 eager and to bf16 compiled, the bytes of its w
 conversion's time, its peak GPU memory above the original model and what it left allocated when
 convert returned (beyond the converted model itself, with no gc.collect), the output's SQNR against
 the bf16 original's eager output (the compiled model must agree with the same model eager, to
-COMPILED_AGREES_DB, before it is timed), and the compiled graph's
+COMPILED_AGREES_DB, or be as close to the original as it, before it is timed), and the compiled graph's
 breaks (fullgraph=True is tried first; where it fails the model is compiled with breaks and the
 count is given).
 
@@ -68,6 +68,10 @@ BF16 = torch.bfloat16
 # The compiled model against its own eager output: bf16 Llama compiled reads 29 dB against eager
 # (a chaotic random network; reordered sums), ViT 37 dB; a wrong compiled op reads near 0.
 COMPILED_AGREES_DB = 15.0
+# Or it is as close to the original as the eager converted model is: two FP8 roundings of one value
+# (inductor's fused quantization, the eager kernel's) that differ by one step grow apart in a random
+# 8-layer Llama (fp8-row: each 8.9 dB from the original, 12.2 dB from each other, H200).
+SQNR_SLACK_DB = 1.0
 
 
 @dataclass
@@ -315,7 +319,7 @@ def bench_model(name: str, args) -> dict:
             compiled, out = compiled_call(case, model, variant)
             variant.compiled_sqnr_db = sqnr_db(reference, out)
             agreement = sqnr_db(eager, out)
-            if agreement < COMPILED_AGREES_DB:  # a compiled op that computes something else is not timed
+            if agreement < COMPILED_AGREES_DB and variant.compiled_sqnr_db < variant.sqnr_db - SQNR_SLACK_DB:
                 raise AssertionError(f"compiled output is {agreement:.1f} dB from the eager converted model's")
             calls.append((variant.compiled_rounds_ms, timed(case, compiled)))
             profiled[variant.name] = timed(case, compiled)
