@@ -123,13 +123,14 @@ def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
 
 
 def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
-            calibration: Iterable | None = None,
+            calibration: Iterable | None = None, calibration_name: str = "the calibration inputs given",
             progress: Callable[[str], None] = no_progress) -> nn.Module:
     """A converted copy of `model`, as the recipe (a path, a built-in name or a Recipe) says.
 
     example_inputs: a tuple of forward args, a dict of kwargs (or any mapping: a tokenizer's
     output) or one tensor; it drives shape propagation and calibration (static/delayed FP8
-    scales) unless `calibration` (an iterable of such inputs) is given.
+    scales) unless `calibration` (an iterable of such inputs, which the report calls
+    `calibration_name`) is given.
     """
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
@@ -162,7 +163,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     release_graphs(found.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if seen:
-        plan.model["calibration"] = (f"{seen} batch{'es' if seen > 1 else ''} of the calibration inputs given"
+        plan.model["calibration"] = (f"{seen} batch{'es' if seen > 1 else ''} of {calibration_name}"
                                      if calibration is not None else "the example inputs (1 batch)")
     attach_plan(converted, plan)
     return converted

@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from lowconv import api, report as reports
 from lowconv.errors import LowconvError
-from lowconv.model_sources import load_model
+from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
 from lowconv.site import FLOAT_DTYPES
@@ -138,11 +138,16 @@ def cmd_convert(args) -> int:
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
+    calibration_name = "the calibration inputs given"
+    if args.calibration_text:
+        loaded.calibration, calibration_name = text_calibration(loaded, args.model, args.calibration_text)
     if args.calibration and loaded.calibration is None:
         raise LowconvError(f"--calibration: {args.model} defines no calibration_inputs() (a model file may define "
-                           "one that returns an iterable of batches, each as example_inputs() returns them)")
+                           "one that returns an iterable of batches, each as example_inputs() returns them; "
+                           "an hf: text model takes --calibration-text FILE)")
     calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
-    converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration, progress=progress)
+    converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
+                            calibration_name=calibration_name, progress=progress)
     plan = api.plan_of(converted)
     plan.model.update(file=str(args.model), seed=args.seed, dtype=args.dtype)
     print(plan_table(plan))
@@ -231,6 +236,9 @@ def parser() -> argparse.ArgumentParser:
                    help="calibrate static and delayed FP8 scales on the first N batches of the model file's "
                         f"calibration_inputs() (default: up to {CALIBRATION_BATCHES} of them where the file "
                         "defines it, else the example inputs)")
+    c.add_argument("--calibration-text", metavar="FILE",
+                   help="hf: text models: calibrate on this UTF-8 text, tokenized by the model directory's "
+                        "tokenizer into rows of up to 512 tokens, 2 rows a batch")
     model_options(c)
     c = command("compare", "rebuild a saved conversion and re-check it against the original",
                 cmd_compare, "lowconv compare examples/vit.py out/")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import itertools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -164,6 +166,54 @@ def hf_inputs(model: nn.Module, config, spec: str) -> dict:
     if "use_cache" in params:
         inputs["use_cache"] = False
     return inputs
+
+
+CALIBRATION_TOKENS = 512  # a row of calibration text; fewer where the model's context is shorter
+
+
+def text_calibration(loaded: ModelFile, spec: str, text_file: str) -> tuple[Callable[[int], Iterator], str]:
+    """For an hf:DIR text model: calibration batches cut from a text file, and what they are (for
+    the report). The text is tokenized by DIR's tokenizer, without special tokens, into rows of
+    CALIBRATION_TOKENS (one shorter row if the text has fewer), BATCH rows a batch, each batch
+    like the example inputs (its other arguments, use_cache=False, kept)."""
+    prefix, _, directory = spec.partition(":")
+    if prefix != "hf":
+        raise LowconvError(f"--calibration-text is for hf:DIR text models; {spec} is not one (a model file "
+                           f"defines calibration_inputs() instead)")
+    if not isinstance(loaded.inputs, dict) or "input_ids" not in loaded.inputs:
+        raise LowconvError(f"--calibration-text: model {spec!r} does not take token ids (input_ids)")
+    path = Path(text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise LowconvError(f"--calibration-text: cannot read {path} as UTF-8 text: {err}") from None
+    transformers = library("transformers", spec, "pip install transformers")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, ImportError, AttributeError, TypeError) as err:
+        raise LowconvError(f"--calibration-text: {directory} has no tokenizer transformers can load "
+                           f"(tokenizer.json, tokenizer_config.json, ...): {type(err).__name__}: {err}") from None
+    ids = torch.as_tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if ids.numel() == 0:
+        raise LowconvError(f"--calibration-text: {path} holds no text to calibrate on")
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    if ids.max() >= vocab:
+        raise LowconvError(f"--calibration-text: {directory}'s tokenizer gives token id {ids.max().item()}, beyond the "
+                           f"model's vocabulary of {vocab}: the tokenizer is not this model's")
+    config = loaded.model.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    length = min(CALIBRATION_TOKENS, context or CALIBRATION_TOKENS, ids.numel())
+    rows = ids[:ids.numel() // length * length].view(-1, length)
+    device = loaded.inputs["input_ids"].device
+
+    def batches(count: int) -> Iterator:
+        for chunk in itertools.islice(rows.split(BATCH), count):
+            chunk = chunk.to(device)
+            batch = {**loaded.inputs, "input_ids": chunk}
+            if "attention_mask" in batch:
+                batch["attention_mask"] = torch.ones_like(chunk)
+            yield batch
+    return batches, f"{length}-token rows of {path}, up to {BATCH} a batch"
 
 
 # ---- torch.nn ----

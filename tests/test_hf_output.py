@@ -152,3 +152,48 @@ def test_config_json_says_the_dtype_the_weights_are_in(llama_dir, tmp_path):
     lowconv.save(converted, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path).model.norm.weight.dtype == torch.bfloat16
+
+
+def word_tokenizer(directory, vocab_size: int):
+    """A word-level tokenizer of `vocab_size` words (w0, w1, ...) saved in `directory`, as
+    transformers loads it (built here: nothing is downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
+
+
+def test_static_scales_calibrate_on_a_text_file(tmp_path, capsys):
+    """convert hf:DIR fp8-static --calibration-text FILE: the text, tokenized by DIR's tokenizer into
+    rows (64 tokens: the model's context), calibrates the scales (not those the example's random
+    tokens give), and the report says so; mistakes are named."""
+    source = tmp_path / "llama"
+    shutil.copytree("examples/hf/llama-tiny", source)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    word_tokenizer(source, vocab)
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"w{i % 7}" for i in range(3000)))  # 7 words only: scales unlike random tokens'
+    args = ["convert", f"hf:{source}", "fp8-static", "-o"]
+    assert main([*args, str(tmp_path / "text"), "--calibration-text", str(text), "--calibration", "2"]) == 0
+    assert main([*args, str(tmp_path / "example")]) == 0
+    plan = json.loads((tmp_path / "text" / "plan.json").read_text())
+    assert plan["model"]["calibration"] == f"2 batches of 64-token rows of {text}, up to 2 a batch"
+    assert f"Scales calibrated on 2 batches of 64-token rows of {text}" in (tmp_path / "text" / "report.md").read_text()
+    with safe_open(tmp_path / "text" / "model.safetensors", "pt") as a, \
+            safe_open(tmp_path / "example" / "model.safetensors", "pt") as b:
+        name = next(k for k in a.keys() if k.endswith("input_scale"))
+        assert not torch.equal(a.get_tensor(name), b.get_tensor(name))
+    capsys.readouterr()
+    assert main([*args, str(tmp_path / "x"), "--calibration-text", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")
+    assert main([*args, str(tmp_path / "x"), "--calibration-text", str(tmp_path / "empty.txt")]) == 2
+    assert "holds no text" in capsys.readouterr().err
+    assert main(["convert", "examples/vit.py", "fp8-static", "-o", str(tmp_path / "x"),
+                 "--calibration-text", str(text)]) == 2
+    assert "is for hf:DIR text models" in capsys.readouterr().err
+    (source / "tokenizer.json").unlink()
+    assert main([*args, str(tmp_path / "x"), "--calibration-text", str(text)]) == 2
+    assert "no tokenizer transformers can load" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
