@@ -11,6 +11,7 @@ and the planner that gives every site the op of the first rule that matches it.
     op = "fp8"
     options = { granularity = "row" }
     force = false                        # true: convert even where the op measures slower (CUDA)
+    optional = false                     # true: no warning where it matches no site
 
     [report]
     min_sqnr_db = 20
@@ -35,7 +36,7 @@ from lowconv.site import Site
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 SITE_KINDS = ("linear", "attention")
 TOP_KEYS = {"name", "description", "rules", "report"}
-RULE_KEYS = {"name", "kind", "modules", "ignore", "op", "options", "force"}
+RULE_KEYS = {"name", "kind", "modules", "ignore", "op", "options", "force", "optional"}
 REPORT_KEYS = {"min_sqnr_db"}
 
 
@@ -49,6 +50,7 @@ class Rule:
     ignore: list[str] = dataclasses.field(default_factory=list)
     name: str = ""
     force: bool = False  # convert even where conversion measures the op slower than the original
+    optional: bool = False  # for modules a model may lack (an LM's lm_head): matching none is no warning
 
     def label(self) -> str:
         return f"rule {self.index}" + (f" ({self.name})" if self.name else "")
@@ -137,7 +139,8 @@ def parse_rule(data, index: int, source: str) -> Rule:
                     raise LowconvError(f"{where}: {key}: {p!r} is not a valid regex: {err}") from None
     options = parse_options(op.options, data.get("options", {}), f"{where}: options")
     return Rule(index, op_name, options, kind, patterns["modules"], patterns["ignore"],
-                expect(data.get("name", ""), str, f"{where}: name"), expect(data.get("force", False), bool, f"{where}: force"))
+                expect(data.get("name", ""), str, f"{where}: name"), expect(data.get("force", False), bool, f"{where}: force"),
+                expect(data.get("optional", False), bool, f"{where}: optional"))
 
 
 def parse_options(cls: type, raw, where: str):
@@ -269,7 +272,7 @@ def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, re
     warnings = [
         f"{rule.label()} (op {rule.op}) matched no site"
         for rule in recipe.rules
-        if not any(rule_matches(rule, s) for s in sites)
+        if not rule.optional and not any(rule_matches(rule, s) for s in sites)
     ]
     # Regions whose traced graph replaces their module (see passes/rewrite.py)
     graphs = {r.fqn for r in trace.regions if r.graph is not None and has_fused_path(r.module)}

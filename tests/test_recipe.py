@@ -65,6 +65,7 @@ op = "semi_sparse"
     assert plan.decisions[0].op == "keep" and "divisible by 16" in plan.decisions[0].reason
     assert plan.decisions[0].reason.startswith("rule 1 chose fp8, but")
     assert plan.warnings == ["rule 2 (op semi_sparse) matched no site"]
+    assert plan_for(text + "optional = true\n", [linear("odd", k=24, n=40)]).warnings == []
 
 
 def test_unsupported_site_is_kept_with_its_reason():
@@ -79,7 +80,7 @@ def test_unsupported_site_is_kept_with_its_reason():
     ("colour = 1", "r.toml: unknown key 'colour' (valid keys: description, name, report, rules)"),
     ('[[rules]]\nop = "fp9"', "r.toml: rule 1: op: unknown op 'fp9' (one of: dense, fp8, fp16acc, keep, semi_sparse, sparse_attention)"),
     ("[[rules]]\nkind = 'linear'", "r.toml: rule 1: missing key 'op'"),
-    ('[[rules]]\nop = "fp8"\nmodule = ["a"]', "r.toml: rule 1: unknown key 'module' (valid keys: force, ignore, kind, modules, name, op, options)"),
+    ('[[rules]]\nop = "fp8"\nmodule = ["a"]', "r.toml: rule 1: unknown key 'module' (valid keys: force, ignore, kind, modules, name, op, optional, options)"),
     ('[[rules]]\nop = "fp8"\nkind = "attention"', "r.toml: rule 1: op 'fp8' converts linear sites, not attention sites"),
     ('[[rules]]\nop = "fp8"\nkind = "conv"', "r.toml: rule 1: kind: 'conv' is not one of: linear, attention"),
     ('[[rules]]\nop = "fp8"\nmodules = ["re:(["]', "r.toml: rule 1: modules: 're:([' is not a valid regex"),
