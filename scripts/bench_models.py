@@ -193,6 +193,12 @@ options = { dtype = "bfloat16", layout = "local", window = 256 }
 """, "fp8-row-attention": """name = "fp8-row-attention"
 [[rules]]
 kind = "linear"
+modules = ["lm_head"]
+op = "keep"
+optional = true
+
+[[rules]]
+kind = "linear"
 op = "fp8"
 options = { scaling = "dynamic", granularity = "row" }
 
