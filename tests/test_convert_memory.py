@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake  # torch.compile's caches keep fake tensors: no memory
 
 import lowconv
@@ -107,3 +108,39 @@ def test_convert_leaves_nothing_for_the_garbage_collector(spec):
         gc.enable()
     assert converted.lowconv_plan.converted()
     assert sum(left.values()) == 0, f"{len(left)} tensors ({sum(left.values())} bytes) left by convert"
+
+
+class State:
+    """An object a forward changes, as a KV cache is, that counts its live copies."""
+    live = peak = 0
+
+    def __init__(self, t):
+        self.t = t
+        State.live += 1
+        State.peak = max(State.peak, State.live)
+
+    def __deepcopy__(self, memo):
+        return State(self.t.clone())
+
+    def __del__(self):
+        State.live -= 1
+
+
+class ChangesItsState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x, state):
+        state.t.add_(1)
+        return self.fc(x) + state.t.sum()
+
+
+def test_convert_holds_at_most_two_copies_of_an_input_a_forward_changes():
+    """The conversion runs on copies of an object the forward changes (a KV cache of GBs at a decode
+    step): one kept as the example, one per run, no more at once; none left after."""
+    state = State(torch.zeros(8))
+    State.peak = State.live
+    lowconv.convert(ChangesItsState(), "fp8-dynamic", (torch.randn(4, 32), state))
+    assert (State.peak, State.live) == (3, 1)  # the caller's and two copies; the caller's alone after
+    assert torch.equal(state.t, torch.zeros(8))

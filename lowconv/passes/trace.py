@@ -704,6 +704,8 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
         for h in handles:
             h.remove()
     if "" in calls and calls[""].arguments is not None:
+        del run_args, run_kwargs  # the run's copies, and the hook's, go before the next (a KV cache can be GBs)
+        calls[""].arguments = None
         calls[""].arguments = bind_arguments(model, *fresh_inputs(args, kwargs))
     return calls
 
