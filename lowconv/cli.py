@@ -148,6 +148,9 @@ def cmd_convert(args) -> int:
     calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
     converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
                             calibration_name=calibration_name, progress=progress)
+    if args.sparse_format == "dense" and any(d.op == "semi_sparse" for d in api.plan_of(converted).converted()):
+        progress("2:4 layers to plain weights with their zeros (--sparse-format dense)")
+        converted = api.revert(converted, "semi_sparse")
     plan = api.plan_of(converted)
     plan.model.update(file=str(args.model), seed=args.seed, dtype=args.dtype)
     print(plan_table(plan))
@@ -236,6 +239,10 @@ def parser() -> argparse.ArgumentParser:
                    help="calibrate static and delayed FP8 scales on the first N batches of the model file's "
                         f"calibration_inputs() (default: up to {CALIBRATION_BATCHES} of them where the file "
                         "defines it, else the example inputs)")
+    c.add_argument("--sparse-format", choices=["bitmask", "dense"], default="bitmask",
+                   help="how 2:4 layers are written: bitmask (kept values and a bit mask: 2:4 speed, read by "
+                        "lowconv alone) or dense (plain weights with their zeros, as lowconv.revert makes them: "
+                        "transformers and vLLM load them; the speed-up goes)")
     c.add_argument("--calibration-text", metavar="FILE",
                    help="hf: text models: calibrate on this UTF-8 text, tokenized by the model directory's "
                         "tokenizer into rows of up to 512 tokens, 2 rows a batch")

@@ -15,6 +15,8 @@ compressed-tensors' FP8 schemes as lowconv writes them (the tensor names are alr
   scaling "static":     activations strategy "tensor", dynamic false, input_scale stored
   scaling "delayed", training modules (master weights), Conv1D sites (GPT-2's: lowconv stores their
   weights (out, in) under HF's (in, out) names) and every other op: no such form.
+Sites lowconv.revert made plain again (op "dense", e.g. 2:4 layers written with their zeros by
+`convert --sparse-format dense`) are plain weights under the module's own names: no scheme needed.
 compressed-tensors 0.20's own forward (transformers on the CPU) takes "token" scales over all but the
 last dimension only for inputs of 3 or more; a 2-D input (OPT's MLP, BERT's pooler) it scales as one
 tensor, where lowconv scales each row: there transformers computes another model (27-38 dB apart).
@@ -81,13 +83,13 @@ def quantization_config(plan: Plan) -> dict | None:
     groups: dict[str, dict] = {}
     unserved = []
     for decision in plan.converted():
-        if decision.op == "dense":  # reverted to plain weights
-            continue
         scheme = fp8_scheme(decision.options) if decision.op == "fp8" else None
         if decision.site["info"].get("weight_layout") == "in_out":  # a Conv1D: lowconv stores it (out, in)
             scheme, what = None, f"{decision.op}, a Conv1D stored (out, in) under its (in, out) name"
+        elif decision.op == "dense" and decision.site["module_backed"]:  # plain weights under the module's names
+            continue
         else:
-            what = decision.op
+            what = decision.op if decision.site["module_backed"] else f"{decision.op}, a functional site made a module"
         if scheme is None:
             unserved.append(f"{decision.fqn} ({what})")
             continue

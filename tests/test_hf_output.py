@@ -197,3 +197,53 @@ def test_static_scales_calibrate_on_a_text_file(tmp_path, capsys):
     assert main([*args, str(tmp_path / "x"), "--calibration-text", str(text)]) == 2
     assert "no tokenizer transformers can load" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+FP8_AND_2TO4 = """name = "fp8-and-2to4"
+[[rules]]
+modules = ['re:.*mlp\\..*']
+op = "semi_sparse"
+[[rules]]
+modules = ['re:.*self_attn\\..*']
+op = "fp8"
+options = { granularity = "row" }
+"""
+
+
+@pytest.mark.parametrize("recipe", ["semi-sparse", "fp8-and-2to4"])
+def test_2to4_layers_written_dense_load_in_transformers(llama_dir, tmp_path, recipe):
+    """convert --sparse-format dense: the 2:4 layers as plain weights with their zeros under the
+    modules' names (FP8 sites beside them stay compressed-tensors'): transformers loads the folder
+    as the converted model, 2:4 zeros and all, and lowconv compare reads it back."""
+    out = tmp_path / "out"
+    if recipe == "fp8-and-2to4":
+        (tmp_path / "recipe.toml").write_text(FP8_AND_2TO4)
+        recipe = str(tmp_path / "recipe.toml")
+    assert main(["convert", f"hf:{llama_dir}", recipe, "-o", str(out), "--sparse-format", "dense"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    ops = {d["site"]["fqn"]: d["op"] for d in plan["decisions"]}
+    assert ops["model.layers.0.mlp.up_proj"] == "dense" and "semi_sparse" not in ops.values()
+    config = json.loads((out / "config.json").read_text())
+    if recipe != "semi-sparse":
+        targets = [t for g in config["quantization_config"]["config_groups"].values() for t in g["targets"]]
+        assert "model.layers.0.self_attn.q_proj" in targets and "model.layers.0.mlp.up_proj" not in targets
+    else:
+        assert "quantization_config" not in config
+    served = transformers.AutoModelForCausalLM.from_pretrained(out)
+    weight = served.model.layers[0].mlp.up_proj.weight.detach()
+    assert (weight.reshape(-1, 4) == 0).sum(-1).min() >= 2  # 2 of every 4 are zero
+    loaded = load_model(f"hf:{llama_dir}")
+    rebuilt = lowconv.load(loaded.model, out, loaded.inputs)
+    with torch.no_grad():
+        want, got = rebuilt(**loaded.inputs).logits, served(**loaded.inputs).logits
+    assert sqnr_db(want, got) >= 60
+    assert main(["compare", f"hf:{llama_dir}", str(out)]) == 0
+
+
+def test_a_conv1d_site_written_dense_is_lowconv_only(tmp_path):
+    """GPT-2's Conv1D stores (in, out); a reverted site is an nn.Linear (out, in) under that name,
+    which transformers would read transposed: the folder says lowconv alone reads it."""
+    loaded = load_model("hf:examples/hf/gpt2-tiny")
+    converted = lowconv.revert(lowconv.convert(loaded.model, "semi-sparse", loaded.inputs), "semi_sparse")
+    reason = quantization_config(converted.lowconv_plan)["lowconv_only"]
+    assert "a Conv1D stored (out, in)" in reason and "dense" in reason
