@@ -266,7 +266,6 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
     plan = plan_of(converted)
     metadata = {
         "lowconv.version": __version__,
-        "lowconv.recipe": plan.recipe_text,
         "lowconv.plan": plan.to_json(),
         "lowconv.model": plan.model.get("signature", ""),
     }

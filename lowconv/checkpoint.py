@@ -1,7 +1,8 @@
 """Converted checkpoints: safetensors files in an output directory, written atomically.
 
 `out/model.safetensors` holds the converted state dict; its metadata (all strings) holds the
-lowconv version, the recipe text, the plan and a signature of the original model. Tied
+lowconv version, the plan (with the recipe's text) and a signature of the original model. The
+same tensors and metadata give the same bytes (write_safetensors). Tied
 tensors are stored once and restored as the same tensor on read. Above MAX_SHARD_BYTES the state
 dict goes into shards as Hugging Face names them (`model-00001-of-00003.safetensors`, each with the
 same metadata) and `model.safetensors.index.json` maps each tensor to its shard.
@@ -12,12 +13,12 @@ import hashlib
 import json
 import os
 import secrets
+import struct
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from lowconv.errors import LowconvError
 from lowconv.version import __version__
@@ -28,11 +29,10 @@ SHARD_PATTERN = "model-*-of-*.safetensors"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 
 VERSION_KEY = "lowconv.version"
-RECIPE_KEY = "lowconv.recipe"  # the recipe's TOML text
 PLAN_KEY = "lowconv.plan"  # the plan as JSON
 MODEL_KEY = "lowconv.model"  # model_signature() of the original model
 ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this file
-REQUIRED_KEYS = (VERSION_KEY, RECIPE_KEY, PLAN_KEY, MODEL_KEY)
+REQUIRED_KEYS = (VERSION_KEY, PLAN_KEY, MODEL_KEY)
 FORMAT_KEY = "format"  # safetensors' own convention
 FILES_KEY = "lowconv.files"  # JSON [names of the files written beside the weights]; internal to this file
 
@@ -119,7 +119,38 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _tensor_writer(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Callable[[Path], None]:
-    return lambda tmp: save_file(tensors, tmp, metadata=metadata)
+    return lambda tmp: write_safetensors(tmp, tensors, metadata)
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors format (an 8-byte little-endian header size, the JSON header padded to 8
+    bytes, the tensors' bytes in header order), with every key sorted: the same tensors and
+    metadata give the same bytes. (safetensors' own writer orders the metadata differently in
+    each process.) Tensors go widest dtype first, as safetensors places them, so each is aligned."""
+    unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in SAFETENSORS_DTYPES})
+    if unknown:
+        raise ValueError(f"safetensors has no dtype for {unknown}")
+    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header, offset = {}, 0
+    for name in names:
+        size = _nbytes(tensors[name])
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensors[name].dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = metadata
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in names:
+            f.write(tensors[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _file_writer(content: str | bytes) -> Callable[[Path], None]:

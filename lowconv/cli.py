@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -135,6 +137,7 @@ def cmd_convert(args) -> int:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise LowconvError(f"the output directory {out} is a file; give a directory (-o)")
+    check_writable(out)
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
@@ -152,7 +155,7 @@ def cmd_convert(args) -> int:
         progress("2:4 layers to plain weights with their zeros (--sparse-format dense)")
         converted = api.revert(converted, "semi_sparse")
     plan = api.plan_of(converted)
-    plan.model.update(file=str(args.model), seed=args.seed, dtype=args.dtype)
+    plan.model.update(file=recorded_path(args.model), seed=args.seed, dtype=args.dtype)
     print(plan_table(plan))
     print(plan_notes(plan))
     progress("comparing original and converted on the example inputs")
@@ -167,6 +170,31 @@ def cmd_convert(args) -> int:
     status = print_report(report)
     progress(f"wrote {out}/model.safetensors, report.md, report.json, plan.json")
     return status
+
+
+def check_writable(out: Path) -> None:
+    """Fail before the work where out/ cannot be written: a read-only or full disk was otherwise
+    found after the whole conversion and comparison. A byte is written and synced beside where
+    out/ goes (its nearest existing directory), then removed."""
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing) as probe:
+            probe.write(b"\0")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as err:
+        raise LowconvError(f"-o {out}: cannot write in {existing}: {err.strerror or err}") from None
+
+
+def recorded_path(spec: str) -> str:
+    """The model as the plan records it: a path (a model file's, hf:DIR's) relative to the working
+    directory, however it was spelled, so that the same conversion writes the same bytes."""
+    prefix, colon, rest = spec.partition(":")
+    if colon and prefix == "hf":
+        return f"hf:{os.path.relpath(rest)}"
+    return os.path.relpath(spec) if Path(spec).exists() else spec
 
 
 def cmd_compare(args) -> int:

@@ -109,6 +109,9 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         gate = float(expect(gate, (int, float), f"{source}: [report].min_sqnr_db"))
         if not math.isfinite(gate):
             raise LowconvError(f"{source}: [report].min_sqnr_db must be a finite number of dB, got {gate}")
+    if not rules:  # it would convert nothing and pass: a file left empty, or [[rule]] for [[rules]]
+        raise LowconvError(f'{source}: no rules: a recipe needs at least one [[rules]] table with an op (e.g. '
+                           f'op = "fp8"; op = "keep" to convert nothing on purpose)')
     return Recipe(name, description, rules, text, source, gate)
 
 

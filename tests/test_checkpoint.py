@@ -1,6 +1,9 @@
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +18,13 @@ from lowconv.checkpoint import (
     model_signature,
     read_checkpoint,
     save_checkpoint,
+    write_safetensors,
 )
 from lowconv.errors import LowconvError
 
+ROOT = Path(__file__).resolve().parents[1]
 METADATA = {
     "lowconv.version": "0.1.0",
-    "lowconv.recipe": 'name = "t"\n',
     "lowconv.plan": json.dumps([{"fqn": "fc", "op": "fp8"}]),
     "lowconv.model": "0123456789abcdef",
 }
@@ -105,12 +109,12 @@ def test_failed_save_leaves_old_checkpoint_and_no_temp_file(tmp_path, monkeypatc
     save_checkpoint(tmp_path, old, METADATA)
     old_bytes = (tmp_path / CHECKPOINT_FILE).read_bytes()
 
-    def half_written(tensors, filename, metadata=None):
+    def half_written(filename, tensors, metadata):
         with open(filename, "wb") as f:
             f.write(b"\x00" * 100)
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save_file", half_written)
+    monkeypatch.setattr(checkpoint, "write_safetensors", half_written)
     with pytest.raises(LowconvError, match=f"cannot write {tmp_path / CHECKPOINT_FILE}: disk full; the file was left"):
         save_checkpoint(tmp_path, {"w": torch.zeros(4, 4)}, METADATA)
     assert os.listdir(tmp_path) == [CHECKPOINT_FILE]
@@ -182,7 +186,7 @@ def test_foreign_safetensors_file(tmp_path):
     with pytest.raises(LowconvError, match="not a lowconv checkpoint"):
         read_checkpoint(tmp_path)
     save_file({"w": torch.ones(2)}, tmp_path / CHECKPOINT_FILE, metadata={"lowconv.version": "0.1.0"})
-    with pytest.raises(LowconvError, match="lowconv.recipe"):
+    with pytest.raises(LowconvError, match="lowconv.plan"):
         read_checkpoint(tmp_path)
 
 
@@ -341,3 +345,30 @@ def test_files_a_previous_checkpoint_wrote_go_with_it_and_others_stay(tmp_path):
     save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {"report.md": "r2"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "notes.txt", "report.md"]
     assert (tmp_path / "report.md").read_text() == "r2"
+
+
+def test_the_same_tensors_and_metadata_give_the_same_bytes_that_safetensors_reads(tmp_path):
+    """write_safetensors sorts every key (safetensors' own writer ordered the metadata per process);
+    safetensors reads what it writes, each dtype, 0-d and empty tensors, bit for bit."""
+    tensors = mixed_tensors()
+    metadata = {"b": "2", "a": "1 ✓"}
+    write_safetensors(tmp_path / "one.safetensors", tensors, metadata)
+    write_safetensors(tmp_path / "two.safetensors", dict(reversed(tensors.items())), dict(reversed(metadata.items())))
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
+    with safe_open(tmp_path / "one.safetensors", "pt") as f:
+        assert f.metadata() == metadata
+        assert all(same_bits(f.get_tensor(name), t) for name, t in tensors.items())
+
+
+def test_a_conversion_run_twice_writes_the_same_bytes(tmp_path):
+    """Two processes (other hash seeds), the model path spelled two ways: every file the same."""
+    def convert(out, model, seed):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-m", "lowconv.cli", "convert", model, "fp8-dynamic", "-o", str(out)],
+                       check=True, capture_output=True, env=env, cwd=ROOT)
+    convert(tmp_path / "one", "examples/vit.py", "1")
+    convert(tmp_path / "two", "./examples/../examples/vit.py", "2")
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name

@@ -204,3 +204,26 @@ def test_output_path_that_is_a_file_is_exit_2_and_the_file_is_kept(tmp_path, cap
     out.write_text("mine")
     assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 2
     assert str(out) in capsys.readouterr().err and out.read_text() == "mine"
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_work(tmp_path, monkeypatch, capsys):
+    """A full or read-only disk, or a file where a directory must go: said before the model is
+    built, not after the conversion and comparison."""
+    import errno
+    import tempfile
+
+    from lowconv import cli
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("the model was built before the output was checked")
+    monkeypatch.setattr(cli, "load_model", not_reached)
+    (tmp_path / "a_file").write_text("")
+    assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(tmp_path / "a_file" / "out")]) == 2
+    assert f"cannot write in {tmp_path / 'a_file'}" in capsys.readouterr().err
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tempfile, "TemporaryFile", full)
+    assert main(["convert", "examples/vit.py", "fp8-dynamic", "-o", str(tmp_path / "new" / "out")]) == 2
+    assert f"-o {tmp_path / 'new' / 'out'}: cannot write in {tmp_path}: No space left on device" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
