@@ -26,6 +26,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+from re import _constants as re_constants, _parser as re_parser  # the regex's parse tree
 
 from lowconv.errors import LowconvError
 from lowconv.ops import OPS
@@ -140,6 +141,10 @@ def parse_rule(data, index: int, source: str) -> Rule:
                     re.compile(p[3:])
                 except re.error as err:
                     raise LowconvError(f"{where}: {key}: {p!r} is not a valid regex: {err}") from None
+                if nested_repeat(re_parser.parse(p[3:])):
+                    raise LowconvError(f"{where}: {key}: {p!r} repeats a part that itself repeats or has "
+                                       f"alternatives (as (a+)+ or (a|b)*), which can take exponential time "
+                                       f"on a module name: write it without the nesting (e.g. .* for (\\w+\\.)*)")
     options = parse_options(op.options, data.get("options", {}), f"{where}: options")
     return Rule(index, op_name, options, kind, patterns["modules"], patterns["ignore"],
                 expect(data.get("name", ""), str, f"{where}: name"), expect(data.get("force", False), bool, f"{where}: force"),
@@ -206,6 +211,28 @@ TOML_NAMES = {"dict": "table", "list": "array", "str": "string", "int": "integer
 def toml_name(python_names: str) -> str:
     """Python type names (e.g. "int or float") in TOML's words ("integer or float")."""
     return re.sub(r"\w+", lambda m: TOML_NAMES.get(m.group(), m.group()), python_names)
+
+
+LOOPS = (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT, re_constants.POSSESSIVE_REPEAT)
+
+
+def nested_repeat(parsed, in_loop: bool = False) -> bool:
+    """Whether a parsed regex repeats (more than once) a part that repeats or branches: Python's
+    backtracking engine can take exponential time there. Strict: some such patterns are linear."""
+    for op, arg in parsed:
+        if op in LOOPS:
+            low, high, body = arg
+            loops = high > 1
+            if (loops and in_loop) or nested_repeat(body, in_loop or loops):
+                return True
+        elif op is re_constants.BRANCH:
+            if in_loop or any(nested_repeat(alternative, in_loop) for alternative in arg[1]):
+                return True
+        elif op in (re_constants.SUBPATTERN, re_constants.ATOMIC_GROUP, re_constants.ASSERT,
+                    re_constants.ASSERT_NOT):
+            if nested_repeat(arg if op is re_constants.ATOMIC_GROUP else arg[-1], in_loop):
+                return True
+    return False
 
 
 def unknown_keys(data: dict, valid: set[str], where: str) -> None:
