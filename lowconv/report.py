@@ -403,7 +403,8 @@ def _verdict(report: Report) -> str:
     gate = "no SQNR gate" if report.gate_min_sqnr_db is None else f"gate: SQNR >= {_db(report.gate_min_sqnr_db)} dB at every output"
     failures = gate_failures(report)
     if not failures:
-        return f"PASS ({gate}, no new NaN/Inf)"
+        nothing = "; nothing was converted (the plan says why for each site)" if not report.sites else ""
+        return f"PASS ({gate}, no new NaN/Inf{nothing})"
     return "\n".join([f"FAIL ({gate}, no new NaN/Inf):", *(f"  - {failure}" for failure in failures)])
 
 

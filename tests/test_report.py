@@ -232,7 +232,13 @@ def test_table_formatting():
     logits = report.outputs[0].logits
     assert logits.rows == 10 and f"{round(logits.top1 * 10)}/10" in text  # top-1 as a count of rows
     assert "0.50x" in text and "0.60x" in text and "NVIDIA H100" in text
-    assert "PASS" in text
+    assert "PASS" in text and "nothing was converted" not in text
+
+
+def test_a_conversion_that_converted_nothing_says_so_in_its_verdict():
+    x = torch.randn(10)
+    text = report_to_table(build_report({}, {}, [("output", x, x.clone())]))
+    assert "PASS (no SQNR gate, no new NaN/Inf; nothing was converted (the plan says why for each site))" in text
 
 
 def test_table_shows_failures():
