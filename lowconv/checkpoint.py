@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import struct
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,7 @@ ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this f
 REQUIRED_KEYS = (VERSION_KEY, PLAN_KEY, MODEL_KEY)
 FORMAT_KEY = "format"  # safetensors' own convention
 FILES_KEY = "lowconv.files"  # JSON [names of the files written beside the weights]; internal to this file
+CHECKSUMS_KEY = "lowconv.checksums"  # JSON {stored tensor: CRC-32 of its bytes}; internal to this file
 
 MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
 
@@ -58,6 +60,7 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     metadata[FORMAT_KEY] = "pt"  # torch tensors, for other readers: transformers 4.x refuses a file without it
     metadata[FILES_KEY] = json.dumps(sorted(files or {}))
+    metadata[CHECKSUMS_KEY] = json.dumps({name: _checksum(t) for name, t in stored.items()}, sort_keys=True)
     directory = Path(directory)
     shards = _shards(stored, max_shard_bytes)
     if len(shards) == 1:
@@ -188,6 +191,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
                            f"{__version__} does not know: read it with that version or a later one")
     metadata.pop(FORMAT_KEY, None)
     metadata.pop(FILES_KEY, None)
+    _check_sums(metadata.pop(CHECKSUMS_KEY, None), tensors, path)
     aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
     for alias, stored_name in aliases.items():
         tensors[alias] = tensors[stored_name]
@@ -355,6 +359,31 @@ def _reason(err: Exception) -> str:
     return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
 
 
+def _checksum(tensor: torch.Tensor) -> str:
+    return f"{zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data):08x}"
+
+
+def _check_sums(text: str | None, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Each stored tensor holds the bytes it was saved with (a flipped byte, tensors swapped between
+    names, one missing). Checkpoints written before checksums have none to check."""
+    if text is None:
+        return
+    try:
+        sums = json.loads(text)
+        if not isinstance(sums, dict):
+            raise ValueError("not an object")
+    except ValueError as err:
+        raise LowconvError(f"{path}: metadata {CHECKSUMS_KEY!r} is not a JSON object ({err}); the file was changed "
+                           f"after lowconv wrote it: run lowconv convert again") from None
+    changed = sorted(name for name, t in tensors.items() if sums.get(name) != _checksum(t))
+    gone = sorted(set(sums) - set(tensors))
+    if changed or gone:
+        what = "; ".join(filter(None, [changed and f"{', '.join(changed[:MAX_LISTED])} do not hold the bytes they "
+                                                   f"were saved with", gone and f"{', '.join(gone[:MAX_LISTED])} are missing"]))
+        raise LowconvError(f"{path}: {what}: the file was changed or corrupted after lowconv wrote it; "
+                           f"run lowconv convert again")
+
+
 def _parse_aliases(text: str, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
     try:
         aliases = json.loads(text)
@@ -365,6 +394,10 @@ def _parse_aliases(text: str, tensors: dict[str, torch.Tensor], path: Path) -> d
     dangling = {alias: name for alias, name in aliases.items() if name not in tensors}
     if dangling:
         raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} names tensors the file does not hold: {dangling}")
+    stored = sorted(alias for alias in aliases if alias in tensors)
+    if stored:  # the alias would overwrite the tensor stored under its name
+        raise LowconvError(f"{path}: metadata {ALIASES_KEY!r} makes {', '.join(stored)} aliases, but the file "
+                           f"stores tensors under those names: the file was changed after lowconv wrote it")
     return aliases
 
 

@@ -372,3 +372,51 @@ def test_a_conversion_run_twice_writes_the_same_bytes(tmp_path):
     assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
     for name in names:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def header_of(path: Path) -> tuple[int, dict]:
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    return 8 + size, json.loads(data[8:8 + size])
+
+
+def rewritten(path: Path, header: dict, body: bytes) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+def test_changed_tensor_bytes_are_found_at_load_and_named(tmp_path):
+    """A flipped byte in a tensor, or two tensors' names swapped in the header: read_checkpoint
+    names the tensors, where they loaded as if nothing happened."""
+    path = save_checkpoint(tmp_path, mixed_tensors(), METADATA)
+    start, header = header_of(path)
+    data = bytearray(path.read_bytes())
+    begin, _ = header["half"]["data_offsets"]
+    data[start + begin] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(LowconvError, match=r"half do not hold the bytes they were saved with.*changed or corrupted"):
+        read_checkpoint(tmp_path)
+
+    path = save_checkpoint(tmp_path, mixed_tensors(), METADATA)
+    start, header = header_of(path)
+    header["fc.weight"], header["grad_like"] = header["grad_like"], header["fc.weight"]  # same shape, other bytes
+    header["fc.weight"]["dtype"], header["grad_like"]["dtype"] = "F8_E4M3", "F8_E5M2"
+    rewritten(path, header, path.read_bytes()[start:])
+    with pytest.raises(LowconvError, match=r"fc.weight, grad_like do not hold the bytes"):
+        read_checkpoint(tmp_path)
+
+
+def test_an_alias_over_a_stored_tensor_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, {"a": torch.ones(2), "b": torch.zeros(2)}, METADATA)
+    start, header = header_of(path)
+    header["__metadata__"][ALIASES_KEY] = json.dumps({"b": "a"})
+    rewritten(path, header, path.read_bytes()[start:])
+    with pytest.raises(LowconvError, match="makes b aliases, but the file stores tensors under those names"):
+        read_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_without_checksums_still_reads(tmp_path):
+    save_file({"w": torch.ones(2)}, tmp_path / CHECKPOINT_FILE, metadata=METADATA)
+    loaded, _ = read_checkpoint(tmp_path)
+    assert torch.equal(loaded["w"], torch.ones(2))
