@@ -127,6 +127,25 @@ def test_load_refuses_scales_that_would_poison_the_outputs(tmp_path, name, value
         lowconv.load(loaded.model, tmp_path)
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t["bitmask"].__setitem__((0, 0), 0xFF), r"bitmask must keep 2 of every 4 weights; 2 groups of 4 keep \[4\]"),
+    (lambda t: t["bitmask"].__setitem__((0, 0), 0b00010111), r"bitmask must keep 2 of every 4 weights; 2 groups of 4 keep \[1, 3\]"),  # 4 bits still
+    (lambda t: t["shape"].__setitem__((1, 0), 8), r"shape must be \[\[\d+\], \[\d+\]\], got"),
+])
+def test_load_refuses_2to4_tensors_that_are_not_2to4(tmp_path, edit, message):
+    """A crafted bitmask (a byte of 0xFF; the same count of bits, no longer 2 of every 4) or shape:
+    refused at load, naming the layer, where it crashed at the first call or passed compare."""
+    loaded = load_model_file("examples/vit.py")
+    lowconv.save(lowconv.convert(loaded.model, "semi-sparse", loaded.inputs), tmp_path)
+    layer = "blocks.0.mlp.fc1"
+
+    def edited(tensors):
+        edit({"bitmask": tensors[f"{layer}.bitmask"], "shape": tensors[f"{layer}.shape"]})
+    edit_checkpoint(tmp_path, edited)
+    with pytest.raises(LowconvError, match=rf"model.safetensors: {layer}: {message}"):
+        lowconv.load(loaded.model, tmp_path)
+
+
 def test_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
     loaded = load_model_file("examples/vit.py")
     lowconv.save(lowconv.convert(loaded.model, "fp8-dynamic", loaded.inputs), tmp_path)

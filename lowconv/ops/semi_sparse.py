@@ -39,7 +39,7 @@ from lowconv.kernels.cusparselt import SparseGemm, unsupported_shape_reason
 from lowconv.kernels.sparse24 import (
     BackendChoice, GemmCase, TrainingGemms, bitmask_to_dense, choose_backend, compress_bitmask, compressed_linear,
     decompress_bitmask, fixed_mask_linear, mask_24, mask_24_transposable, prune_24_straight_through,
-    semi_sparse_linear,
+    semi_sparse_linear, unpack_bits,
 )
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
 from lowconv.ops.registry import Op, register
@@ -200,6 +200,19 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
     def linear_weight(self) -> torch.Tensor:
         """The (out, in) weight a plain nn.Linear needs to compute what this module does."""
         return decompress_bitmask(self.compressed, self.bitmask, self.shape)
+
+    def loaded_state_problem(self) -> str | None:
+        """What is wrong with the 2:4 tensors a checkpoint gave this module (lowconv.load asks), or
+        None: a `shape` other than the layer's, or a bitmask that does not keep exactly 2 of every 4
+        weights (each would crash at the first call, or compute another layer)."""
+        size = [[self.out_features], [self.in_features]]
+        if self.shape.tolist() != size:
+            return f"shape must be {size}, got {self.shape.tolist()}"
+        groups = unpack_bits(self.bitmask, self.in_features).reshape(self.out_features, -1, 4).sum(-1)
+        wrong = (groups != 2).sum().item()
+        if wrong:
+            return f"bitmask must keep 2 of every 4 weights; {wrong} groups of 4 keep {sorted(set(groups[groups != 2].tolist()))}"
+        return None
 
 
 @torch.no_grad()
