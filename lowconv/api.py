@@ -21,7 +21,7 @@ from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings, would_convert
-from lowconv.site import FLOAT_DTYPES, Site, TensorMeta
+from lowconv.site import FLOAT_DTYPES, Site, TensorMeta, description_problem
 from lowconv.site_timing import SiteTiming, time_linear_site
 from lowconv.version import __version__
 
@@ -281,8 +281,14 @@ def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:
     path = checkpoint.checkpoint_path(directory)
     try:
         plan = Plan.from_json(metadata["lowconv.plan"])
+    except RecursionError:
+        raise LowconvError(f"{path}: the plan in its metadata is not valid (nested too deep to read)") from None
     except (ValueError, TypeError, KeyError) as err:
         raise LowconvError(f"{path}: the plan in its metadata is not valid ({type(err).__name__}: {err})") from None
+    for decision in plan.decisions:
+        problem = description_problem(decision.site)
+        if problem:
+            raise LowconvError(f"{path}: the plan in its metadata is not valid: the site {decision.fqn}: {problem}")
     unknown = sorted({d.op for d in plan.decisions} - set(OPS))
     if unknown:
         raise LowconvError(f"{path}: the plan uses ops this lowconv does not have: {', '.join(unknown)} "

@@ -98,6 +98,8 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise LowconvError(f"{source}: not valid TOML: {err}") from None
+    except RecursionError:
+        raise LowconvError(f"{source}: nested too deep to read (a recipe is a few tables of rules)") from None
     unknown_keys(data, TOP_KEYS, source)
     name = expect(data.get("name", Path(source).stem), str, f"{source}: name")
     description = expect(data.get("description", ""), str, f"{source}: description")

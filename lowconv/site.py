@@ -6,6 +6,7 @@ JSON-able part that the plan stores).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -119,11 +120,44 @@ class Site:
     @staticmethod
     def info_from_dict(d: dict) -> LinearInfo | AttentionInfo:
         d = dict(d)
-        cls = {"LinearInfo": LinearInfo, "AttentionInfo": AttentionInfo}[d.pop("type")]
+        cls = INFO_TYPES[d.pop("type")]
         return cls(**d)
 
 
+INFO_TYPES = {"LinearInfo": LinearInfo, "AttentionInfo": AttentionInfo}
+
+
+def description_problem(site: dict) -> str | None:
+    """What in a site's description (Site.describe, as a plan stores it) is not as lowconv writes
+    it, where replaying it would fail inside lowconv (None: nothing found): its info's type and
+    fields, its input and output shapes and dtypes."""
+    missing = [key for key in ("kind", "fqn", "region", "info", "graph") if key not in site]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    info = site["info"]
+    if not isinstance(info, dict) or info.get("type") not in INFO_TYPES:
+        return f"its info's type is not one of {', '.join(INFO_TYPES)}"
+    fields = {f.name for f in dataclasses.fields(INFO_TYPES[info["type"]])}
+    if set(info) - {"type"} != fields:
+        return f"its {info['type']} fields are {sorted(set(info) - {'type'})}, not {sorted(fields)}"
+    if info.get("dtype") is not None and not is_dtype_name(info["dtype"]):
+        return f"its info's dtype {str(info['dtype'])[:40]!r} is not a torch dtype"
+    for key in ("input", "output"):
+        meta = site.get(key)
+        if meta is None:
+            continue
+        if not isinstance(meta, dict) or set(meta) != {"shape", "dtype"} or not isinstance(meta["shape"], list) \
+                or not all(type(n) is int and n >= 0 for n in meta["shape"]) \
+                or not is_dtype_name(meta["dtype"]):
+            return f"its {key} is not a shape of sizes and a torch dtype: {str(meta)[:80]}"
+    return None
+
+
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def is_dtype_name(name) -> bool:
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -167,6 +167,15 @@ def test_recipe_that_is_not_text_is_exit_2(tmp_path, capsys):
     (lambda plan, meta: plan.update(constant_args={"blocks.0": {"x": [1]}}), "not valid .*constant_args of blocks.0 is not"),
     (lambda plan, meta: plan["model"].update(seed="7"), "not valid .*model: seed '7' is not an integer"),
     (lambda plan, meta: plan["model"].update(dtype="float8"), "not valid .*model: dtype 'float8' is not one of: float32"),
+    (lambda plan, meta: plan["decisions"][0]["site"]["info"].update(type="Bogus"),
+     "not valid: the site blocks.0.attn.qkv: its info's type is not one of LinearInfo, AttentionInfo"),
+    (lambda plan, meta: plan["decisions"][0]["site"]["info"].update(width=plan["decisions"][0]["site"]["info"].pop("in_features")),
+     r"not valid: the site blocks.0.attn.qkv: its LinearInfo fields are \['bias', .*'width'\], not"),
+    (lambda plan, meta: plan["decisions"][0]["site"].pop("region"), "not valid: the site blocks.0.attn.qkv: it has no region"),
+    (lambda plan, meta: plan["decisions"][0]["site"]["input"].update(dtype="floaty"),
+     "not valid: the site blocks.0.attn.qkv: its input is not a shape of sizes and a torch dtype"),
+    (lambda plan, meta: plan["decisions"][0]["site"]["info"].update(dtype="floaty"), "its info's dtype 'floaty' is not a torch dtype"),
+    (lambda plan, meta: meta.update(plan_text="[" * 100000 + "]" * 100000), "not valid .nested too deep to read"),
 ])
 def test_a_checkpoint_with_a_corrupt_plan_is_exit_2(tmp_path, capsys, edit, message):
     from safetensors import safe_open
@@ -178,7 +187,7 @@ def test_a_checkpoint_with_a_corrupt_plan_is_exit_2(tmp_path, capsys, edit, mess
         meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
     plan = json.loads(meta["lowconv.plan"])
     edit(plan, meta)
-    meta["lowconv.plan"] = json.dumps(plan)
+    meta["lowconv.plan"] = meta.pop("plan_text", None) or json.dumps(plan)
     save_file(tensors, path, metadata=meta)
     capsys.readouterr()
     assert main(["compare", "examples/vit.py", str(out), "--device", "cpu"]) == 2

@@ -103,6 +103,7 @@ def test_unsupported_site_is_kept_with_its_reason():
     ("[report]\nmin_sqnr_db = -inf", "r.toml: [report].min_sqnr_db must be a finite number of dB, got -inf"),
     ("[report]\nmax_kl = 1", "r.toml: [report]: unknown key 'max_kl' (valid keys: min_sqnr_db)"),
     ("", "r.toml: no rules: a recipe needs at least one [[rules]] table"),
+    ("a = " + "[" * 500 + "]" * 500, "r.toml: nested too deep to read"),
     ('[[rules]]\nop = "fp8"\nmodules = ["re:(a+)+$"]', "r.toml: rule 1: modules: 're:(a+)+$' repeats a part that itself"),
     ('[[rules]]\nop = "fp8"\nignore = ["re:x(a|aa)*"]', "r.toml: rule 1: ignore: 're:x(a|aa)*' repeats a part"),
     ('name = "x"\n[[rule]]\nop = "fp8"', "r.toml: unknown key 'rule'"),
