@@ -74,6 +74,11 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
     quantized = already_quantized(model)
     if quantized:
         raise LowconvError(f"the model is quantized already: {quantized}; convert the model it was made from")
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
+                           f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
+                           f"or to_empty() then load)")
     found = analyze(model, example_inputs, recipe)
     plan = make_plan(found.sites, found.trace, recipe)
     plan.expanded_mha = found.expanded_mha

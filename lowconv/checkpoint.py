@@ -320,12 +320,12 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
                         done.unlink(missing_ok=True)
                 moved_aside.clear()
                 raise LowconvError(f"cannot replace {path}: {_reason(err)}; {left.format(path.parent)}") from None
-    finally:
-        for temporary in temporaries.values():
-            temporary.unlink(missing_ok=True)
-        for _, old in moved_aside:
-            if old is not None:
-                old.unlink(missing_ok=True)
+    finally:  # best effort: on a read-only disk the clean-up fails too, and must not hide why
+        for leftover in [*temporaries.values(), *(old for _, old in moved_aside if old is not None)]:
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
     if os.name == "posix":  # the renames survive a crash only once the directories are synced
         for parent in {path.parent for path in writes}:
             directory = os.open(parent, os.O_RDONLY)

@@ -420,3 +420,16 @@ def test_a_checkpoint_without_checksums_still_reads(tmp_path):
     save_file({"w": torch.ones(2)}, tmp_path / CHECKPOINT_FILE, metadata=METADATA)
     loaded, _ = read_checkpoint(tmp_path)
     assert torch.equal(loaded["w"], torch.ones(2))
+
+
+def test_a_read_only_disk_is_named_even_where_the_clean_up_fails_too(tmp_path, monkeypatch):
+    """On a read-only file system the temporary files cannot be removed either: the error says why
+    the save failed, not that the clean-up did."""
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(checkpoint, "write_safetensors", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(LowconvError, match=f"cannot write {tmp_path / CHECKPOINT_FILE}: Read-only file system"):
+        save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA)

@@ -246,6 +246,10 @@ def test_convert_names_a_wrong_argument():
         lowconv.convert("model.py", "fp8-dynamic", inputs)
     with pytest.raises(LowconvError, match="recipe must be a file path, a built-in recipe's name or a Recipe, got int"):
         lowconv.convert(model, 5, inputs)
+    with torch.device("meta"):
+        empty = nn.Sequential(nn.Linear(32, 32))
+    with pytest.raises(LowconvError, match=r"2 tensors on the meta device \(no values\), e.g. 0.weight, 0.bias: load"):
+        lowconv.convert(empty, "fp8-dynamic", (torch.randn(4, 32, device="meta"),))
 
 
 def test_a_model_whose_own_output_is_nan_is_named_as_such():
