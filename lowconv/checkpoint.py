@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import struct
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +37,7 @@ MODEL_KEY = "lowconv.model"  # model_signature() of the original model
 ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this file
 REQUIRED_KEYS = (VERSION_KEY, PLAN_KEY, MODEL_KEY)
 FORMAT_KEY = "format"  # safetensors' own convention
+TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.(tmp|old)")  # what _replace_atomically writes beside a file
 FILES_KEY = "lowconv.files"  # JSON [names of the files written beside the weights]; internal to this file
 CHECKSUMS_KEY = "lowconv.checksums"  # JSON {stored tensor: CRC-32 of its bytes}; internal to this file
 
@@ -75,19 +78,50 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
         writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
     for name, content in (files or {}).items():
         writes[directory / name] = _file_writer(content)
-    # The previous checkpoint's files that this one does not write: its other layout, and what it
-    # wrote beside the weights (another model's tokenizer files)
-    stale = [p for p in [directory / CHECKPOINT_FILE, directory / INDEX_FILE, *directory.glob(SHARD_PATTERN),
-                         *(directory / name for name in _files_written_by(directory))]
-             if p.is_file() and p not in writes]
-    _replace_atomically(writes)
+    with _locked(directory):  # one save at a time into a directory: no report of another run beside the weights
+        stale = _stale_files(directory, writes)
+        _replace_atomically(writes)
+        _remove_stale(stale, path)
+    return path
+
+
+def _stale_files(directory: Path, writes: dict) -> list[Path]:
+    """The previous checkpoint's files that this one does not write (its other layout, what it
+    wrote beside the weights: another model's tokenizer files), and the temporaries that an
+    interrupted save left (hidden `.NAME.<token>.tmp` / `.old`: under the lock, no save is running)."""
+    old = [p for p in [directory / CHECKPOINT_FILE, directory / INDEX_FILE, *directory.glob(SHARD_PATTERN),
+                       *(directory / name for name in _files_written_by(directory))]
+           if p.is_file() and p not in writes]
+    return old + [p for p in directory.glob(".*") if TEMPORARY.fullmatch(p.name) and p.is_file()]
+
+
+@contextmanager
+def _locked(directory: Path):
+    """An exclusive lock on the directory itself for the duration (flock on POSIX; elsewhere none):
+    a second save into it waits."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LowconvError(f"cannot create the directory {directory}: {_reason(err)}") from None
+    if os.name != "posix":
+        yield
+        return
+    import fcntl
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # the lock goes with it
+
+
+def _remove_stale(stale: list[Path], path: Path) -> None:
     for old in stale:
         try:
             old.unlink()
         except OSError as err:
             raise LowconvError(f"wrote {path}, but cannot remove {old} of the previous checkpoint: {_reason(err)}; "
                                f"remove it, or loaders may read it instead") from None
-    return path
 
 
 def _files_written_by(directory: Path) -> list[str]:
@@ -178,6 +212,10 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     if path == Path(directory) and not path.is_file():
         raise LowconvError(f"{path} does not exist")
     if not path.is_file():
+        aside = sorted(path.parent.glob(f".{path.name}.*.old"))
+        if aside:  # a save stopped between moving the old file aside and renaming the new one in
+            raise LowconvError(f"no {path.name} in {path.parent}/: a save was interrupted; the previous checkpoint "
+                               f"is {aside[0]} (rename it back), or convert again")
         raise LowconvError(f"no {path.name} in {path.parent}/: is this a lowconv output directory?")
     tensors, metadata = _read_shards(path) if path.name == INDEX_FILE else _read_file(path)
     if VERSION_KEY not in metadata:

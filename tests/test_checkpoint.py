@@ -433,3 +433,33 @@ def test_a_read_only_disk_is_named_even_where_the_clean_up_fails_too(tmp_path, m
     monkeypatch.setattr(Path, "unlink", read_only)
     with pytest.raises(LowconvError, match=f"cannot write {tmp_path / CHECKPOINT_FILE}: Read-only file system"):
         save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA)
+
+
+def test_temporaries_an_interrupted_save_left_are_reported_then_removed(tmp_path):
+    """A save killed between its renames leaves the old file moved aside and its new one as a
+    hidden temporary: load says so (where the checkpoint is missing), the next save removes them."""
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA)
+    (tmp_path / CHECKPOINT_FILE).rename(tmp_path / f".{CHECKPOINT_FILE}.0badc0de.old")
+    (tmp_path / f".{CHECKPOINT_FILE}.0badc0de.tmp").write_bytes(b"half a file")
+    with pytest.raises(LowconvError, match=rf"a save was interrupted; the previous checkpoint is .*\.{CHECKPOINT_FILE}"
+                                           rf"\.0badc0de\.old \(rename it back\)"):
+        read_checkpoint(tmp_path)
+    (tmp_path / ".notes.txt").write_text("the user's")
+    save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.txt", CHECKPOINT_FILE]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the lock is flock's")
+def test_a_second_save_into_a_directory_waits_for_the_first(tmp_path):
+    import fcntl
+    import threading
+    tmp_path.mkdir(exist_ok=True)
+    held = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a save in progress holds it
+    saving = threading.Thread(target=save_checkpoint, args=(tmp_path, {"w": torch.ones(2)}, METADATA))
+    saving.start()
+    saving.join(0.5)
+    assert saving.is_alive() and not (tmp_path / CHECKPOINT_FILE).exists()
+    os.close(held)
+    saving.join(10)
+    assert not saving.is_alive() and (tmp_path / CHECKPOINT_FILE).exists()
