@@ -187,7 +187,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name in names:
-            f.write(tensors[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+            f.write(_bytes_of(tensors[name]))
 
 
 def _file_writer(content: str | bytes) -> Callable[[Path], None]:
@@ -397,8 +397,13 @@ def _reason(err: Exception) -> str:
     return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
 
 
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes in memory order, as the file holds them (any dtype, 0-d and empty ones too)."""
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
+
+
 def _checksum(tensor: torch.Tensor) -> str:
-    return f"{zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data):08x}"
+    return f"{zlib.crc32(_bytes_of(tensor)):08x}"
 
 
 def _check_sums(text: str | None, tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -223,7 +223,7 @@ def nested_repeat(parsed, in_loop: bool = False) -> bool:
     backtracking engine can take exponential time there. Strict: some such patterns are linear."""
     for op, arg in parsed:
         if op in LOOPS:
-            low, high, body = arg
+            _, high, body = arg
             loops = high > 1
             if (loops and in_loop) or nested_repeat(body, in_loop or loops):
                 return True

@@ -6,8 +6,7 @@ JSON-able part that the plan stores).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.fx as fx
@@ -137,9 +136,9 @@ def description_problem(site: dict) -> str | None:
     info = site["info"]
     if not isinstance(info, dict) or info.get("type") not in INFO_TYPES:
         return f"its info's type is not one of {', '.join(INFO_TYPES)}"
-    fields = {f.name for f in dataclasses.fields(INFO_TYPES[info["type"]])}
-    if set(info) - {"type"} != fields:
-        return f"its {info['type']} fields are {sorted(set(info) - {'type'})}, not {sorted(fields)}"
+    names = {f.name for f in fields(INFO_TYPES[info["type"]])}
+    if set(info) - {"type"} != names:
+        return f"its {info['type']} fields are {sorted(set(info) - {'type'})}, not {sorted(names)}"
     if info.get("dtype") is not None and not is_dtype_name(info["dtype"]):
         return f"its info's dtype {str(info['dtype'])[:40]!r} is not a torch dtype"
     for key in ("input", "output"):

@@ -211,7 +211,8 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
         groups = unpack_bits(self.bitmask, self.in_features).reshape(self.out_features, -1, 4).sum(-1)
         wrong = (groups != 2).sum().item()
         if wrong:
-            return f"bitmask must keep 2 of every 4 weights; {wrong} groups of 4 keep {sorted(set(groups[groups != 2].tolist()))}"
+            kept = sorted(set(groups[groups != 2].tolist()))
+            return f"bitmask must keep 2 of every 4 weights; {wrong} groups of 4 keep {kept}"
         return None
 
 
