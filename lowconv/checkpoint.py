@@ -58,6 +58,7 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     if not_text:
         raise ValueError(f"checkpoint metadata values must be strings: {not_text}")
     stored, aliases = _store_shared_once(tensors)
+    stored = {name: t.cpu() for name, t in stored.items()}  # once: checksummed, then written
     metadata = {key: value for key, value in metadata.items() if key != ALIASES_KEY}
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
@@ -320,7 +321,7 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
     complete, rename them over their paths, the old files moved aside first and put back if a
     rename fails. A failure (a full disk, a file that cannot be replaced) leaves every path as it
     was, with a LowconvError naming the file; a crash during the renames can leave hidden
-    `.NAME.*.old` files beside them."""
+    `.NAME.*.old` files beside them (the next save removes them: _stale_files)."""
     for path in writes:
         if path.is_dir():
             raise LowconvError(f"cannot write {path}: it is a directory; nothing in {path.parent} was changed")
@@ -375,8 +376,8 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
 
 def _file_mode(path: Path, temporary: Path) -> int:
     """The permissions `path` keeps: its own, or for a new file what the umask gives any file the
-    user writes, read from `temporary` created as such a file (safetensors' save_file creates its
-    file 0600 whatever the umask; reading the umask itself means setting it, for every thread)."""
+    user writes, read from `temporary` created as such a file (whatever mode a writer gives its
+    file; reading the umask itself means setting it, for every thread)."""
     if path.exists():
         return path.stat().st_mode & 0o777
     descriptor = os.open(temporary, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o666)
