@@ -16,7 +16,8 @@ from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
 from lowconv.passes.mha_expand import expand_mha, mha_to_expand
-from lowconv.passes.rewrite import keep_frozen, rewrite, site_params, swap_module, tap_sites
+from lowconv.passes import hf_attention
+from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module, tap_sites
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
 from lowconv.plan import Plan
@@ -164,6 +165,10 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
                                                 timing and f"measured {timing.describe(decision.op)}"]))
     if len(modules) < len(todo):  # never-slower kept some sites: the warnings follow the final decisions
         plan.warnings = conversion_warnings(model, found, plan, recipe)
+    served = {site.fqn for site in served_sites(found.trace, found.sites, modules)}
+    for decision in todo:
+        if decision.fqn in served:
+            decision.note = "; ".join(filter(None, [hf_attention.PLAN_NOTE, decision.note]))
     converted = rewrite(found.model, found.trace, found.sites, modules)
     release_graphs(found.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)

@@ -30,7 +30,8 @@ from re import _constants as re_constants, _parser as re_parser  # the regex's p
 
 from lowconv.errors import LowconvError
 from lowconv.ops import OPS
-from lowconv.passes.trace import Trace, has_fused_path, hooked_inside
+from lowconv.passes.rewrite import replaces_region
+from lowconv.passes.trace import Trace, hooked_inside
 from lowconv.plan import Decision, Plan
 from lowconv.site import Site
 
@@ -306,10 +307,9 @@ def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, re
         for rule in recipe.rules
         if not rule.optional and not any(rule_matches(rule, s) for s in sites)
     ]
-    # Regions whose traced graph replaces their module (see passes/rewrite.py)
-    graphs = {r.fqn for r in trace.regions if r.graph is not None and has_fused_path(r.module)}
-    rewritten = {d.site["region"] for d in decisions
-                 if d.converted and (not d.site["module_backed"] or d.site["region"] in graphs)}
+    converted = {d.fqn for d in decisions if d.converted}
+    rewritten = {r.fqn for r in trace.regions
+                 if replaces_region(r, [s for s in sites if s.region == r.fqn and s.fqn in converted])}
     warnings += [
         f"region {r.fqn or '(whole model)'} branches on self.training: it was traced in eval mode and "
         f"keeps eval behaviour (e.g. no functional dropout) when the converted model trains"

@@ -308,26 +308,47 @@ class SparseAttention(nn.Module):
         self.compute_dtype = compute_dtype  # None: q's dtype
         self.layout, self.window, self.backend = layout, window, backend
 
-    def forward(self, q, k, v, mask=None):
+    def forward(self, q, k, v, mask=None, *, is_causal: bool | None = None, scale: float | None = None,
+                dropout: float | None = None):
+        """The site's attention. Given is_causal, the call brings its own causality, scale and
+        dropout (transformers' attention interface decides them per call, passes/hf_attention.py),
+        and its mask's kind is read from its dtype, as SDPA reads it."""
+        per_call = is_causal is not None
         if mask is None:
             kind = "none"
-        elif self.mask_kind_from_dtype:
+        elif self.mask_kind_from_dtype or per_call:
             kind = "keep" if mask.dtype == torch.bool else "additive"
         else:
             kind = self.mask
         dtype = self.compute_dtype or q.dtype
-        dropout = self.dropout if self.training else 0.0
-        causal = self.causal and not self.one_query_of_many_keys(q, k)
-        check_attention_inputs(q, k, v, mask, kind, causal, self.scale, dropout, dtype)
+        if per_call:
+            self.check_call(q, k, is_causal)
+            causal = is_causal
+        else:
+            causal = self.causal and not self.one_query_of_many_keys(q, k)
+            scale, dropout = self.scale, self.dropout if self.training else 0.0
+        check_attention_inputs(q, k, v, mask, kind, causal, scale, dropout, dtype)
         band, listed = kernel_band(self.layout, self.window, causal)
         kernel_mask = ~mask if kind == "drop" else mask  # block_attention's: True attends
         plan = plan_call(self.backend, q, k, v, dtype, dropout, band, self.window, listed, (kernel_mask, None),
                          (mask,), ("functional", kind, band, self.window, q.shape[-2], k.shape[-2]))
         out = attend(q, k, v, plan, band=band, window=self.window, mask=kernel_mask, key_padding_mask=None,
-                     scale=self.scale, dropout=dropout, dtype=dtype, validate=False)
-        if self.finite_fill and kind in ("keep", "drop"):
+                     scale=scale, dropout=dropout, dtype=dtype, validate=False)
+        if self.finite_fill and not per_call and kind in ("keep", "drop"):
             out = mean_where_all_masked(out, v, kernel_mask)
         return out
+
+    def check_call(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+        """What the layout cannot do on a call that brings its own causality: attend past a causal
+        call's diagonal (dense), or place a window where queries and keys differ in number (a
+        decoding step with a KV cache): the band is aligned at the first key, the cache's end is not."""
+        problem = layout_problem(self.layout, causal, True)
+        if problem:
+            raise ValueError(f"attention: {problem}")
+        if self.layout == "local" and q.shape[-2] != k.shape[-2]:
+            raise ValueError(f'attention: layout "local" aligns its window at the first key; a call with '
+                             f"{q.shape[-2]} queries and {k.shape[-2]} keys (a step over a KV cache) needs it "
+                             f"at the last: convert with another layout to decode")
 
     def one_query_of_many_keys(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether a causal mask made for as many queries as keys meets one query and more keys

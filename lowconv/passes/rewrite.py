@@ -5,7 +5,10 @@ at the same FQN. A site that is a piece of graph (F.linear, addmm, SDPA, hand-wr
 becomes one call_module of the op module, registered at the site's FQN; the old nodes and the
 parameters only they used are removed, and the region's GraphModule takes the place of the
 region's module in the model (a region with swaps only keeps its own module and class, unless a
-module in it has a fused inference path that reads the swapped modules' weights). SpTr's
+module in it has a fused inference path that reads the swapped modules' weights). An attention
+site of a transformers attention module is not a piece of graph to replace: its op module goes
+beside that module, which calls it through transformers' attention interface (hf_attention.py),
+so a region with such sites and swaps keeps its class too. SpTr's
 pair layout that only converted window attention reads is then dropped (window_rows.py).
 The model passed in is changed: callers pass their own copy.
 """
@@ -15,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from lowconv.passes import hf_attention
 from lowconv.passes.trace import HOOKS, Region, Trace, has_fused_path, has_hooks, recompile
 from lowconv.passes.window_rows import drop_pair_layouts
 from lowconv.site import Site
@@ -130,10 +134,12 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
             continue
         for site in todo:
             modules[site.fqn].train(region.module.training)
-        if all(s.module_backed for s in todo) and not has_fused_path(region.module):
-            # swaps only: the model keeps its own classes
+        if not replaces_region(region, todo):  # the model keeps its own classes
             for site in todo:
-                model = swap_module(model, site.fqn, modules[site.fqn])
+                if site.module_backed:
+                    model = swap_module(model, site.fqn, modules[site.fqn])
+                else:
+                    hf_attention.attach(model, site, modules[site.fqn])
             continue
         gm, replaced = region.graph, {}
         for site in todo:
@@ -147,6 +153,24 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         model = swap_module(model, region.fqn, gm)
     leave_fused_paths(model, modules.values())
     return model
+
+
+def replaces_region(region: Region, converted: list[Site]) -> bool:
+    """Whether converting these sites of the region replaces its module by its rewritten graph:
+    where a site is a piece of graph (not a module, nor an attention that transformers' interface
+    calls), or a module with a fused inference path would read swapped modules' weights."""
+    return (any(not s.module_backed and not hf_attention.served(s, region) for s in converted)
+            or (bool(converted) and has_fused_path(region.module)))
+
+
+def served_sites(trace: Trace, sites: list[Site], converted) -> list[Site]:
+    """The sites (of those whose FQN is in `converted`) that transformers' attention interface will call."""
+    served = []
+    for region in trace.regions:
+        todo = [s for s in sites if s.region == region.fqn and s.fqn in converted]
+        if not replaces_region(region, todo):
+            served += [s for s in todo if not s.module_backed]
+    return served
 
 
 def leave_fused_paths(model: nn.Module, converted) -> None:

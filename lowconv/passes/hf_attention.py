@@ -1,0 +1,101 @@
+"""Attention sites of transformers models, converted through transformers' attention interface.
+
+A transformers attention module (LlamaAttention, GPT2Attention, BertSelfAttention, ...) computes
+its core attention by calling the function that `ALL_ATTENTION_FUNCTIONS` holds under its config's
+`_attn_implementation` ("sdpa", "eager", ...). Such a site is not rewritten in a graph: its op
+module goes beside the module's own, at the site's FQN, and the config names "lowconv", which this
+file registers with transformers: `attention_forward` for the attention and SDPA's mask function
+for the masks the model makes. So the model keeps its class, `generate`, its KV cache and config,
+and every call (a prefill, a decoding step, lengths never traced) runs the op module with the
+causality, scale and dropout that transformers passes, decided per call as its SDPA function
+decides them. Attention modules that share the config but whose site was kept run transformers'
+SDPA function (for a model made with "eager": the same attention, on the SDPA-style masks).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowconv.errors import LowconvError
+from lowconv.passes.trace import Region
+from lowconv.site import Site
+
+IMPLEMENTATION = "lowconv"  # the name registered with transformers' interfaces
+OP_NAME = "lowconv_attention"  # the attention module's attribute that names its op module
+INTERFACE_IMPLEMENTATIONS = ("sdpa", "eager", IMPLEMENTATION)  # what a served module may be set to
+# Arguments of transformers' attention functions that change the attention and that the op does not take.
+NOT_TAKEN = ("position_bias", "softcap", "s_aux", "sinks", "cache")
+PLAN_NOTE = ("called through transformers' attention interface (the model keeps its class and generate(); "
+             "causality, scale and masks come with each call)")
+
+
+def owner_path(site: Site) -> str:
+    """The FQN of the module whose forward made the site (attention.site_fqn names it owner.attention)."""
+    return site.fqn.rpartition(".")[0]
+
+
+def dispatches_through_interface(module: nn.Module) -> bool:
+    """Whether `module` computes its attention by calling what transformers' interface holds
+    under its config's implementation, one that the config may be switched from."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    forward = getattr(type(module).forward, "__code__", None)
+    return (implementation in INTERFACE_IMPLEMENTATIONS and forward is not None
+            and "ALL_ATTENTION_FUNCTIONS" in forward.co_names)
+
+
+def served(site: Site, region: Region) -> bool:
+    """Whether a converted site of `region` goes through the interface rather than into its graph."""
+    if site.kind != "attention" or site.module_backed or site.info.form not in ("sdpa", "handwritten"):
+        return False
+    owner = owner_path(site)  # inside the region, as every site of it
+    inside = "" if owner == region.fqn else owner[len(region.fqn) + 1:] if region.fqn else owner
+    return dispatches_through_interface(region.module.get_submodule(inside))
+
+
+def attach(model: nn.Module, site: Site, module: nn.Module) -> None:
+    """Put `module` at the site's FQN, beside its attention module's own, and route that module's
+    attention to it (its config's implementation becomes "lowconv")."""
+    register()
+    owner = model.get_submodule(owner_path(site))
+    name = site.fqn.rpartition(".")[2]
+    owner.add_module(name, module)
+    setattr(owner, OP_NAME, name)
+    owner.config._attn_implementation = IMPLEMENTATION
+
+
+def register() -> None:
+    """Make "lowconv" an attention implementation that transformers knows (at every attach: a model
+    loaded in a new process registers it again)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for "lowconv": (output (batch, seq, heads, head_dim), None).
+
+    q (batch, heads, seq_q, d), k and v (batch, kv_heads, seq_k, d): grouped heads go to the op
+    as they are. Causal where transformers' SDPA function is: more than one query, no mask, and
+    the module causal; a causal call over more keys than queries (an empty static cache at
+    prefill) attends to the first seq_q keys, as SDPA's top-left causal band does.
+    """
+    name = getattr(module, OP_NAME, None)
+    if name is None:  # a kept site of a model whose config says "lowconv"
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    given = [arg for arg in NOT_TAKEN if kwargs.get(arg) is not None]
+    if given:
+        raise LowconvError(f"{type(module).__name__}: lowconv's attention op does not take {', '.join(given)} "
+                           f"(this attention was converted where the model did not pass it)")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    if causal and key.shape[2] > query.shape[2]:
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    out = getattr(module, name)(query, key, value, attention_mask, is_causal=bool(causal), scale=scaling,
+                                dropout=dropout)
+    return out.transpose(1, 2).contiguous(), None

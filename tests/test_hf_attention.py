@@ -1,0 +1,134 @@
+"""Attention of transformers models converted through transformers' attention interface
+(passes/hf_attention.py): the model keeps its class and config, generate() runs with its KV cache,
+and each call (prefill, decoding step, padding, lengths never traced) computes what the original does."""
+import types
+
+import pytest
+import torch
+
+import lowconv
+from lowconv.errors import LowconvError
+from lowconv.passes import hf_attention
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
+
+# The op in float32 (dtype "auto": the dtype q arrives in): the converted model computes what the original does.
+EXACT = """
+name = "exact-attention"
+[[rules]]
+kind = "attention"
+op = "sparse_attention"
+"""
+
+
+def build(family: str, attention: str):
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          attn_implementation=attention)
+        return transformers.LlamaForCausalLM(config).eval()
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         attn_implementation=attention)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64, attn_implementation=attention)
+    return transformers.BertModel(config).eval()
+
+
+def padded(batch: int, length: int, pad: int):
+    ids = torch.randint(1, 128, (batch, length))
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0  # left padding, as generate() takes a batch
+    return ids, mask
+
+
+@pytest.fixture
+def exact(tmp_path):
+    path = tmp_path / "exact.toml"
+    path.write_text(EXACT)
+    return path
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_converted_attention_keeps_the_class_and_answers_every_call(family, attention, exact):
+    model = build(family, attention)
+    ids, mask = padded(2, 12, 3)
+    converted = lowconv.convert(model, exact, {"input_ids": ids, "attention_mask": mask})
+    attention_sites = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    assert len(attention_sites) == 2 and all(d.converted for d in attention_sites)
+    assert all(d.note.startswith("called through transformers' attention interface") for d in attention_sites)
+    assert type(converted) is type(model) and converted.config._attn_implementation == "lowconv"
+    assert model.config._attn_implementation == attention  # the user's model is left as it was
+    assert not any(isinstance(m, torch.fx.GraphModule) for m in converted.modules())
+    calls = []
+    converted.get_submodule(attention_sites[0].fqn).register_forward_hook(lambda *_: calls.append(1))
+    ids, mask = padded(3, 7, 2)  # another batch and length, other padding
+    with torch.no_grad():
+        want, got = model(input_ids=ids, attention_mask=mask), converted(input_ids=ids, attention_mask=mask)
+    assert calls == [1]
+    key = "last_hidden_state" if family == "bert" else "logits"
+    torch.testing.assert_close(got[key][mask.bool()], want[key][mask.bool()], rtol=1e-4, atol=1e-5)
+    if family != "bert":  # a prefill over the padded prompt, then decoding steps over the cache
+        greedy = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(converted.generate(ids, **greedy), model.generate(ids, **greedy))
+        assert len(calls) > 6
+
+
+def test_a_saved_conversion_loads_with_its_attention_routed_again(exact, tmp_path):
+    model = build("llama", "sdpa")
+    ids, _ = padded(2, 12, 0)
+    converted = lowconv.convert(model, exact, (ids,))
+    lowconv.save(converted, tmp_path / "out")
+    loaded = lowconv.load(model, tmp_path / "out", (ids,))
+    assert type(loaded) is type(model) and loaded.config._attn_implementation == "lowconv"
+    prompt = ids[:, :5]  # no padding: the prefill is causal without a mask, each step one query without one
+    greedy = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(loaded.generate(prompt, **greedy), model.generate(prompt, **greedy))
+    report = lowconv.compare(model, loaded, (ids,))
+    attention = [row for row in report.sites if row.op == "sparse_attention"]
+    assert len(attention) == 2 and all(row.alone.sqnr_db > 100 for row in attention)
+
+
+def test_a_kept_attention_runs_transformers_sdpa_beside_a_converted_one(exact, tmp_path):
+    model = build("llama", "eager")
+    recipe = tmp_path / "first.toml"
+    recipe.write_text(EXACT + 'modules = ["model.layers.0.self_attn.attention"]\n')
+    ids, mask = padded(2, 10, 4)
+    converted = lowconv.convert(model, recipe, {"input_ids": ids, "attention_mask": mask})
+    assert [d.fqn for d in converted.lowconv_plan.converted()] == ["model.layers.0.self_attn.attention"]
+    assert not hasattr(converted.model.layers[1].self_attn, hf_attention.OP_NAME)
+    with torch.no_grad():
+        want, got = model(input_ids=ids, attention_mask=mask), converted(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.logits[mask.bool()], want.logits[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
+def test_the_converted_model_compiles_whole(exact):
+    model = build("llama", "sdpa")
+    ids, _ = padded(2, 12, 0)
+    converted = lowconv.convert(model, exact, (ids,))
+    compiled = torch.compile(converted, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, converted(ids).logits)
+
+
+def test_a_local_window_refuses_a_decoding_step_with_the_reason(tmp_path):
+    model = build("llama", "sdpa")
+    recipe = tmp_path / "local.toml"
+    recipe.write_text(EXACT + 'options = { layout = "local", window = 4 }\n')
+    ids, _ = padded(2, 12, 0)
+    converted = lowconv.convert(model, recipe, (ids,))
+    converted(ids)  # a prefill: as many queries as keys
+    with pytest.raises(ValueError, match='layout "local" aligns its window at the first key'):
+        converted.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_arguments_the_op_does_not_take_are_refused_by_name():
+    module = types.SimpleNamespace(lowconv_attention="attention", attention=lambda *a, **k: None, is_causal=True)
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(LowconvError, match="does not take position_bias"):
+        hf_attention.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(LowconvError, match="does not take softcap"):
+        hf_attention.attention_forward(module, q, q, q, None, softcap=30.0)
