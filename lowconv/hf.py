@@ -10,8 +10,10 @@ files are copied beside it (checkpoint.py shards the weights above 5 GB, as tran
 compressed-tensors' FP8 schemes as lowconv writes them (the tensor names are already theirs:
 `weight` e4m3, `weight_scale` (1,) or (out, 1), `input_scale` (1,) for static scales):
   granularity "row":    weights strategy "channel"; dynamic activations strategy "token"
+  granularity "token":  weights strategy "tensor";  dynamic activations strategy "token"
   granularity "tensor": weights strategy "tensor";  dynamic activations strategy "tensor" (vLLM
-                        runs dynamic FP8 activations per token, which is closer, not the same)
+                        runs dynamic FP8 activations per token, which is closer, not the same:
+                        "token" is what it runs)
   scaling "static":     activations strategy "tensor", dynamic false, input_scale stored
   scaling "delayed", training modules (master weights), Conv1D sites (GPT-2's: lowconv stores their
   weights (out, in) under HF's (in, out) names) and every other op: no such form.
@@ -29,6 +31,7 @@ from pathlib import Path
 from torch import nn
 
 from lowconv.errors import LowconvError
+from lowconv.kernels.fp8 import LINEAR_GRANULARITIES
 from lowconv.plan import Plan
 
 # What the plan records of a transformers model (Plan.model): its config, and the local directory
@@ -110,12 +113,12 @@ def fp8_scheme(options: dict) -> dict | None:
     """compressed-tensors' weights and input_activations of an fp8 site's options (module doc)."""
     if options.get("training") or options.get("scaling") not in ("dynamic", "static"):
         return None
-    row = options.get("granularity") == "row"
-    weights = {**FP8_ARGS, "strategy": "channel" if row else "tensor", "dynamic": False}
+    x_scales, w_scales = LINEAR_GRANULARITIES[options.get("granularity", "tensor")]
+    weights = {**FP8_ARGS, "strategy": "channel" if w_scales == "row" else "tensor", "dynamic": False}
     if options["scaling"] == "static":
         inputs = {**FP8_ARGS, "strategy": "tensor", "dynamic": False}
     else:
-        inputs = {**FP8_ARGS, "strategy": "token" if row else "tensor", "dynamic": True}
+        inputs = {**FP8_ARGS, "strategy": "token" if x_scales == "row" else "tensor", "dynamic": True}
     return {"weights": weights, "input_activations": inputs}
 
 

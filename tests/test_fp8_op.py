@@ -5,7 +5,8 @@ from torch import nn
 
 import lowconv
 from lowconv.kernels.fp8 import (
-    E4M3, E5M2, FP8_MAX, quantize_rowwise, quantize_tensorwise, quantize_weight, quantize_with_scale,
+    E4M3, E5M2, FP8_MAX, fp8_linear_reference, quantize_rowwise, quantize_tensorwise, quantize_weight,
+    quantize_with_scale,
 )
 from lowconv.ops.fp8 import Fp8Options, check, empty, from_site
 from tests import sites
@@ -94,21 +95,37 @@ def test_linear_sqnr_vs_float64():
     x = torch.randn(M, K) * torch.logspace(-4, 2, M).unsqueeze(1)
     ref = F.linear(x.double(), w.double())
     worst = {}
-    for g in ("tensor", "row"):
+    for g in ("tensor", "row", "token"):
         y = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity=g), {"weight": w})(x)
         worst[g] = min(sqnr_db(ref[i], y[i]) for i in range(M))
-    assert worst["row"] > 20
-    assert worst["tensor"] < worst["row"] - 10
+    assert worst["row"] > 20 and worst["token"] > 20  # per-token scales keep the small tokens
+    assert worst["tensor"] < worst["token"] - 10
 
 
-@pytest.mark.parametrize("scaling", ["dynamic", "static", "delayed"])
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_token_granularity_scales_x_per_token_and_w_once():
+    K, N, M = 64, 32, 16
+    w, x = torch.randn(N, K), torch.randn(M, K) * torch.logspace(-3, 1, M).unsqueeze(1)
+    module = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity="token"), {"weight": w})
+    w_fp8, w_scale = quantize_tensorwise(w, E4M3)
+    x_fp8, x_scale = quantize_rowwise(x, E4M3)
+    assert module.weight_scale.shape == (1,) and torch.equal(module.weight, w_fp8)
+    assert torch.equal(module(x), fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, None, torch.float32))
+
+
+@pytest.mark.parametrize("scaling", ["static", "delayed"])
+def test_token_granularity_is_refused_where_x_has_one_fixed_scale(scaling):
+    with pytest.raises(ValueError, match='"token" scales x per token'):
+        Fp8Options(scaling=scaling, granularity="token")
+
+
+@pytest.mark.parametrize("scaling, granularity", [(s, g) for s in ("dynamic", "static", "delayed") for g in ("tensor", "row")]
+                         + [("dynamic", "token")])
 def test_state_dict_layout(scaling, granularity):
     site = linear_site(32, 48)
     sd = empty(site, Fp8Options(scaling=scaling, granularity=granularity, amax_history_len=5)).state_dict()
     expected = {
         "weight": ((48, 32), E4M3),
-        "weight_scale": ((1,) if granularity == "tensor" else (48, 1), torch.bfloat16),
+        "weight_scale": ((48, 1) if granularity == "row" else (1,), torch.bfloat16),
         "bias": ((48,), torch.bfloat16),
     }
     if scaling == "static":
@@ -144,8 +161,9 @@ def calibrate(module, *inputs):
 
 
 @pytest.mark.parametrize("options", [
-    Fp8Options(), Fp8Options(granularity="row"), Fp8Options(scaling="static"), Fp8Options(scaling="delayed"),
-    Fp8Options(training=True), Fp8Options(training=True, scaling="static", granularity="row"),
+    Fp8Options(), Fp8Options(granularity="row"), Fp8Options(granularity="token"), Fp8Options(scaling="static"),
+    Fp8Options(scaling="delayed"), Fp8Options(training=True), Fp8Options(training=True, granularity="token"),
+    Fp8Options(training=True, scaling="static", granularity="row"),
 ], ids=repr)
 def test_from_site_equals_empty_plus_load(options):
     site = linear_site(64, 32)
@@ -233,7 +251,7 @@ def test_delayed_most_recent_reduction_scales_by_the_last_steps_amax():
     assert module.report_stats()["clipped"] == 64
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "token"])
 def test_training_grads_vs_float64(granularity):
     K, N, M = 128, 64, 32
     w, b, x, grad_out = torch.randn(N, K), torch.randn(N), torch.randn(M, K), torch.randn(M, N)

@@ -59,6 +59,8 @@ def test_the_schemes_written_for_each_fp8_option():
         "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
         "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
                               "dynamic": True}}
+    token = fp8_scheme({"scaling": "dynamic", "granularity": "token"})  # vLLM's dynamic FP8, one weight scale
+    assert (token["weights"]["strategy"], token["input_activations"]["strategy"]) == ("tensor", "token")
     static = fp8_scheme({"scaling": "static", "granularity": "tensor"})
     assert static["input_activations"]["strategy"] == "tensor" and not static["input_activations"]["dynamic"]
     assert fp8_scheme({"scaling": "delayed", "granularity": "tensor"}) is None

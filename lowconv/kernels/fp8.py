@@ -22,6 +22,9 @@ from lowconv.kernels import fp8_quant
 E4M3 = torch.float8_e4m3fn  # forward: weights and activations
 E5M2 = torch.float8_e5m2  # backward: gradients (wider range, fewer mantissa bits)
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
+# A linear's granularity: how its x and its W are scaled when quantized dynamically ("token": x per
+# token, W per tensor, vLLM's dynamic FP8 scheme for a per-tensor weight scale).
+LINEAR_GRANULARITIES = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "token": ("row", "tensor")}
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -110,17 +113,20 @@ def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
 def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,
                         clipped: torch.Tensor | None = None):
     """e4m3 x with a fixed dequant `scale` (static or delayed scaling; saturated values added to
-    `clipped`), or dynamically at granularity."""
-    return quantize(x, granularity) if scale is None else quantize_with_scale(x, scale, E4M3, clipped)
+    `clipped`), or dynamically as the linear's granularity scales x."""
+    if scale is None:
+        return quantize(x, LINEAR_GRANULARITIES[granularity][0])
+    return quantize_with_scale(x, scale, E4M3, clipped)
 
 
 def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.dtype):
-    """(w_fp8, scale in scale_dtype) for storing: (1,) per tensor or (out, 1) per output channel.
+    """(w_fp8, scale in scale_dtype) for storing, as the linear's granularity scales W: (1,) per
+    tensor or (out, 1) per output channel.
 
     The scale is rounded *up* to scale_dtype and the weight quantized with that rounded scale, so
     the stored pair is self-consistent (w ~= w_fp8 * stored scale) and the max still fits.
     """
-    _, scale = quantize(weight, granularity)
+    _, scale = quantize(weight, LINEAR_GRANULARITIES[granularity][1])
     stored = scale.to(scale_dtype)
     stored = torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
     return cast_with_scale(weight, stored, E4M3)[0], stored
@@ -284,7 +290,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False, clipped=None):
         x_fp8, x_t, x_scale = quantize_for_training(x.reshape(-1, x.shape[-1]), granularity, x_scale, clipped)
-        w_fp8, w_t, w_scale = quantize_for_training(weight, granularity)
+        w_fp8, w_t, w_scale = quantize_for_training(weight, LINEAR_GRANULARITIES[granularity][1])
         ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)

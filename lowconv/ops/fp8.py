@@ -8,8 +8,12 @@ State dict (inference, compressed-tensors names):
     amax_history  (amax_history_len,) float32, delayed scaling only
 Training (options.training): `weight` is the high-precision master weight; no weight_scale.
 
+granularity, dynamic scaling (kernels/fp8.py LINEAR_GRANULARITIES):
+    tensor   one scale for x, one for W
+    row      a scale per token of x, per output channel of W
+    token    a scale per token of x, one for W (vLLM's dynamic FP8 with a per-tensor weight scale)
 Static and delayed scales take x per tensor (tokens vary; a per-token scale cannot be fixed);
-`granularity` then applies to W only.
+`granularity` then applies to W only, and "token" (which means per-token x) is refused.
 """
 from dataclasses import dataclass
 from typing import Literal
@@ -19,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    E4M3, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale, dequantize, fp8_frozen_linear,
-    quantize_weight,
+    E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale, dequantize,
+    fp8_frozen_linear, quantize_weight,
 )
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
@@ -33,7 +37,7 @@ MAX_AMAX_HISTORY = 1024  # TransformerEngine's longest recommended history; long
 @dataclass
 class Fp8Options:
     scaling: Literal["dynamic", "static", "delayed"] = "dynamic"  # how x's scale is chosen
-    granularity: Literal["tensor", "row"] = "tensor"  # row: per output channel of W, per token of x
+    granularity: Literal["tensor", "row", "token"] = "tensor"  # how x and W are scaled: see the module doc
     fast_accum: bool = True  # cuBLASLt's fast accumulation in the forward GEMM (CUDA; elsewhere fp32 accumulation)
     training: bool = False  # keep a high-precision master weight and train through FP8 GEMMs
     amax_history_len: int = 16  # delayed scaling: how many past amaxes of x are kept
@@ -42,6 +46,9 @@ class Fp8Options:
     amax_reduction: Literal["max", "most_recent"] = "max"
 
     def __post_init__(self):
+        if self.granularity == "token" and self.scaling != "dynamic":
+            raise ValueError(f'"token" scales x per token as it comes; {self.scaling} scaling fixes one scale for x '
+                             f'(use "tensor", or "row" for a scale per output channel of W)', "granularity")
         if not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
             raise ValueError(f"must be in [1, {MAX_AMAX_HISTORY}] (got {self.amax_history_len})", "amax_history_len")
 
@@ -53,7 +60,7 @@ class Fp8Linear(nn.Module):
         if options.training:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         else:
-            scale_shape = (1,) if options.granularity == "tensor" else (out_features, 1)
+            scale_shape = (1,) if LINEAR_GRANULARITIES[options.granularity][1] == "tensor" else (out_features, 1)
             self.register_buffer("weight", torch.empty(out_features, in_features, dtype=E4M3))
             self.register_buffer("weight_scale", torch.empty(scale_shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
