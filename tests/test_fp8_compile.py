@@ -10,7 +10,7 @@ from tests import sites
 from tests.compiled import compile_recording, lowconv_ops
 
 MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
-         [("dynamic", "tensor"), ("dynamic", "row"), ("static", "tensor"), ("delayed", "row")]
+         [("dynamic", "tensor"), ("dynamic", "row"), ("dynamic", "token"), ("static", "tensor"), ("delayed", "row")]
          for t in (False, True)]
 
 

@@ -56,8 +56,8 @@ def assert_one_rounding_apart(y, ref):
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("bias_dtype", [None, "out", torch.float32], ids=["no bias", "bias in out dtype", "fp32 bias"])
-@pytest.mark.parametrize("granularity", [("tensor", "tensor"), ("row", "row"), ("tensor", "row")],
-                         ids=["tensorwise", "rowwise", "tensor x, row w"])
+@pytest.mark.parametrize("granularity", [("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("row", "tensor")],
+                         ids=["tensorwise", "rowwise", "tensor x, row w", "row x, tensor w"])
 def test_scaled_mm_path_matches_the_reference(granularity, bias_dtype, out_dtype, scaled_mm_calls):
     x_fp8, x_scale, w_fp8, w_scale = operands(*granularity)
     bias = None if bias_dtype is None else torch.randn(48).to(out_dtype if bias_dtype == "out" else bias_dtype)
@@ -139,7 +139,7 @@ def test_cublaslt_matches_the_reference(granularity, out_dtype, scaled_mm_calls)
     assert ((fast.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "token"])
 def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradient(granularity, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(32, 64, generator=gen).requires_grad_()
@@ -152,8 +152,9 @@ def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradie
     fp8.Fp8LinearFunction.apply(x, w, None, None, granularity).backward(grad)
     assert gemms == [fp8.E4M3, fp8.E5M2, fp8.E5M2]  # forward, dX, dW: FP8 GEMMs, e5m2 gradients
 
-    x_fp8, x_scale = quantize(x.detach(), granularity)
-    w_fp8, w_scale = quantize(w.detach(), granularity)
+    x_granularity, w_granularity = fp8.LINEAR_GRANULARITIES[granularity]
+    x_fp8, x_scale = quantize(x.detach(), x_granularity)
+    w_fp8, w_scale = quantize(w.detach(), w_granularity)
     g_x = fp8.dequantize(*fp8.quantize_tensorwise(grad * w_scale.reshape(1, -1), fp8.E5M2))
     g_w = fp8.dequantize(*fp8.quantize_tensorwise(grad * x_scale.reshape(-1, 1), fp8.E5M2))
     assert_one_rounding_apart(x.grad, g_x @ w_fp8.float())
@@ -163,7 +164,7 @@ def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradie
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "token"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_training_on_cuda_matches_the_cpu_reference(granularity, static, dtype, monkeypatch):
     """The CUDA path (Triton quantizers writing the transposed layouts, cuBLASLt GEMMs) against the
@@ -192,4 +193,4 @@ def test_training_on_cuda_matches_the_cpu_reference(granularity, static, dtype, 
     if static:
         assert cuda_clipped.item() == cpu_clipped.item() > 0
     assert "quantize_tensorwise_transposed" in transposing  # dY^T for dW, always tensorwise
-    assert ("transposed_with_scale" in transposing) == (static or granularity == "tensor")  # x^T, W^T
+    assert ("transposed_with_scale" in transposing) == (static or granularity != "row")  # x^T, W^T (tensor scales)
