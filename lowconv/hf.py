@@ -11,6 +11,8 @@ compressed-tensors' FP8 schemes as lowconv writes them (the tensor names are alr
 `weight` e4m3, `weight_scale` (1,) or (out, 1), `input_scale` (1,) for static scales):
   granularity "row":    weights strategy "channel"; dynamic activations strategy "token"
   granularity "token":  weights strategy "tensor";  dynamic activations strategy "token"
+  granularity "block":  weights strategy "block" (block_structure [128, 128]); dynamic activations
+                        strategy "group" (group_size 128): FP8_BLOCK
   granularity "tensor": weights strategy "tensor";  dynamic activations strategy "tensor" (vLLM
                         runs dynamic FP8 activations per token, which is closer, not the same:
                         "token" is what it runs)
@@ -31,7 +33,7 @@ from pathlib import Path
 from torch import nn
 
 from lowconv.errors import LowconvError
-from lowconv.kernels.fp8 import LINEAR_GRANULARITIES
+from lowconv.kernels.fp8 import BLOCK, LINEAR_GRANULARITIES
 from lowconv.plan import Plan
 
 # What the plan records of a transformers model (Plan.model): its config, and the local directory
@@ -114,11 +116,15 @@ def fp8_scheme(options: dict) -> dict | None:
     if options.get("training") or options.get("scaling") not in ("dynamic", "static"):
         return None
     x_scales, w_scales = LINEAR_GRANULARITIES[options.get("granularity", "tensor")]
-    weights = {**FP8_ARGS, "strategy": "channel" if w_scales == "row" else "tensor", "dynamic": False}
+    weights = {**FP8_ARGS, "strategy": {"row": "channel"}.get(w_scales, w_scales), "dynamic": False}
+    if w_scales == "block":
+        weights["block_structure"] = [BLOCK, BLOCK]
     if options["scaling"] == "static":
         inputs = {**FP8_ARGS, "strategy": "tensor", "dynamic": False}
     else:
-        inputs = {**FP8_ARGS, "strategy": "token" if x_scales == "row" else "tensor", "dynamic": True}
+        inputs = {**FP8_ARGS, "strategy": {"row": "token"}.get(x_scales, x_scales), "dynamic": True}
+        if x_scales == "group":
+            inputs["group_size"] = BLOCK
     return {"weights": weights, "input_activations": inputs}
 
 

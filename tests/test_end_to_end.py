@@ -28,7 +28,9 @@ def test_convert_save_load_compare(example, recipe, tmp_path):
 
     converted = lowconv.convert(model, recipe, inputs)
     plan = converted.lowconv_plan
-    if recipe != "keep-all":
+    # the examples' linears are narrower than fp8-block's 128 x 128 tiles: kept, with that reason
+    whole_tiles_only = recipe == "fp8-block" and any("divisible by 128" in d.reason for d in plan.decisions)
+    if recipe != "keep-all" and not whole_tiles_only:
         assert plan.converted(), f"{recipe} converted nothing in {example}"
     lowconv.save(converted, tmp_path)
     again = lowconv.load(model, tmp_path)

@@ -11,7 +11,7 @@ from tests.compiled import compile_recording, lowconv_ops
 
 MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
          [("dynamic", "tensor"), ("dynamic", "row"), ("dynamic", "token"), ("static", "tensor"), ("delayed", "row")]
-         for t in (False, True)]
+         for t in (False, True)] + [Fp8Options(granularity="block")]  # block: inference only
 
 
 def fp8_module(options, dtype=torch.float32):

@@ -139,6 +139,22 @@ def test_cublaslt_matches_the_reference(granularity, out_dtype, scaled_mm_calls)
     assert ((fast.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="cuBLASLt's block scaling runs on sm_90")
+@pytest.mark.parametrize("rows", [256, 250], ids=["M 256", "M 250 (padded to 252)"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
+def test_cublaslt_block_scaling_matches_the_reference(rows, with_bias, scaled_mm_calls):
+    x_fp8, x_scale, w_fp8, w_scale = (t.cuda() for t in operands("group", "block", shape=(2, rows, 512), n=384))
+    assert x_scale.shape == (2, rows, 4) and w_scale.shape == (3, 4)
+    bias = torch.randn(384, device="cuda").to(torch.bfloat16) if with_bias else None
+    ref = fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16)
+    got = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16)
+    assert scaled_mm_calls
+    # block scales apply per K block's partial sum: the same terms in another order (a bias adds a rounding)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 4e-3
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row", "token"])
 def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradient(granularity, monkeypatch):
     gen = torch.Generator().manual_seed(1)

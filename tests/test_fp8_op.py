@@ -5,8 +5,8 @@ from torch import nn
 
 import lowconv
 from lowconv.kernels.fp8 import (
-    E4M3, E5M2, FP8_MAX, fp8_linear_reference, quantize_rowwise, quantize_tensorwise, quantize_weight,
-    quantize_with_scale,
+    BLOCK, E4M3, E5M2, FP8_MAX, dequantize, fp8_linear_reference, quantize, quantize_rowwise, quantize_tensorwise,
+    quantize_weight, quantize_with_scale,
 )
 from lowconv.ops.fp8 import Fp8Options, check, empty, from_site
 from tests import sites
@@ -112,21 +112,60 @@ def test_token_granularity_scales_x_per_token_and_w_once():
     assert torch.equal(module(x), fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, None, torch.float32))
 
 
+def test_block_granularity_scales_each_tile_of_w_and_each_group_of_x():
+    """A scale per 128 x 128 tile of W and per 128 values of each token: one large tile or group
+    does not flush the small ones (as one scale per tensor or per row would)."""
+    K, N, M = 384, 256, 8
+    w = torch.randn(N, K) * torch.logspace(-6, 1, K // BLOCK).repeat_interleave(BLOCK)  # each K block its magnitude
+    x = torch.randn(M, K) * torch.logspace(-6, 1, K // BLOCK).repeat_interleave(BLOCK)
+    module = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity="block"), {"weight": w})
+    assert module.weight_scale.shape == (N // BLOCK, K // BLOCK)
+    w_fp8, w_scale = quantize(w, "block")
+    x_fp8, x_scale = quantize(x, "group")
+    assert x_scale.shape == (M, K // BLOCK) and torch.equal(module.weight, w_fp8)
+    # per tile: the tile's own amax maps to 448
+    tile = w[BLOCK:2 * BLOCK, :BLOCK].abs().max() / 448
+    assert torch.equal(w_scale[1, 0], tile)
+    y = module(x)
+    assert torch.equal(y, fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, None, torch.float32))
+    small = slice(0, BLOCK)  # the quietest K block's contribution survives per-block scales
+    ref = F.linear(x[:, small].double(), w[:, small].double())
+    got = dequantize(x_fp8, x_scale)[:, small] @ dequantize(w_fp8, w_scale)[:, small].t()
+    rows = dequantize(*quantize(x, "row"))[:, small] @ dequantize(*quantize(w, "row"))[:, small].t()
+    assert sqnr_db(ref, got) > 25 and sqnr_db(ref, got) > sqnr_db(ref, rows) + 10
+
+
+def test_block_quantizers_scale_a_partial_last_block_by_its_own_values():
+    x = torch.cat([torch.randn(3, BLOCK), 1e-3 * torch.randn(3, 40)], dim=1)
+    x_fp8, scale = quantize(x, "group")
+    assert scale.shape == (3, 2)
+    torch.testing.assert_close(scale[:, 1], x[:, BLOCK:].abs().amax(1) / 448)
+    assert sqnr_db(x[:, BLOCK:].double(), dequantize(x_fp8, scale)[:, BLOCK:]) > 25
+
+
+def test_block_granularity_is_for_inference_on_whole_tiles():
+    with pytest.raises(ValueError, match='"block" is for inference'):
+        Fp8Options(granularity="block", training=True)
+    assert "divisible by 128" in check(linear_site(192, 256), Fp8Options(granularity="block"))
+    assert check(linear_site(256, 384), Fp8Options(granularity="block")) is None
+
+
+@pytest.mark.parametrize("granularity", ["token", "block"])
 @pytest.mark.parametrize("scaling", ["static", "delayed"])
-def test_token_granularity_is_refused_where_x_has_one_fixed_scale(scaling):
-    with pytest.raises(ValueError, match='"token" scales x per token'):
-        Fp8Options(scaling=scaling, granularity="token")
+def test_per_token_granularities_are_refused_where_x_has_one_fixed_scale(scaling, granularity):
+    with pytest.raises(ValueError, match=f'"{granularity}" scales x per token'):
+        Fp8Options(scaling=scaling, granularity=granularity)
 
 
 @pytest.mark.parametrize("scaling, granularity", [(s, g) for s in ("dynamic", "static", "delayed") for g in ("tensor", "row")]
-                         + [("dynamic", "token")])
+                         + [("dynamic", "token"), ("dynamic", "block")])
 def test_state_dict_layout(scaling, granularity):
-    site = linear_site(32, 48)
+    site = linear_site(160, 300)
     sd = empty(site, Fp8Options(scaling=scaling, granularity=granularity, amax_history_len=5)).state_dict()
     expected = {
-        "weight": ((48, 32), E4M3),
-        "weight_scale": ((48, 1) if granularity == "row" else (1,), torch.bfloat16),
-        "bias": ((48,), torch.bfloat16),
+        "weight": ((300, 160), E4M3),
+        "weight_scale": ({"row": (300, 1), "block": (3, 2)}.get(granularity, (1,)), torch.bfloat16),
+        "bias": ((300,), torch.bfloat16),
     }
     if scaling == "static":
         expected["input_scale"] = ((1,), torch.float32)
@@ -161,7 +200,8 @@ def calibrate(module, *inputs):
 
 
 @pytest.mark.parametrize("options", [
-    Fp8Options(), Fp8Options(granularity="row"), Fp8Options(granularity="token"), Fp8Options(scaling="static"),
+    Fp8Options(), Fp8Options(granularity="row"), Fp8Options(granularity="token"), Fp8Options(granularity="block"),
+    Fp8Options(scaling="static"),
     Fp8Options(scaling="delayed"), Fp8Options(training=True), Fp8Options(training=True, granularity="token"),
     Fp8Options(training=True, scaling="static", granularity="row"),
 ], ids=repr)

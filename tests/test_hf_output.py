@@ -61,6 +61,11 @@ def test_the_schemes_written_for_each_fp8_option():
                               "dynamic": True}}
     token = fp8_scheme({"scaling": "dynamic", "granularity": "token"})  # vLLM's dynamic FP8, one weight scale
     assert (token["weights"]["strategy"], token["input_activations"]["strategy"]) == ("tensor", "token")
+    block = fp8_scheme({"scaling": "dynamic", "granularity": "block"})  # FP8_BLOCK
+    assert block["weights"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                                "dynamic": False, "block_structure": [128, 128]}
+    assert block["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                                          "dynamic": True, "group_size": 128}
     static = fp8_scheme({"scaling": "static", "granularity": "tensor"})
     assert static["input_activations"]["strategy"] == "tensor" and not static["input_activations"]["dynamic"]
     assert fp8_scheme({"scaling": "delayed", "granularity": "tensor"}) is None
@@ -249,3 +254,23 @@ def test_a_conv1d_site_written_dense_is_lowconv_only(tmp_path):
     converted = lowconv.revert(lowconv.convert(loaded.model, "semi-sparse", loaded.inputs), "semi_sparse")
     reason = quantization_config(converted.lowconv_plan)["lowconv_only"]
     assert "a Conv1D stored (out, in)" in reason and "dense" in reason
+
+
+def test_transformers_loads_an_fp8_block_folder_as_the_converted_model(tmp_path):
+    """fp8-block (128 x 128 weight tiles, 128-value activation groups) is compressed-tensors' FP8_BLOCK:
+    transformers computes lowconv's model (the same dequantized operands, fp32 sums)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    converted = lowconv.convert(model, "fp8-block", (ids,))
+    assert len(converted.lowconv_plan.converted()) == 14  # every linear but lm_head
+    lowconv.save(converted, tmp_path / "out")
+    groups = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [g["weights"]["strategy"] for g in groups.values()] == ["block"]
+    served = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        want, got = converted(ids).logits, served(ids).logits
+    assert sqnr_db(want, got) >= 60
+    assert sqnr_db(model(ids).logits, got) < 40

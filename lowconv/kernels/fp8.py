@@ -1,7 +1,10 @@
 """FP8 quantization and FP8 linear.
 
 Scales follow torch._scaled_mm: a float32 *dequant* scale, x ~= x_fp8.float() * scale.
-Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1).
+Tensorwise scales have shape (1,); rowwise scales keep the reduced dim: (..., 1). Block scales
+(DeepSeek-V3's, compressed-tensors' FP8_BLOCK) cover BLOCK = 128 consecutive values along K of an
+activation row, (..., ceil(K / 128)) ("group"), and a 128 x 128 tile of W, (ceil(N / 128),
+ceil(K / 128)) ("block"); a last, partial block is scaled by its own values.
 Quantizers saturate: finite values beyond the format's max are clamped to it, never cast to
 NaN/inf (NaN stays NaN; an infinite x makes its scale infinite). Amaxes skip NaN.
 Quantizers run Triton kernels (fp8_quant.py) eagerly on sm_90+ GPUs, and torch ops (the
@@ -24,7 +27,9 @@ E5M2 = torch.float8_e5m2  # backward: gradients (wider range, fewer mantissa bit
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
 # A linear's granularity: how its x and its W are scaled when quantized dynamically ("token": x per
 # token, W per tensor, vLLM's dynamic FP8 scheme for a per-tensor weight scale).
-LINEAR_GRANULARITIES = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "token": ("row", "tensor")}
+LINEAR_GRANULARITIES = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "token": ("row", "tensor"),
+                        "block": ("group", "block")}
+BLOCK = 128  # the values one block scale covers along each blocked dim
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -101,13 +106,38 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=-1, keepdim=True)
 
 
+def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, rows: int):
+    """(x_fp8, scale) with one scale per `rows` x BLOCK tile of x's last two dims (rows=1: per
+    BLOCK values of each row, "group"; rows=BLOCK: per tile of a weight, "block"), in torch ops:
+    x is zero-padded to whole tiles (zeros change no amax) and the padding cut off after the cast."""
+    *lead, m, k = x.shape
+    pad_m, pad_k = -m % rows, -k % BLOCK
+    tiles = torch.nn.functional.pad(x, (0, pad_k, 0, pad_m)).unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, rows))
+    amax = abs_max(tiles.transpose(-3, -2).flatten(-2)).squeeze(-1)  # (..., m / rows, k / BLOCK)
+    scale = amax_to_scale(amax, fp8_dtype)
+    x_fp8, _ = cast_with_scale(x, expand_blocks(scale, x.shape), fp8_dtype)
+    return x_fp8, scale
+
+
+def expand_blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A scale broadcast to `shape`: block scales repeated over the BLOCK values (rows, columns)
+    they cover, cut to size; tensor and row scales as they are (they broadcast)."""
+    for dim in (-1, -2):
+        if scale.dim() >= -dim and 1 < scale.shape[dim] < shape[dim]:
+            scale = scale.repeat_interleave(BLOCK, dim).narrow(dim, 0, shape[dim])
+    return scale
+
+
 def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
-    """Dynamic quantization at `granularity` ("tensor" | "row")."""
+    """Dynamic quantization at `granularity` ("tensor" | "row" | "group": per BLOCK values of a row |
+    "block": per BLOCK x BLOCK tile)."""
     if granularity == "tensor":
         return quantize_tensorwise(x, fp8_dtype)
     if granularity == "row":
         return quantize_rowwise(x, fp8_dtype)
-    raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+    if granularity in ("group", "block"):
+        return quantize_blocks(x, fp8_dtype, 1 if granularity == "group" else BLOCK)
+    raise ValueError(f"granularity must be 'tensor', 'row', 'group' or 'block', got {granularity!r}")
 
 
 def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,
@@ -121,7 +151,7 @@ def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor |
 
 def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.dtype):
     """(w_fp8, scale in scale_dtype) for storing, as the linear's granularity scales W: (1,) per
-    tensor or (out, 1) per output channel.
+    tensor, (out, 1) per output channel or (ceil(out / 128), ceil(in / 128)) per tile.
 
     The scale is rounded *up* to scale_dtype and the weight quantized with that rounded scale, so
     the stored pair is self-consistent (w ~= w_fp8 * stored scale) and the max still fits.
@@ -129,7 +159,7 @@ def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.d
     _, scale = quantize(weight, LINEAR_GRANULARITIES[granularity][1])
     stored = scale.to(scale_dtype)
     stored = torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
-    return cast_with_scale(weight, stored, E4M3)[0], stored
+    return cast_with_scale(weight, expand_blocks(stored, weight.shape), E4M3)[0], stored
 
 
 def count_clipped(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
@@ -138,7 +168,7 @@ def count_clipped(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype =
 
 
 def dequantize(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x_fp8.float() * scale.float()
+    return x_fp8.float() * expand_blocks(scale.float(), x_fp8.shape)
 
 
 def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
@@ -146,9 +176,14 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
 
     Products of two fp8 values are exact in fp32 and the sum is accumulated in fp32 (fast_accum's
     reduced-precision accumulation on Hopper is not emulated); the scales are applied to the fp32
-    result, then the bias, then one rounding to out_dtype.
+    result, then the bias, then one rounding to out_dtype. Block scales vary along K: each operand
+    is scaled first (cuBLASLt scales each K block's fp32 partial sum: the same terms, summed in
+    another order).
     """
-    y = (x_fp8.float() @ w_fp8.float().t()) * x_scale.float() * w_scale.float().reshape(-1)
+    if blockwise(w_scale, w_fp8):
+        y = dequantize(x_fp8, x_scale) @ dequantize(w_fp8, w_scale).t()
+    else:
+        y = (x_fp8.float() @ w_fp8.float().t()) * x_scale.float() * w_scale.float().reshape(-1)
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
@@ -158,19 +193,24 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False
     """The FP8 linear entry point: checks its inputs, then runs the GEMM op (fp8_gemm).
 
     x_fp8 (..., K) e4m3 (e5m2 for gradients) with x_scale (1,) or (..., 1); w_fp8 (N, K) e4m3 with
-    w_scale (1,) or (N, 1). Any strides: the GEMM gets the row-major x and column-major w^T it needs.
-    `fast_accum`: cuBLASLt's faster, less precise accumulation (CUDA; the reference accumulates in fp32).
+    w_scale (1,) or (N, 1); or block scales, x_scale (..., ceil(K / 128)) with w_scale (ceil(N / 128),
+    ceil(K / 128)). Any strides: the GEMM gets the row-major x and column-major w^T it needs.
+    `fast_accum`: cuBLASLt's faster, less precise accumulation (CUDA, not with block scales; the
+    reference accumulates in fp32).
     """
     if x_fp8.dtype not in (E4M3, E5M2) or w_fp8.dtype != E4M3:
         raise TypeError(f"fp8_linear takes an e4m3 (or, for gradients, e5m2) x and an e4m3 w, "
                         f"got x {x_fp8.dtype} and w {w_fp8.dtype}")
     if w_fp8.dim() != 2 or x_fp8.shape[-1] != w_fp8.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x_fp8.shape)} and w {tuple(w_fp8.shape)} do not match (w is (N, K))")
-    if w_scale.numel() not in (1, w_fp8.shape[0]):
-        raise ValueError(f"fp8_linear: w_scale has {w_scale.numel()} elements, expected 1 or N={w_fp8.shape[0]}")
-    if x_scale.numel() != 1 and x_scale.shape != (*x_fp8.shape[:-1], 1):
+    tiles = block_count(w_fp8.shape[0]), block_count(w_fp8.shape[1])
+    if w_scale.numel() not in (1, w_fp8.shape[0]) and tuple(w_scale.shape) != tiles:
+        raise ValueError(f"fp8_linear: w_scale has shape {tuple(w_scale.shape)}, expected (1,), (N, 1) with "
+                         f"N={w_fp8.shape[0]} or the tiles' {tiles}")
+    x_scale_shapes = [(*x_fp8.shape[:-1], 1)] + ([(*x_fp8.shape[:-1], tiles[1])] if blockwise(w_scale, w_fp8) else [])
+    if x_scale.numel() != 1 and tuple(x_scale.shape) not in x_scale_shapes:
         raise ValueError(f"fp8_linear: x_scale has shape {tuple(x_scale.shape)}, "
-                         f"expected (1,) or {(*x_fp8.shape[:-1], 1)}")
+                         f"expected (1,) or {' or '.join(map(str, x_scale_shapes))}")
     return torch.ops.lowconv.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
 
 
@@ -178,7 +218,11 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """fp8_linear's GEMM, its inputs checked: torch._scaled_mm where it takes them
-    (scaled_mm_takes), else the reference."""
+    (scaled_mm_takes, blockwise_scaled_mm_takes), else the reference."""
+    if blockwise(w_scale, w_fp8):
+        if blockwise_scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, out_dtype):
+            return scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+        return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
     rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
     if scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, rowwise, out_dtype):
         return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum)
@@ -188,6 +232,41 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_
 @fp8_gemm.register_fake
 def _(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum):
     return x_fp8.new_empty((*x_fp8.shape[:-1], w_fp8.shape[0]), dtype=out_dtype)
+
+
+def block_count(size: int) -> int:
+    return -(-size // BLOCK)
+
+
+def blockwise(w_scale: torch.Tensor, w_fp8: torch.Tensor) -> bool:
+    """Whether W's scale is one per tile (not one, nor one per output channel)."""
+    return w_scale.numel() != 1 and tuple(w_scale.shape) != (w_fp8.shape[0], 1) and w_scale.dim() == 2
+
+
+def blockwise_scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm computes an (N, K) linear with block scales: cuBLASLt's 1x128 and
+    128x128 modes on sm_90, K and N whole blocks, K's block count a multiple of 4 (the scales'
+    16-byte alignment), a bf16 output."""
+    return (device.type == "cuda" and has_rows and k % BLOCK == 0 and n % BLOCK == 0 and (k // BLOCK) % 4 == 0
+            and out_dtype == torch.bfloat16 and cuda_capability(device.index) == (9, 0))
+
+
+def scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
+    """fp8_linear through torch._scaled_mm's block modes: x's scales (M, K / 128) laid out
+    column-major (with M padded to a multiple of 4, its alignment), W's as (K / 128, N / 128); no
+    fast accumulation (cuBLASLt has none with block scales). A bias is added to the rounded output
+    in fp32 and rounded again (one rounding more than the reference)."""
+    n, k = w_fp8.shape
+    x2, scale_a = x_fp8.reshape(-1, k), x_scale.float().reshape(-1, k // BLOCK)
+    m = x2.shape[0]
+    if m % 4:
+        x2 = torch.cat([x2, x2.new_zeros(-m % 4, k)])
+        scale_a = torch.cat([scale_a, scale_a.new_ones(-m % 4, k // BLOCK)])
+    y = torch._scaled_mm(x2.contiguous(), w_fp8.contiguous().t(), scale_a=scale_a.t().contiguous().t(),
+                         scale_b=w_scale.float().t(), out_dtype=out_dtype)[:m]
+    if bias is not None:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y.reshape(*x_fp8.shape[:-1], n)
 
 
 def scaled_mm_takes(device: torch.device, n: int, k: int, has_rows: bool, rowwise: bool,

@@ -12,8 +12,10 @@ granularity, dynamic scaling (kernels/fp8.py LINEAR_GRANULARITIES):
     tensor   one scale for x, one for W
     row      a scale per token of x, per output channel of W
     token    a scale per token of x, one for W (vLLM's dynamic FP8 with a per-tensor weight scale)
+    block    a scale per 128 values of each token of x, per 128 x 128 tile of W (DeepSeek-V3's,
+             compressed-tensors' FP8_BLOCK); weight_scale (ceil(out / 128), ceil(in / 128)); inference only
 Static and delayed scales take x per tensor (tokens vary; a per-token scale cannot be fixed);
-`granularity` then applies to W only, and "token" (which means per-token x) is refused.
+`granularity` then applies to W only, and "token" and "block" (which scale x as it comes) are refused.
 """
 from dataclasses import dataclass
 from typing import Literal
@@ -23,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale, dequantize,
-    fp8_frozen_linear, quantize_weight,
+    BLOCK, E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale,
+    block_count, dequantize, fp8_frozen_linear, quantize_weight,
 )
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
@@ -37,7 +39,7 @@ MAX_AMAX_HISTORY = 1024  # TransformerEngine's longest recommended history; long
 @dataclass
 class Fp8Options:
     scaling: Literal["dynamic", "static", "delayed"] = "dynamic"  # how x's scale is chosen
-    granularity: Literal["tensor", "row", "token"] = "tensor"  # how x and W are scaled: see the module doc
+    granularity: Literal["tensor", "row", "token", "block"] = "tensor"  # how x and W are scaled: see the module doc
     fast_accum: bool = True  # cuBLASLt's fast accumulation in the forward GEMM (CUDA; elsewhere fp32 accumulation)
     training: bool = False  # keep a high-precision master weight and train through FP8 GEMMs
     amax_history_len: int = 16  # delayed scaling: how many past amaxes of x are kept
@@ -46,9 +48,12 @@ class Fp8Options:
     amax_reduction: Literal["max", "most_recent"] = "max"
 
     def __post_init__(self):
-        if self.granularity == "token" and self.scaling != "dynamic":
-            raise ValueError(f'"token" scales x per token as it comes; {self.scaling} scaling fixes one scale for x '
-                             f'(use "tensor", or "row" for a scale per output channel of W)', "granularity")
+        if self.granularity in ("token", "block") and self.scaling != "dynamic":
+            raise ValueError(f'"{self.granularity}" scales x per token as it comes; {self.scaling} scaling fixes '
+                             f'one scale for x (use "tensor", or "row" for a scale per output channel of W)', "granularity")
+        if self.granularity == "block" and self.training:
+            raise ValueError('"block" is for inference: training scales W per tensor or per row '
+                             '(use "tensor", "row" or "token")', "granularity")
         if not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
             raise ValueError(f"must be in [1, {MAX_AMAX_HISTORY}] (got {self.amax_history_len})", "amax_history_len")
 
@@ -60,7 +65,9 @@ class Fp8Linear(nn.Module):
         if options.training:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         else:
-            scale_shape = (1,) if LINEAR_GRANULARITIES[options.granularity][1] == "tensor" else (out_features, 1)
+            scale_shape = {"tensor": (1,), "row": (out_features, 1),
+                           "block": (block_count(out_features), block_count(in_features))}[
+                LINEAR_GRANULARITIES[options.granularity][1]]
             self.register_buffer("weight", torch.empty(out_features, in_features, dtype=E4M3))
             self.register_buffer("weight_scale", torch.empty(scale_shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
@@ -226,6 +233,9 @@ def check(site, options: Fp8Options) -> str | None:
     if info.in_features % 16 or info.out_features % 16:
         return (f"fp8 GEMM needs in_features and out_features divisible by 16 "
                 f"(got K={info.in_features}, N={info.out_features})")
+    if options.granularity == "block" and (info.in_features % BLOCK or info.out_features % BLOCK):
+        return (f"fp8 block scaling needs in_features and out_features divisible by {BLOCK}, as compressed-tensors, "
+                f"vLLM and cuBLASLt's block modes take them (got K={info.in_features}, N={info.out_features})")
     return None
 
 
