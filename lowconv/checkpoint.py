@@ -38,7 +38,7 @@ ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this f
 REQUIRED_KEYS = (VERSION_KEY, PLAN_KEY, MODEL_KEY)
 FORMAT_KEY = "format"  # safetensors' own convention
 TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.(tmp|old)")  # what _replace_atomically writes beside a file
-FILES_KEY = "lowconv.files"  # JSON [names of the files written beside the weights]; internal to this file
+FILES_KEY = "lowconv.files"  # JSON {file written beside the weights: SHA-256 of its bytes}; internal to this file
 CHECKSUMS_KEY = "lowconv.checksums"  # JSON {stored tensor: CRC-32 of its bytes}; internal to this file
 
 MAX_LISTED = 10  # per kind of mismatch in check_tensors' message
@@ -63,22 +63,26 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     metadata[FORMAT_KEY] = "pt"  # torch tensors, for other readers: transformers 4.x refuses a file without it
-    metadata[FILES_KEY] = json.dumps(sorted(files or {}))
+    files = {name: content.encode() if isinstance(content, str) else content for name, content in (files or {}).items()}
+    metadata[FILES_KEY] = json.dumps({name: hashlib.sha256(content).hexdigest() for name, content in files.items()},
+                                     sort_keys=True)
     metadata[CHECKSUMS_KEY] = json.dumps({name: _checksum(t) for name, t in stored.items()}, sort_keys=True)
     directory = Path(directory)
+    # The files beside the weights go in first, the weights (their index) last: a save stopped
+    # between renames leaves the old weights, whose list of files and hashes then tells the new
+    # files from theirs (read_checkpoint refuses the mix).
+    writes = {directory / name: _file_writer(content) for name, content in files.items()}
     shards = _shards(stored, max_shard_bytes)
     if len(shards) == 1:
         path = directory / CHECKPOINT_FILE
-        writes = {path: _tensor_writer(stored, metadata)}
+        writes[path] = _tensor_writer(stored, metadata)
     else:
         names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-        writes = {directory / name: _tensor_writer(shard, metadata) for name, shard in zip(names, shards)}
+        writes |= {directory / name: _tensor_writer(shard, metadata) for name, shard in zip(names, shards)}
         index = {"metadata": {"total_size": sum(_nbytes(t) for t in stored.values())},
                  "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
         path = directory / INDEX_FILE
         writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
-    for name, content in (files or {}).items():
-        writes[directory / name] = _file_writer(content)
     with _locked(directory):  # one save at a time into a directory: no report of another run beside the weights
         stale = _stale_files(directory, writes)
         _replace_atomically(writes)
@@ -133,10 +137,38 @@ def _files_written_by(directory: Path) -> list[str]:
         path = next(iter(sorted(directory.glob(SHARD_PATTERN))), path)
     try:
         with safe_open(path, framework="pt") as f:
-            names = json.loads((f.metadata() or {}).get(FILES_KEY, "[]"))
+            names = json.loads((f.metadata() or {}).get(FILES_KEY, "{}"))
     except (SafetensorError, OSError, ValueError):
         return []
-    return [name for name in names if isinstance(name, str) and "/" not in name and not name.startswith(".")]
+    return [name for name in names if _plain_name(name)]
+
+
+def _plain_name(name) -> bool:
+    """A file name a checkpoint may list beside its weights: in the directory itself, not hidden."""
+    return isinstance(name, str) and "/" not in name and "\\" not in name and not name.startswith(".") and name != ""
+
+
+def _check_files(text: str | None, path: Path) -> None:
+    """The files beside the weights are those saved with them (FILES_KEY): a save stopped between
+    its renames, or an edit since, is named."""
+    try:
+        listed = json.loads(text) if text is not None else {}
+    except ValueError:
+        listed = None
+    if not isinstance(listed, (dict, list)):
+        raise LowconvError(f"{path}: its list of the files saved beside it is not valid")
+    if isinstance(listed, list):  # written before the files had hashes: nothing to check
+        return
+    for name, digest in sorted(listed.items()):
+        if not _plain_name(name) or not isinstance(digest, str):
+            raise LowconvError(f"{path}: its list of the files saved beside it is not valid ({str(name)[:40]!r})")
+        beside = path.parent / name
+        if not beside.is_file():
+            raise LowconvError(f"{beside} was saved with {path.name} and is missing: a save was interrupted, or it was "
+                               f"removed since; convert again")
+        if hashlib.sha256(beside.read_bytes()).hexdigest() != digest:
+            raise LowconvError(f"{beside} is not the file saved with {path.name} (a save was interrupted, or it was "
+                               f"changed since): convert again, or restore it")
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -229,7 +261,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
         raise LowconvError(f"{path} was written by lowconv {metadata[VERSION_KEY]!r}, which this lowconv "
                            f"{__version__} does not know: read it with that version or a later one")
     metadata.pop(FORMAT_KEY, None)
-    metadata.pop(FILES_KEY, None)
+    _check_files(metadata.pop(FILES_KEY, None), path)
     _check_sums(metadata.pop(CHECKSUMS_KEY, None), tensors, path)
     aliases = _parse_aliases(metadata.pop(ALIASES_KEY, "{}"), tensors, path)
     for alias, stored_name in aliases.items():
@@ -351,13 +383,15 @@ def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
                     os.replace(path, old)
                 moved_aside.append((path, old))
                 os.replace(temporary, path)
-            except OSError as err:
+            except BaseException as err:  # an OSError, or Ctrl-C: every path goes back to its old file
                 for done, old in reversed(moved_aside):
                     if old is not None:
                         os.replace(old, done)
                     else:
                         done.unlink(missing_ok=True)
                 moved_aside.clear()
+                if not isinstance(err, OSError):
+                    raise
                 raise LowconvError(f"cannot replace {path}: {_reason(err)}; {left.format(path.parent)}") from None
     finally:  # best effort: on a read-only disk the clean-up fails too, and must not hide why
         for leftover in [*temporaries.values(), *(old for _, old in moved_aside if old is not None)]:

@@ -129,11 +129,11 @@ def test_text_files_replace_the_old_ones_with_the_checkpoint_all_or_none(tmp_pat
     assert all((tmp_path / name).read_text(encoding="utf-8") == text for name, text in files.items())
     before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
 
-    def full_disk_at_report_json(text):
+    def full_disk_at_report_json(content):
         def write(tmp):
             if tmp.name.startswith(".report.json."):
                 raise OSError(28, "No space left on device")
-            tmp.write_text(text, encoding="utf-8")
+            tmp.write_bytes(content)
         return write
 
     monkeypatch.setattr(checkpoint, "_file_writer", full_disk_at_report_json)
@@ -463,3 +463,65 @@ def test_a_second_save_into_a_directory_waits_for_the_first(tmp_path):
     os.close(held)
     saving.join(10)
     assert not saving.is_alive() and (tmp_path / CHECKPOINT_FILE).exists()
+
+
+
+KILL_DURING_SAVE = """
+import os, sys, torch
+from lowconv.checkpoint import save_checkpoint
+from tests.test_checkpoint import METADATA
+real, done = os.replace, []
+def replace(source, target):
+    if str(source).endswith(".tmp"):
+        if len(done) == int(sys.argv[2]):
+            os._exit(9)  # as kill -9: no clean-up, no roll-back
+        done.append(target)
+    return real(source, target)
+os.replace = replace
+save_checkpoint(sys.argv[1], {"w": torch.zeros(2)}, METADATA, {"plan.json": "plan 2", "report.json": "{}"})
+"""
+
+
+@pytest.mark.parametrize("renames_done", [1, 2])
+def test_a_save_killed_between_renames_is_never_read_as_a_mix(tmp_path, renames_done):
+    """The files beside the weights are renamed in first and the weights last, and the weights list
+    the files' hashes: a save killed after some renames is read as the old checkpoint with new files
+    beside it, which load refuses by name, or finds the weights moved aside, which it says."""
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, {"plan.json": "plan 1", "report.json": "{\"run\": 1}"})
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(tmp_path), str(renames_done)])
+    assert killed.returncode == 9
+    if renames_done == 1:  # plan.json is the new one
+        with pytest.raises(LowconvError, match=rf"plan.json is not the file saved with {CHECKPOINT_FILE} \(a save was "
+                                               r"interrupted, or it was changed since\)"):
+            read_checkpoint(tmp_path)
+    else:  # both files new, the weights moved aside before their rename
+        with pytest.raises(LowconvError, match=r"a save was interrupted; the previous checkpoint is"):
+            read_checkpoint(tmp_path)
+
+
+def test_ctrl_c_during_the_renames_puts_every_old_file_back(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, {"plan.json": "plan 1"})
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = os.replace
+
+    def interrupted_at_the_weights(source, target):  # plan.json is in by then, the old weights moved aside
+        if Path(source).name.startswith(f".{CHECKPOINT_FILE}.") and str(source).endswith(".tmp"):
+            raise KeyboardInterrupt
+        return real(source, target)
+
+    monkeypatch.setattr(os, "replace", interrupted_at_the_weights)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {"w": torch.zeros(2)}, METADATA, {"plan.json": "plan 2"})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert torch.equal(read_checkpoint(tmp_path)[0]["w"], torch.ones(2))
+
+
+def test_a_file_saved_beside_the_weights_that_is_gone_or_edited_is_named(tmp_path):
+    save_checkpoint(tmp_path, {"w": torch.ones(2)}, METADATA, {"plan.json": "plan", "report.md": "report"})
+    read_checkpoint(tmp_path)
+    (tmp_path / "report.md").write_text("edited")
+    with pytest.raises(LowconvError, match=r"report.md is not the file saved with model.safetensors"):
+        read_checkpoint(tmp_path)
+    (tmp_path / "report.md").unlink()
+    with pytest.raises(LowconvError, match=r"report.md was saved with model.safetensors and is missing"):
+        read_checkpoint(tmp_path)
