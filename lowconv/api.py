@@ -509,8 +509,8 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(
         in_model, {d.fqn: d.op for d in plan.converted()}, outputs, site_alone=alone,
-        gate_min_sqnr_db=gate, logits=logits, site_stats=stats, perf=perf, recipe=plan.recipe, site_notes=notes,
-        calibration=plan.model.get("calibration", ""))
+        gate_min_sqnr_db=gate, gate_min_site_sqnr_db=plan.gate_min_site_sqnr_db, logits=logits, site_stats=stats,
+        perf=perf, recipe=plan.recipe, site_notes=notes, calibration=plan.model.get("calibration", ""))
 
 
 def worst_call(original: list[torch.Tensor], converted: list[torch.Tensor]) -> tuple[tuple, str]:

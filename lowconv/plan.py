@@ -40,6 +40,7 @@ class Plan:
     constant_args: dict[str, dict] = field(default_factory=dict)  # region FQN -> {argument: the bool/int/float/str traced}
     decided: dict[str, list[str]] = field(default_factory=dict)  # region FQN -> branches its example inputs decided
     gate_min_sqnr_db: float | None = None
+    gate_min_site_sqnr_db: float | None = None
     model: dict = field(default_factory=dict)  # how the original was made: signature, seed, dtype, ...
     # nn.MultiheadAttention modules replaced before tracing, so that their projections convert (passes/mha_expand.py)
     expanded_mha: list[str] = field(default_factory=list)
@@ -59,9 +60,10 @@ class Plan:
         for key, kind in FIELD_KINDS.items():
             if key in data and not isinstance(data[key], kind):
                 raise ValueError(f"{key} is not a {kind.__name__}")
-        gate = data.get("gate_min_sqnr_db")
-        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))):
-            raise ValueError(f"gate_min_sqnr_db {gate!r} is not a number")
+        for key in ("gate_min_sqnr_db", "gate_min_site_sqnr_db"):
+            gate = data.get(key)
+            if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))):
+                raise ValueError(f"{key} {gate!r} is not a number")
         for index, decision in enumerate(data.get("decisions", [])):
             problem = decision_problem(decision)
             if problem:

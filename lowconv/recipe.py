@@ -39,7 +39,7 @@ BUILTIN_DIR = Path(__file__).parent / "recipes"
 SITE_KINDS = ("linear", "attention")
 TOP_KEYS = {"name", "description", "rules", "report"}
 RULE_KEYS = {"name", "kind", "modules", "ignore", "op", "options", "force", "optional"}
-REPORT_KEYS = {"min_sqnr_db"}
+REPORT_KEYS = {"min_sqnr_db", "min_site_sqnr_db"}
 
 
 @dataclass
@@ -65,7 +65,8 @@ class Recipe:
     rules: list[Rule]
     text: str
     source: str  # the file it came from, for messages
-    min_sqnr_db: float | None = None
+    min_sqnr_db: float | None = None  # the gate at every output of the model
+    min_site_sqnr_db: float | None = None  # the gate at every converted site, run alone on the original's inputs
 
 
 def builtin_recipes() -> dict[str, Path]:
@@ -108,15 +109,22 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     rules = [parse_rule(r, i + 1, source) for i, r in enumerate(rules_data)]
     report = expect(data.get("report", {}), dict, f"{source}: [report]")
     unknown_keys(report, REPORT_KEYS, f"{source}: [report]")
-    gate = report.get("min_sqnr_db")
-    if gate is not None:
-        gate = float(expect(gate, (int, float), f"{source}: [report].min_sqnr_db"))
-        if not math.isfinite(gate):
-            raise LowconvError(f"{source}: [report].min_sqnr_db must be a finite number of dB, got {gate}")
+    gates = [gate_value(report, key, source) for key in ("min_sqnr_db", "min_site_sqnr_db")]
     if not rules:  # it would convert nothing and pass: a file left empty, or [[rule]] for [[rules]]
         raise LowconvError(f'{source}: no rules: a recipe needs at least one [[rules]] table with an op (e.g. '
                            f'op = "fp8"; op = "keep" to convert nothing on purpose)')
-    return Recipe(name, description, rules, text, source, gate)
+    return Recipe(name, description, rules, text, source, *gates)
+
+
+def gate_value(report: dict, key: str, source: str) -> float | None:
+    """[report].key as a finite number of dB (None where it is not given)."""
+    gate = report.get(key)
+    if gate is None:
+        return None
+    gate = float(expect(gate, (int, float), f"{source}: [report].{key}"))
+    if not math.isfinite(gate):
+        raise LowconvError(f"{source}: [report].{key} must be a finite number of dB, got {gate}")
+    return gate
 
 
 def parse_rule(data, index: int, source: str) -> Rule:
@@ -296,6 +304,7 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         untraced=[dataclasses.asdict(u) for u in trace.untraced],
         warnings=plan_warnings(decisions, sites, trace, recipe),
         gate_min_sqnr_db=recipe.min_sqnr_db,
+        gate_min_site_sqnr_db=recipe.min_site_sqnr_db,
     )
 
 

@@ -76,6 +76,7 @@ class Report:
     title: str = ""
     recipe: str = ""  # the recipe's name
     calibration: str = ""  # what calibrated static and delayed FP8 scales, where some were
+    gate_min_site_sqnr_db: float | None = None  # every converted site alone (on the original's inputs)
 
     @property
     def passed(self) -> bool:
@@ -167,6 +168,7 @@ def build_report(
     output_pairs: list[tuple[str, torch.Tensor, torch.Tensor]],
     *,
     gate_min_sqnr_db: float | None = None,
+    gate_min_site_sqnr_db: float | None = None,
     logits: bool | None = None,
     site_alone: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     site_stats: dict[str, dict[str, float]] | None = None,
@@ -204,7 +206,7 @@ def build_report(
     for name, ref, test in output_pairs:
         logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None
         outputs.append(OutputRow(name, tensor_metrics(ref, test), logit_row))
-    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe, calibration)
+    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe, calibration, gate_min_site_sqnr_db)
 
 
 def _wants_logit_metrics(name: str, ref: torch.Tensor, logits: bool | None) -> bool:
@@ -219,6 +221,11 @@ def gate_failures(report: Report) -> list[str]:
     gate = report.gate_min_sqnr_db
     if gate is not None and not report.outputs:
         failures.append("the model has no floating-point output to hold to the SQNR gate")
+    site_gate = report.gate_min_site_sqnr_db
+    for row in report.sites:
+        if site_gate is not None and row.alone is not None and not row.alone.sqnr_db >= site_gate:
+            failures.append(f"{row.fqn} ({row.op}) alone: SQNR {_db(row.alone.sqnr_db)} dB is below the site gate "
+                            f"of {_db(site_gate)} dB")
     for row in report.outputs:
         m = row.metrics
         if m.new_nonfinite:
@@ -290,6 +297,7 @@ def report_from_dict(d: dict) -> Report:
             for o in d["outputs"]
         ],
         gate_min_sqnr_db=None if d["gate_min_sqnr_db"] is None else _number(d["gate_min_sqnr_db"]),
+        gate_min_site_sqnr_db=_number(d.get("gate_min_site_sqnr_db")),
         perf=None if perf is None else Perf(
             original_ms=_number(perf["original_ms"]),
             converted_ms=_number(perf["converted_ms"]),
@@ -400,7 +408,10 @@ def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def _verdict(report: Report) -> str:
-    gate = "no SQNR gate" if report.gate_min_sqnr_db is None else f"gate: SQNR >= {_db(report.gate_min_sqnr_db)} dB at every output"
+    gates = [f"SQNR >= {_db(gate)} dB at every {where}"
+             for gate, where in ((report.gate_min_sqnr_db, "output"), (report.gate_min_site_sqnr_db, "converted site alone"))
+             if gate is not None]
+    gate = f"gate: {' and '.join(gates)}" if gates else "no SQNR gate"
     failures = gate_failures(report)
     if not failures:
         nothing = "; nothing was converted (the plan says why for each site)" if not report.sites else ""

@@ -204,6 +204,26 @@ def test_gate():
     assert gate_failures(failing) == [f"output: SQNR {sqnr:.1f} dB is below the gate of {sqnr + 0.01:.1f} dB"]
 
 
+def test_site_gate_holds_each_converted_site_alone():
+    x = torch.randn(1000)
+    good, bad = x + 0.1 * x.std() * torch.randn(1000), x.flip(0)  # about 20 dB; about 0 dB
+    sites = {"fc1": (x, bad), "fc2": (x, bad)}  # in the model: the outputs of earlier errors too
+    alone = {"fc1": (x, good), "fc2": (x, bad)}
+    report = build_report(sites, {"fc1": "semi_sparse", "fc2": "semi_sparse"}, [("output", x, bad)],
+                          site_alone=alone, gate_min_site_sqnr_db=5.0)
+    failures = gate_failures(report)
+    assert len(failures) == 1 and failures[0].startswith("fc2 (semi_sparse) alone: SQNR ")
+    assert failures[0].endswith("dB is below the site gate of 5.0 dB")
+    assert "FAIL (gate: SQNR >= 5.0 dB at every converted site alone, no new NaN/Inf)" in report_to_table(report)
+    alone["fc2"] = (x, good)
+    passing = build_report(sites, {"fc1": "semi_sparse", "fc2": "semi_sparse"}, [("output", x, bad)],
+                           site_alone=alone, gate_min_site_sqnr_db=5.0, gate_min_sqnr_db=-10.0)
+    assert passing.passed
+    assert ("PASS (gate: SQNR >= -10.0 dB at every output and SQNR >= 5.0 dB at every converted site alone"
+            in report_to_table(passing))
+    assert report_from_dict(json.loads(json.dumps(report_to_dict(report)))).gate_min_site_sqnr_db == 5.0
+
+
 def test_new_nan_fails_even_without_a_gate():
     x = torch.randn(10)
     y = x.clone()
