@@ -60,7 +60,8 @@ def test_converted_attention_keeps_the_class_and_answers_every_call(family, atte
     attention_sites = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
     assert len(attention_sites) == 2 and all(d.converted for d in attention_sites)
     assert all(d.note.startswith("called through transformers' attention interface") for d in attention_sites)
-    assert type(converted) is type(model) and converted.config._attn_implementation == "lowconv"
+    implementation = {"sdpa": "lowconv", "eager": "lowconv_eager"}[attention]
+    assert type(converted) is type(model) and converted.config._attn_implementation == implementation
     assert model.config._attn_implementation == attention  # the user's model is left as it was
     assert not any(isinstance(m, torch.fx.GraphModule) for m in converted.modules())
     calls = []
@@ -70,7 +71,10 @@ def test_converted_attention_keeps_the_class_and_answers_every_call(family, atte
         want, got = model(input_ids=ids, attention_mask=mask), converted(input_ids=ids, attention_mask=mask)
     assert calls == [1]
     key = "last_hidden_state" if family == "bert" else "logits"
-    torch.testing.assert_close(got[key][mask.bool()], want[key][mask.bool()], rtol=1e-4, atol=1e-5)
+    # eager's additive masks give a query row with every key masked (left padding) the mean of v, as
+    # eager does: padded positions agree too (a causal LM's loss reads the last one)
+    rows = torch.ones_like(mask, dtype=torch.bool) if attention == "eager" else mask.bool()
+    torch.testing.assert_close(got[key][rows], want[key][rows], rtol=1e-4, atol=1e-5)
     if family != "bert":  # a prefill over the padded prompt, then decoding steps over the cache
         greedy = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(converted.generate(ids, **greedy), model.generate(ids, **greedy))
@@ -105,6 +109,19 @@ def test_a_kept_attention_runs_transformers_sdpa_beside_a_converted_one(exact, t
     torch.testing.assert_close(got.logits[mask.bool()], want.logits[mask.bool()], rtol=1e-4, atol=1e-5)
 
 
+def test_an_eager_model_asked_for_attention_weights_gets_the_originals(exact):
+    model = build("llama", "eager")
+    ids, mask = padded(2, 9, 3)
+    converted = lowconv.convert(model, exact, (ids,))
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        got = converted(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions) == 2
+    for mine, theirs in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+
+
 def test_the_converted_model_compiles_whole(exact):
     model = build("llama", "sdpa")
     ids, _ = padded(2, 12, 0)
@@ -126,7 +143,8 @@ def test_a_local_window_refuses_a_decoding_step_with_the_reason(tmp_path):
 
 
 def test_arguments_the_op_does_not_take_are_refused_by_name():
-    module = types.SimpleNamespace(lowconv_attention="attention", attention=lambda *a, **k: None, is_causal=True)
+    module = types.SimpleNamespace(lowconv_attention="attention", attention=lambda *a, **k: None, is_causal=True,
+                                   config=types.SimpleNamespace(_attn_implementation="lowconv"))
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(LowconvError, match="does not take position_bias"):
         hf_attention.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 3, 3))

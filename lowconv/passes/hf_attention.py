@@ -3,13 +3,17 @@
 A transformers attention module (LlamaAttention, GPT2Attention, BertSelfAttention, ...) computes
 its core attention by calling the function that `ALL_ATTENTION_FUNCTIONS` holds under its config's
 `_attn_implementation` ("sdpa", "eager", ...). Such a site is not rewritten in a graph: its op
-module goes beside the module's own, at the site's FQN, and the config names "lowconv", which this
-file registers with transformers: `attention_forward` for the attention and SDPA's mask function
-for the masks the model makes. So the model keeps its class, `generate`, its KV cache and config,
-and every call (a prefill, a decoding step, lengths never traced) runs the op module with the
-causality, scale and dropout that transformers passes, decided per call as its SDPA function
-decides them. Attention modules that share the config but whose site was kept run transformers'
-SDPA function (for a model made with "eager": the same attention, on the SDPA-style masks).
+module goes beside the module's own, at the site's FQN, and the config names "lowconv" (a model
+made with "sdpa") or "lowconv_eager" (made with "eager"), which this file registers with
+transformers: `attention_forward` for the attention, and the original's mask function for the
+masks the model makes (SDPA's: a bool mask, or none where causal suffices; eager's: an additive
+mask always, under which a query row with every key masked, as left padding makes, gets the mean
+of v as in eager, not SDPA's zeros). So the model keeps its class, `generate`, its KV cache and
+config, and every call (a prefill, a decoding step, lengths never traced) runs the op module with
+the causality, scale and dropout that transformers passes, decided per call as its SDPA function
+decides them. The original's own attention function runs where the site was kept (modules that
+share the config) and, in an eager model, for calls that ask for the attention weights
+(output_attentions), which the op does not compute.
 """
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ from lowconv.errors import LowconvError
 from lowconv.passes.trace import Region
 from lowconv.site import Site
 
-IMPLEMENTATION = "lowconv"  # the name registered with transformers' interfaces
+# The names registered with transformers' interfaces, by the implementation the model was made with
+IMPLEMENTATIONS = {"sdpa": "lowconv", "eager": "lowconv_eager"}
 OP_NAME = "lowconv_attention"  # the attention module's attribute that names its op module
-INTERFACE_IMPLEMENTATIONS = ("sdpa", "eager", IMPLEMENTATION)  # what a served module may be set to
 # Arguments of transformers' attention functions that change the attention and that the op does not take.
 NOT_TAKEN = ("position_bias", "softcap", "s_aux", "sinks", "cache")
 PLAN_NOTE = ("called through transformers' attention interface (the model keeps its class and generate(); "
@@ -39,7 +43,7 @@ def dispatches_through_interface(module: nn.Module) -> bool:
     under its config's implementation, one that the config may be switched from."""
     implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
     forward = getattr(type(module).forward, "__code__", None)
-    return (implementation in INTERFACE_IMPLEMENTATIONS and forward is not None
+    return (implementation in (*IMPLEMENTATIONS, *IMPLEMENTATIONS.values()) and forward is not None
             and "ALL_ATTENTION_FUNCTIONS" in forward.co_names)
 
 
@@ -54,23 +58,36 @@ def served(site: Site, region: Region) -> bool:
 
 def attach(model: nn.Module, site: Site, module: nn.Module) -> None:
     """Put `module` at the site's FQN, beside its attention module's own, and route that module's
-    attention to it (its config's implementation becomes "lowconv")."""
+    attention to it (its config's implementation becomes lowconv's for the one it was)."""
     register()
     owner = model.get_submodule(owner_path(site))
     name = site.fqn.rpartition(".")[2]
     owner.add_module(name, module)
     setattr(owner, OP_NAME, name)
-    owner.config._attn_implementation = IMPLEMENTATION
+    owner.config._attn_implementation = IMPLEMENTATIONS.get(owner.config._attn_implementation,
+                                                            owner.config._attn_implementation)
 
 
 def register() -> None:
-    """Make "lowconv" an attention implementation that transformers knows (at every attach: a model
-    loaded in a new process registers it again)."""
+    """Make lowconv's implementations ones that transformers knows (at every attach: a model loaded
+    in a new process registers them again)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register(IMPLEMENTATION, attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    for original, mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        AttentionInterface.register(IMPLEMENTATIONS[original], attention_forward)
+        AttentionMaskInterface.register(IMPLEMENTATIONS[original], mask)
+
+
+def original_attention(module: nn.Module):
+    """The attention function the module ran before: its model file's eager_attention_forward (what
+    the module falls back to) for an eager model, else transformers' SDPA function."""
+    if module.config._attn_implementation == IMPLEMENTATIONS["eager"]:
+        eager = type(module).forward.__globals__.get("eager_attention_forward")
+        if eager is not None:
+            return eager
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -84,10 +101,12 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     prefill) attends to the first seq_q keys, as SDPA's top-left causal band does.
     """
     name = getattr(module, OP_NAME, None)
-    if name is None:  # a kept site of a model whose config says "lowconv"
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    weights = kwargs.get("output_attentions", getattr(module.config, "output_attentions", False))
+    if name is None or (weights and module.config._attn_implementation == IMPLEMENTATIONS["eager"]):
+        if is_causal is not None:
+            kwargs["is_causal"] = is_causal
+        return original_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
     given = [arg for arg in NOT_TAKEN if kwargs.get(arg) is not None]
     if given:
         raise LowconvError(f"{type(module).__name__}: lowconv's attention op does not take {', '.join(given)} "
