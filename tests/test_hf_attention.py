@@ -150,3 +150,23 @@ def test_arguments_the_op_does_not_take_are_refused_by_name():
         hf_attention.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 3, 3))
     with pytest.raises(LowconvError, match="does not take softcap"):
         hf_attention.attention_forward(module, q, q, q, None, softcap=30.0)
+
+
+def test_an_encoder_decoder_whose_cache_does_not_trace_converts_what_does(exact):
+    """BART with use_cache left on: the decoder's EncoderDecoderCache does not run in a traced graph
+    (shape propagation fails), so those regions are left for their children as any module that
+    does not trace; the encoder's attention converts, and generate() answers as the original."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=0)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    ids, mask = padded(2, 12, 0)
+    converted = lowconv.convert(model, exact, {"input_ids": ids, "attention_mask": mask,
+                                               "decoder_input_ids": ids[:, :6]})
+    assert [d.fqn for d in converted.lowconv_plan.converted()] == [
+        "model.encoder.layers.0.self_attn.attention", "model.encoder.layers.1.self_attn.attention"]
+    assert any(u["error"].startswith("RuntimeError: its traced graph does not run its example call: ")
+               for u in converted.lowconv_plan.untraced)
+    greedy = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(converted.generate(ids, **greedy), model.generate(ids, **greedy))

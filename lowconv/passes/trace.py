@@ -34,11 +34,12 @@ import copy
 import dataclasses
 import dis
 import inspect
+import io
 import operator
 import sys
 import types
 from collections.abc import Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -492,7 +493,7 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
     `only` replays a known list of region FQNs (from a saved plan) instead of searching.
     Given `example_inputs`, each module is traced with its first call on them (first_calls), whose
     values decide branches on metadata (see trace_module) and become the region's example_args
-    (and a lone site module's example_output).
+    (and a lone site module's example_output); the traced graph runs them (shape propagation).
     `none_args`: per module FQN, the forward arguments to trace as None; `constant_args`, those to
     trace as a constant (name -> value); by default, those that are None, or a constant
     (is_constant), on the example call.
@@ -514,8 +515,10 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
             constants = constant_args.get(fqn, {})
         fixed = {**dict.fromkeys(nones), **constants}
         graph = trace_module(module, fixed, call=call)
-        return Region(fqn, module, graph, nones, constants, reads_training(module, graph, fixed, call),
-                      decided=graph.meta["decided"], example_args=example_args)
+        found = Region(fqn, module, graph, nones, constants, reads_training(module, graph, fixed, call),
+                       decided=graph.meta["decided"], example_args=example_args)
+        propagate_shapes(found)  # a graph that does not run its example call is no region: its children are tried
+        return found
 
     def replayed(fqn: str, call: Call | None) -> Region:
         try:
@@ -730,8 +733,12 @@ def propagate_shapes(region: Region) -> None:
     if region.graph is None or region.example_args is None:
         return
     args, _ = fresh_inputs(region.example_args, {})
-    with evaluating(region.graph):
-        ShapeProp(region.graph).propagate(*args)
+    try:  # ShapeProp prints the traceback of a node that fails before it raises: the caller says why
+        with evaluating(region.graph), redirect_stderr(io.StringIO()):
+            ShapeProp(region.graph).propagate(*args)
+    except RuntimeError as err:
+        cause = err.__cause__ or err
+        raise RuntimeError(f"its traced graph does not run its example call: {first_line(cause)}") from err
     for node in region.graph.graph.nodes:  # ShapeProp keeps a result's other objects (a KV cache): metadata only
         if "tensor_meta" in node.meta:
             node.meta["tensor_meta"] = pytree.tree_map(metadata_only, node.meta["tensor_meta"], is_leaf=is_metadata)
@@ -748,7 +755,7 @@ def metadata_only(value):
 def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,
                 none_args: dict[str, list[str]] | None = None,
                 constant_args: dict[str, dict] | None = None) -> Trace:
-    """Find regions in `model` (or replay `only`); given example inputs, propagate shapes.
+    """Find regions in `model` (or replay `only`), their shapes propagated where example inputs are given.
 
     `none_args` (per module FQN, the arguments to trace as None) and `constant_args` (those to trace
     as a constant: name -> value) default to the arguments that are None, or a bool, int, float
@@ -756,10 +763,7 @@ def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = 
     argument is guarded by the traced graph, as a None one is, and takes code such as
     `isinstance(n, int)` the way the example took it.
     """
-    trace = find_regions(model, only, none_args, example_inputs, constant_args)
-    for region in trace.regions:
-        propagate_shapes(region)
-    return trace
+    return find_regions(model, only, none_args, example_inputs, constant_args)
 
 
 def is_constant(value) -> bool:
