@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -19,7 +20,9 @@ from lowconv.passes.mha_expand import expand_mha, mha_to_expand
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module, tap_sites
 from lowconv.passes.sites import find_sites
-from lowconv.passes.trace import Trace, evaluating, fresh_inputs, normalize_inputs, release_graphs, trace_model
+from lowconv.passes.example_values import short_path
+from lowconv.passes.trace import (Trace, evaluating, first_line, fresh_inputs, normalize_inputs, release_graphs,
+                                  trace_model)
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings, would_convert
 from lowconv.site import FLOAT_DTYPES, Site, TensorMeta, description_problem
@@ -172,11 +175,29 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     converted = rewrite(found.model, found.trace, found.sites, modules)
     release_graphs(found.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
+    if not seen:  # calibration ran the converted model already
+        check_runs(converted, example_inputs)
     if seen:
         plan.model["calibration"] = (f"{seen} batch{'es' if seen > 1 else ''} of {calibration_name}"
                                      if calibration is not None else "the example inputs (1 batch)")
     attach_plan(converted, plan)
     return converted
+
+
+def check_runs(converted: nn.Module, example_inputs) -> None:
+    """The converted model answers its example inputs, or convert fails here and says where: the
+    model's own code may read a converted layer's tensors where tracing could not see it (T5 casts
+    its input to `self.wo.weight.dtype` behind an isinstance check, which a traced value fails)."""
+    try:
+        with torch.no_grad():
+            run_eval(converted, *normalize_inputs(example_inputs))
+    except Exception as err:
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/" not in f.filename
+                  and "/lowconv/" not in f.filename]
+        where = f" at {short_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        raise LowconvError(f"the converted model does not run on the example inputs: {first_line(err)}{where}; "
+                           f"if that code reads a converted layer's own tensors (its weight's dtype or values), "
+                           f"leave that layer out of the recipe (ignore = [...])") from err
 
 
 def keep_slower(decision, timing: SiteTiming) -> None:

@@ -170,3 +170,17 @@ def test_an_encoder_decoder_whose_cache_does_not_trace_converts_what_does(exact)
                for u in converted.lowconv_plan.untraced)
     greedy = dict(max_new_tokens=5, do_sample=False)
     assert torch.equal(converted.generate(ids, **greedy), model.generate(ids, **greedy))
+
+
+def test_a_converted_model_that_does_not_run_its_example_inputs_fails_convert_with_where():
+    """T5's feed-forward casts its input to `self.wo.weight.dtype` behind an isinstance check that a
+    traced value fails, so tracing never sees the read; the fp8 weight would make the first call
+    fail. convert runs the converted model once and says where, instead."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = torch.randint(3, 128, (2, 8))
+    with pytest.raises(LowconvError, match=r"the converted model does not run on the example inputs: .* at "
+                                           r"transformers/models/t5/modeling_t5.py:\d+; .*ignore = \[\.\.\.\]"):
+        lowconv.convert(model, "fp8-row", {"input_ids": ids, "decoder_input_ids": ids[:, :4], "use_cache": False})
