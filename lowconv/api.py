@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from lowconv import checkpoint, hf, report as reports
 from lowconv.errors import LowconvError
+from lowconv.inputs import describe as describe_inputs, stand_ins
 from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
@@ -88,6 +89,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
     plan.expanded_mha = found.expanded_mha
     plan.warnings = conversion_warnings(model, found, plan, recipe)
     plan.model = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
+    plan.example_inputs = describe_inputs(example_inputs)
     return found, plan
 
 
@@ -331,8 +333,10 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     """Rebuild the converted model from `model` (the original) and a saved checkpoint.
 
     The plan's structure is replayed without redoing the conversion work: each op module is
-    built empty and filled from the checkpoint, strictly. `example_inputs` are needed only for
-    sites whose matching depends on shapes (load says so when they are).
+    built empty and filled from the checkpoint, strictly. Regions whose branches the conversion's
+    example inputs decided are traced again with `example_inputs`, or without them with stand-ins
+    of the shapes and dtypes the plan kept (lowconv/inputs.py); where it kept none (an input that
+    is neither a tensor nor a constant), load says to pass them.
     """
     plan, tensors = read_plan(directory)
     path = checkpoint.checkpoint_path(directory)
@@ -347,6 +351,8 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
     work = expand_mha(copy_of(model), plan.expanded_mha)
+    if example_inputs is None and plan.example_inputs is not None and decided_by_inputs(plan):
+        example_inputs = stand_ins(plan.example_inputs, next(work.parameters(), torch.empty(0)).device, str(path))
     trace, sites = refind_sites(work, plan, example_inputs, str(path))
     modules = {}
     for decision in plan.converted():
@@ -385,6 +391,12 @@ def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     """`state` with its floating tensors as empty meta tensors of `dtype` (for model_signature)."""
     return {name: torch.empty(t.shape, dtype=dtype, device="meta")
             if isinstance(t, torch.Tensor) and t.is_floating_point() else t for name, t in state.items()}
+
+
+def decided_by_inputs(plan: Plan) -> bool:
+    """Whether a region the plan converts in had branches that its example inputs decided (tracing
+    it again takes inputs that decide them)."""
+    return any(plan.decided.get(d.site["region"]) for d in plan.converted())
 
 
 def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> tuple[Trace, dict[str, Site]]:

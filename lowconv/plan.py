@@ -44,6 +44,8 @@ class Plan:
     model: dict = field(default_factory=dict)  # how the original was made: signature, seed, dtype, ...
     # nn.MultiheadAttention modules replaced before tracing, so that their projections convert (passes/mha_expand.py)
     expanded_mha: list[str] = field(default_factory=list)
+    # the example inputs' shapes, dtypes and constants (lowconv/inputs.py), for load to trace with where none are given
+    example_inputs: dict | None = None
 
     def converted(self) -> list[Decision]:
         return [d for d in self.decisions if d.converted]
