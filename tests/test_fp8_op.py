@@ -135,6 +135,12 @@ def test_block_granularity_scales_each_tile_of_w_and_each_group_of_x():
     assert sqnr_db(ref, got) > 25 and sqnr_db(ref, got) > sqnr_db(ref, rows) + 10
 
 
+def test_block_granularity_takes_an_unbatched_input():
+    w, x = torch.randn(256, 384), torch.randn(384)
+    module = from_site(linear_site(384, 256, bias=False, dtype="float32"), Fp8Options(granularity="block"), {"weight": w})
+    torch.testing.assert_close(module(x), module(x.unsqueeze(0))[0])
+
+
 def test_block_quantizers_scale_a_partial_last_block_by_its_own_values():
     x = torch.cat([torch.randn(3, BLOCK), 1e-3 * torch.randn(3, 40)], dim=1)
     x_fp8, scale = quantize(x, "group")

@@ -110,7 +110,10 @@ def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, rows: int):
     """(x_fp8, scale) with one scale per `rows` x BLOCK tile of x's last two dims (rows=1: per
     BLOCK values of each row, "group"; rows=BLOCK: per tile of a weight, "block"), in torch ops:
     x is zero-padded to whole tiles (zeros change no amax) and the padding cut off after the cast."""
-    *lead, m, k = x.shape
+    if x.dim() == 1:  # one row (an unbatched input)
+        x_fp8, scale = quantize_blocks(x.unsqueeze(0), fp8_dtype, rows)
+        return x_fp8[0], scale[0]
+    m, k = x.shape[-2:]
     pad_m, pad_k = -m % rows, -k % BLOCK
     tiles = torch.nn.functional.pad(x, (0, pad_k, 0, pad_m)).unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, rows))
     amax = abs_max(tiles.transpose(-3, -2).flatten(-2)).squeeze(-1)  # (..., m / rows, k / BLOCK)
