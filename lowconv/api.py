@@ -26,7 +26,7 @@ from lowconv.passes.trace import (Trace, evaluating, first_line, fresh_inputs, n
                                   trace_model)
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings, would_convert
-from lowconv.site import FLOAT_DTYPES, Site, TensorMeta, description_problem
+from lowconv.site import FLOAT_DTYPES, LinearInfo, Site, TensorMeta, description_problem
 from lowconv.site_timing import SiteTiming, time_linear_site
 from lowconv.version import __version__
 
@@ -414,9 +414,20 @@ def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> t
         if site.graph_signature() != decision.site["graph"]:
             hint = "" if example_inputs is not None else " (pass example_inputs: its matching depends on shapes)"
             raise LowconvError(f"{source}: {decision.fqn} is not the site that was converted{hint}")
+        found_names = linear_names(site.info)
         restore_site(site, decision.site)
+        if linear_names(site.info) != found_names:
+            raise LowconvError(f"{source}: {decision.fqn} is not the site that was converted (the plan names "
+                               f"{linear_names(site.info)}, the model {found_names})")
         sites[site.fqn] = site
     return trace, sites
+
+
+def linear_names(info) -> tuple | None:
+    """A linear site's shape and the names of its tensors in the model (None for attention)."""
+    if not isinstance(info, LinearInfo):
+        return None
+    return info.form, info.in_features, info.out_features, info.weight, info.bias_name, info.weight_layout
 
 
 def restore_site(site: Site, saved: dict) -> None:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import asdict, dataclass, field
 
 from lowconv.errors import LowconvError
 from lowconv.model_file import checked_cast
 from lowconv.passes.trace import is_constant
+from lowconv.site import fits, type_name
 
 
 @dataclass
@@ -59,13 +61,9 @@ class Plan:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("the plan is not a JSON object")
-        for key, kind in FIELD_KINDS.items():
-            if key in data and not isinstance(data[key], kind):
-                raise ValueError(f"{key} is not a {kind.__name__}")
-        for key in ("gate_min_sqnr_db", "gate_min_site_sqnr_db"):
-            gate = data.get(key)
-            if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float))):
-                raise ValueError(f"{key} {gate!r} is not a number")
+        for key, hint in typing.get_type_hints(Plan).items():  # the schema is the dataclass's
+            if key in data and not fits(data[key], hint):
+                raise ValueError(f"{key} is not a {type_name(hint)}")
         for index, decision in enumerate(data.get("decisions", [])):
             problem = decision_problem(decision)
             if problem:
@@ -95,9 +93,6 @@ def decision_problem(decision) -> str | None:
 def traced_args_problem(data: dict) -> str | None:
     """What is wrong with the arguments a plan traces as constants (None: nothing found); tracing
     again takes them as they are, where a wrong kind fails deep inside torch.fx."""
-    for fqn, names in data.get("none_args", {}).items():
-        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-            return f"none_args of {fqn or '(whole model)'} is not a list of argument names"
     for fqn, values in data.get("constant_args", {}).items():
         if not isinstance(values, dict) or not all(map(is_constant, values.values())):
             return f"constant_args of {fqn or '(whole model)'} is not an object of bools, numbers and strings"
@@ -114,8 +109,4 @@ def model_problem(model: dict) -> str | None:
     return None
 
 
-# What from_json checks before it builds a Plan (the rest is read as the dataclasses say).
-FIELD_KINDS = {"recipe": str, "recipe_text": str, "decisions": list, "regions": list, "none_args": dict,
-               "untraced": list, "warnings": list, "constant_args": dict, "decided": dict, "model": dict,
-               "expanded_mha": list}
 SITE_KINDS = {"kind": str, "region": str, "info": dict, "graph": dict, "module_backed": bool, "frozen": list}

@@ -6,6 +6,9 @@ JSON-able part that the plan stores).
 """
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -130,7 +133,7 @@ def description_problem(site: dict) -> str | None:
     """What in a site's description (Site.describe, as a plan stores it) is not as lowconv writes
     it, where replaying it would fail inside lowconv (None: nothing found): its info's type and
     fields, its input and output shapes and dtypes."""
-    missing = [key for key in ("kind", "fqn", "region", "info", "graph") if key not in site]
+    missing = [key for key in ("kind", "fqn", "region", "info", "input", "output", "graph") if key not in site]
     if missing:
         return f"it has no {', '.join(missing)}"
     info = site["info"]
@@ -139,6 +142,13 @@ def description_problem(site: dict) -> str | None:
     names = {f.name for f in fields(INFO_TYPES[info["type"]])}
     if set(info) - {"type"} != names:
         return f"its {info['type']} fields are {sorted(set(info) - {'type'})}, not {sorted(names)}"
+    hints = typing.get_type_hints(INFO_TYPES[info["type"]])
+    wrong = [name for name in sorted(names) if not fits(info[name], hints[name])]
+    if wrong:
+        return f"its {info['type']}.{wrong[0]} {str(info[wrong[0]])[:40]!r} is not a {type_name(hints[wrong[0]])}"
+    for key, kind in SITE_FIELDS.items():
+        if key in site and not fits(site[key], kind):
+            return f"its {key} {str(site[key])[:40]!r} is not a {type_name(kind)}"
     if info.get("dtype") is not None and not is_dtype_name(info["dtype"]):
         return f"its info's dtype {str(info['dtype'])[:40]!r} is not a torch dtype"
     for key in ("input", "output"):
@@ -150,6 +160,39 @@ def description_problem(site: dict) -> str | None:
                 or not is_dtype_name(meta["dtype"]):
             return f"its {key} is not a shape of sizes and a torch dtype: {str(meta)[:80]}"
     return None
+
+
+# The types of the plain fields of Site.describe (the info's come from its dataclass)
+SITE_FIELDS = {"kind": str, "fqn": str, "region": str, "classes": list[str], "unsupported": str | None,
+               "module_backed": bool, "reads_parameter_device": bool, "frozen": list[str]}
+
+
+def fits(value, hint) -> bool:
+    """Whether a JSON value is of a dataclass field's type: int, float, str, bool, None, X | None,
+    list[X], dict[K, V], list, dict, or a dataclass (an object here; its own fields are checked
+    where it is read). A float field takes an int, as JSON writes 1.0; a bool is no int here."""
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return value is None
+    if isinstance(hint, types.UnionType) or origin is typing.Union:
+        return any(fits(value, option) for option in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(fits(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(fits(k, key) and fits(v, item) for k, v in value.items())
+    if hint is float:
+        return type(value) in (int, float)
+    if hint in (int, str, bool, list, dict):
+        return type(value) is hint
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    raise TypeError(f"fits: no JSON form for {hint}")
+
+
+def type_name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint)
 
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
