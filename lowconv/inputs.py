@@ -2,10 +2,11 @@
 
 Each tensor argument is kept as its shape and dtype, each constant (None, bool, int, float, str)
 as it is; inputs holding anything else (a KV cache, a dataclass), or positional and keyword
-arguments both, are not kept, and load then needs the inputs themselves. Load makes stand-ins: standard normal values for floating tensors, ones for
-integer and bool ones (valid token ids; masks that keep every position). Branches that the example
-decided on shapes, dtypes and flags go the same way for them, and refind_sites checks that every
-converted site is found again as it was converted.
+arguments both, are not kept, and load then needs the inputs themselves. Load makes stand-ins:
+standard normal values for floating tensors, ones for integer and bool ones (valid token ids;
+masks that keep every position). Branches that the example decided on shapes, dtypes and flags go
+the same way for them, and refind_sites checks that every converted site is found again as it
+was converted.
 """
 from __future__ import annotations
 

@@ -409,8 +409,8 @@ def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
 
 def _verdict(report: Report) -> str:
     gates = [f"SQNR >= {_db(gate)} dB at every {where}"
-             for gate, where in ((report.gate_min_sqnr_db, "output"), (report.gate_min_site_sqnr_db, "converted site alone"))
-             if gate is not None]
+             for gate, where in ((report.gate_min_sqnr_db, "output"),
+                                 (report.gate_min_site_sqnr_db, "converted site alone")) if gate is not None]
     gate = f"gate: {' and '.join(gates)}" if gates else "no SQNR gate"
     failures = gate_failures(report)
     if not failures:

@@ -164,7 +164,7 @@ def description_problem(site: dict) -> str | None:
 
 # The types of the plain fields of Site.describe (the info's come from its dataclass)
 SITE_FIELDS = {"kind": str, "fqn": str, "region": str, "classes": list[str], "unsupported": str | None,
-               "module_backed": bool, "reads_parameter_device": bool, "frozen": list[str]}
+               "module_backed": bool, "reads_parameter_device": bool, "frozen": list[str], "graph": dict}
 
 
 def fits(value, hint) -> bool:

@@ -50,7 +50,8 @@ class Fp8Options:
     def __post_init__(self):
         if self.granularity in ("token", "block") and self.scaling != "dynamic":
             raise ValueError(f'"{self.granularity}" scales x per token as it comes; {self.scaling} scaling fixes '
-                             f'one scale for x (use "tensor", or "row" for a scale per output channel of W)', "granularity")
+                             f'one scale for x (use "tensor", or "row" for a scale per output channel of W)',
+                             "granularity")
         if self.granularity == "block" and self.training:
             raise ValueError('"block" is for inference: training scales W per tensor or per row '
                              '(use "tensor", "row" or "token")', "granularity")
