@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -50,26 +51,31 @@ class Analysis:
     expanded_mha: list[str]  # its nn.MultiheadAttention modules expanded before tracing
 
 
-def copy_of(model: nn.Module) -> nn.Module:
-    """The copy lowconv works on, leaving the user's model as it is."""
+def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
+    """The copy lowconv works on, leaving the user's model as it is. With share_tensors only the
+    modules are copied: the copy's parameters and buffers are the model's own, for a copy whose
+    tensors nothing writes (tracing, a comparison, a conversion that neither model outlives
+    unchanged), at no memory cost."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())} if share_tensors else {}
     try:
-        return copy.deepcopy(model)
+        return copy.deepcopy(model, memo)
     except Exception as err:  # e.g. torch.nn.utils.weight_norm's and prune's hooks hold non-leaf tensors
         raise LowconvError(f"the model cannot be copied (lowconv works on a copy and leaves yours as it is): "
                            f"{type(err).__name__}: {err}") from err
 
 
-def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None) -> Analysis:
-    """Trace a copy of `model` and find its sites (the user's model is never touched). With a
-    recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
-    work = copy_of(model)
+def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None,
+            share_tensors: bool = False) -> Analysis:
+    """Trace a copy of `model` (copy_of) and find its sites (the user's model is never touched).
+    With a recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
+    work = copy_of(model, share_tensors)
     expanded = mha_to_expand(work, lambda site: would_convert(site, recipe.rules)) if recipe else []
     work = expand_mha(work, expanded)
     trace = trace_model(work, example_inputs)
     return Analysis(work, trace, find_sites(work, trace), expanded)
 
 
-def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis, Plan]:
+def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: bool = False) -> tuple[Analysis, Plan]:
     if not isinstance(model, nn.Module):
         raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if example_inputs is None:
@@ -84,7 +90,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
         raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
                            f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
                            f"or to_empty() then load)")
-    found = analyze(model, example_inputs, recipe)
+    found = analyze(model, example_inputs, recipe, share_tensors)
     plan = make_plan(found.sites, found.trace, recipe)
     plan.expanded_mha = found.expanded_mha
     plan.warnings = conversion_warnings(model, found, plan, recipe)
@@ -135,17 +141,20 @@ def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
 
 def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
             calibration: Iterable | None = None, calibration_name: str = "the calibration inputs given",
-            progress: Callable[[str], None] = no_progress) -> nn.Module:
+            share_weights: bool = False, progress: Callable[[str], None] = no_progress) -> nn.Module:
     """A converted copy of `model`, as the recipe (a path, a built-in name or a Recipe) says.
 
     example_inputs: a tuple of forward args, a dict of kwargs (or any mapping: a tokenizer's
     output) or one tensor; it drives shape propagation and calibration (static/delayed FP8
     scales) unless `calibration` (an iterable of such inputs, which the report calls
     `calibration_name`) is given.
+    share_weights: the layers the conversion keeps hold `model`'s own tensors, not copies, so the
+    model is not in memory twice; for when neither model is trained or changed afterwards (the
+    command line's convert does this).
     """
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
-    found, plan = plan_conversion(model, recipe, example_inputs)
+    found, plan = plan_conversion(model, recipe, example_inputs, share_weights)
     todo = plan.converted()
     progress(f"{len(found.sites)} sites, {len(todo)} to convert")
     by_fqn = {s.fqn: s for s in found.sites}
@@ -466,7 +475,7 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     The sites are seen through a traced copy; that copy must compute what the original does,
     or tracing changed the model (data-dependent code frozen) and no number would mean anything.
     """
-    work = expand_mha(copy_of(original), plan.expanded_mha)
+    work = expand_mha(copy_of(original, share_tensors=True), plan.expanded_mha)
     args, kwargs = normalize_inputs(inputs)
     # The traced copy is checked against the copy it was traced from: an expanded MHA computes what
     # nn.MultiheadAttention does, but not in the operations of torch's fused kernel.

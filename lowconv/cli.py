@@ -112,7 +112,7 @@ def cmd_recipes(args) -> int:
 def cmd_inspect(args) -> int:
     loaded = load_model(args.model, device=pick_device(args.device), dtype=args.dtype, seed=args.seed)
     recipe = args.recipe or "keep-all"
-    _, plan = api.plan_conversion(loaded.model, recipe, loaded.inputs)
+    _, plan = api.plan_conversion(loaded.model, recipe, loaded.inputs, share_tensors=True)
     print(sites_table(plan))
     if args.recipe:
         print(f"\nrecipe {plan.recipe}:")
@@ -150,7 +150,7 @@ def cmd_convert(args) -> int:
                            "an hf: text model takes --calibration-text FILE)")
     calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
     converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
-                            calibration_name=calibration_name, progress=progress)
+                            calibration_name=calibration_name, share_weights=True, progress=progress)
     if args.sparse_format == "dense" and any(d.op == "semi_sparse" for d in api.plan_of(converted).converted()):
         progress("2:4 layers to plain weights with their zeros (--sparse-format dense)")
         converted = api.revert(converted, "semi_sparse")

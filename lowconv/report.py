@@ -38,6 +38,9 @@ class LogitMetrics:
     rows: int
 
 
+METRIC_CHUNK = 1 << 20  # float64 values per step of the metrics: 8 MiB a temporary
+
+
 @dataclass
 class SiteRow:
     fqn: str
@@ -84,59 +87,64 @@ class Report:
 
 
 def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
+    """Computed in float64, METRIC_CHUNK values at a time (an LLM's logits in float64 would be
+    several times the model's activations)."""
     if ref.shape != test.shape:
         raise ValueError(
             f"cannot compare an original tensor of shape {tuple(ref.shape)} with a converted one of shape {tuple(test.shape)}"
         )
-    x, y = _float64_pair(ref, test)
-    nan, inf = int(torch.isnan(y).sum()), int(torch.isinf(y).sum())
-    new_nonfinite = int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
-    infinite, changed_inf = torch.isinf(x), 0
-    if infinite.any():  # where the original is +-Inf the converted must match; the rest is measured
-        changed_inf = int((y[infinite] != x[infinite]).sum())
-        x, y = x[~infinite], y[~infinite]
-    diff = x - y
-    ref_norm = torch.linalg.vector_norm(x)
-    test_norm = torch.linalg.vector_norm(y)
-    noise = torch.linalg.vector_norm(diff)
-    identical = bool(noise == 0)
-    if identical:
+    # sums of ref², test², (ref - test)², ref * test, then the largest |ref - test|; tensors, so
+    # that NaN propagates
+    sums, max_abs = torch.zeros(4, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    nan = inf = new_nonfinite = changed_inf = 0
+    ref_values, test_values = ref.reshape(-1), test.reshape(-1)
+    for start in range(0, ref.numel(), METRIC_CHUNK):
+        x, y = _float64_pair(ref_values[start:start + METRIC_CHUNK], test_values[start:start + METRIC_CHUNK])
+        nan, inf = nan + int(torch.isnan(y).sum()), inf + int(torch.isinf(y).sum())
+        new_nonfinite += int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
+        infinite = torch.isinf(x)
+        if infinite.any():  # where the original is +-Inf the converted must match; the rest is measured
+            changed_inf += int((y[infinite] != x[infinite]).sum())
+            x, y = x[~infinite], y[~infinite]
+        diff = x - y
+        sums += torch.stack([x.dot(x), y.dot(y), diff.dot(diff), x.dot(y)]).cpu()
+        if diff.numel():
+            max_abs = torch.maximum(max_abs, diff.abs().max().cpu())
+    ref_norm, test_norm, noise = sums[:3].sqrt()
+    if bool(noise == 0):
         sqnr, rel_l2, cosine = math.inf, 0.0, 1.0
     else:
         # Tensor arithmetic, so that a zero ref gives -inf/inf and NaN propagates instead of raising.
         sqnr = float(20 * torch.log10(ref_norm / noise))
         rel_l2 = float(noise / ref_norm)
         norms = ref_norm * test_norm
-        cosine = 0.0 if bool(norms == 0) else float(torch.clamp(torch.dot(x.flatten(), y.flatten()) / norms, -1, 1))
-    return TensorMetrics(
-        sqnr_db=sqnr,
-        cosine=cosine,
-        rel_l2=rel_l2,
-        max_abs=float(diff.abs().max()) if diff.numel() else 0.0,
-        nan=nan,
-        inf=inf,
-        numel=ref.numel(),
-        new_nonfinite=new_nonfinite,
-        changed_inf=changed_inf,
-    )
+        cosine = 0.0 if bool(norms == 0) else float(torch.clamp(sums[3] / norms, -1, 1))
+    return TensorMetrics(sqnr_db=sqnr, cosine=cosine, rel_l2=rel_l2, max_abs=float(max_abs), nan=nan, inf=inf,
+                         numel=ref.numel(), new_nonfinite=new_nonfinite, changed_inf=changed_inf)
 
 
 def logit_metrics(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> LogitMetrics:
-    """Rows are all leading dimensions; the last dimension holds the classes."""
+    """Rows are all leading dimensions; the last dimension holds the classes. In float64, rows of
+    METRIC_CHUNK values at a time."""
     if ref_logits.shape != test_logits.shape:
         raise ValueError(
             f"cannot compare original logits of shape {tuple(ref_logits.shape)} with converted ones of shape {tuple(test_logits.shape)}"
         )
     if ref_logits.ndim == 0 or ref_logits.numel() == 0:
         raise ValueError(f"logits need a class dimension and at least one row, got shape {tuple(ref_logits.shape)}")
-    x, y = _float64_pair(ref_logits, test_logits)
-    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    log_p, log_q = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
-    p = log_p.exp()
-    # Classes the original gives no probability add nothing, even where the converted gives -inf.
-    kl_rows = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
-    agree = x.argmax(-1) == y.argmax(-1)
-    return LogitMetrics(kl=float(kl_rows.mean()), top1=float(agree.double().mean()), rows=x.shape[0])
+    classes = ref_logits.shape[-1]
+    ref_rows, test_rows = ref_logits.reshape(-1, classes), test_logits.reshape(-1, classes)
+    step = max(1, METRIC_CHUNK // max(classes, 1))
+    kl, agree = torch.zeros((), dtype=torch.float64), 0
+    for start in range(0, ref_rows.shape[0], step):
+        x, y = _float64_pair(ref_rows[start:start + step], test_rows[start:start + step])
+        log_p, log_q = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
+        p = log_p.exp()
+        # Classes the original gives no probability add nothing, even where the converted gives -inf.
+        kl = kl + torch.where(p > 0, p * (log_p - log_q), 0.0).sum().cpu()
+        agree += int((x.argmax(-1) == y.argmax(-1)).sum())
+    rows = ref_rows.shape[0]
+    return LogitMetrics(kl=float(kl / rows), top1=agree / rows, rows=rows)
 
 
 def flatten_outputs(obj: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:

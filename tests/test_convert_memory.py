@@ -61,6 +61,50 @@ def test_convert_peak_is_two_copies_of_the_weights_and_one_forward():
         f"weights (one forward: {used['activations'] / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB)")
 
 
+# The command line's convert then compare, as lowconv.convert(share_weights=True) and compare do
+# it: neither makes a second copy of the model's weights (a 1B-parameter model had peaked at 3.3x
+# its bytes: one copy for the conversion, one for the comparison's traced model).
+PEAK_OF_CONVERT_AND_COMPARE = """
+import json, resource, sys
+import torch, transformers
+import lowconv
+
+def high_water():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+torch.manual_seed(0)
+config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8000)
+model = transformers.LlamaForCausalLM(config).eval()
+inputs = {"input_ids": torch.randint(0, 8000, (1, 32)), "use_cache": False}
+with torch.no_grad():
+    model(**inputs)
+base = high_water()
+converted = lowconv.convert(model, "fp8-row", inputs, share_weights=True)
+shared = {p.data_ptr() for p in model.parameters()} & {t.data_ptr() for t in converted.state_dict().values()}
+lowconv.compare(model, converted, inputs)
+print(json.dumps({"weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+                  "new": sum(t.numel() * t.element_size() for t in converted.state_dict().values()
+                             if t.data_ptr() not in shared),
+                  "shared": len(shared), "peak": high_water() - base}))
+"""
+
+
+def test_convert_sharing_weights_then_compare_hold_no_second_copy_of_the_model():
+    pytest.importorskip("transformers")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    child = subprocess.run([sys.executable, "-c", PEAK_OF_CONVERT_AND_COMPARE], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    used = json.loads(child.stdout.strip().splitlines()[-1])
+    assert used["shared"] > 0  # the embeddings, norms and lm_head are the model's own tensors
+    bound = used["new"] + SLACK
+    assert used["peak"] <= bound, (
+        f"convert and compare took {used['peak'] / 2**20:.0f} MiB over the model's {used['weights'] / 2**20:.0f} MiB "
+        f"of weights, of which the converted layers' new tensors are {used['new'] / 2**20:.0f} MiB "
+        f"(bound {bound / 2**20:.0f} MiB)")
+
+
 def storages(objects, device: str = "cpu") -> dict[int, int]:
     """data_ptr -> bytes of the storages of the tensors on `device` among `objects`."""
     found = {}
