@@ -5,6 +5,7 @@ import copy
 import itertools
 import math
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -28,7 +29,7 @@ from lowconv.passes.trace import (Trace, evaluating, first_line, fresh_inputs, n
 from lowconv.plan import Plan
 from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings, would_convert
 from lowconv.site import FLOAT_DTYPES, LinearInfo, Site, TensorMeta, description_problem
-from lowconv.site_timing import SiteTiming, time_linear_site
+from lowconv.site_timing import SiteTiming, input_groups, slower_sites, time_linear_site
 from lowconv.version import __version__
 
 PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
@@ -158,23 +159,29 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     todo = plan.converted()
     progress(f"{len(found.sites)} sites, {len(todo)} to convert")
     by_fqn = {s.fqn: s for s in found.sites}
-    modules, timings = {}, {}
+    groups = input_groups([by_fqn[d.fqn] for d in todo], {d.fqn: f"{d.op} {d.options!r}" for d in todo})
+    shared_by = Counter(groups.values())
+    modules, timings, measured = {}, {}, {}
     for i, decision in enumerate(todo, 1):
         progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
         params = site_params(site, found.model)
-        module = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
-        timing = None
+        modules[site.fqn] = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
         if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
-            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params)
+            sharers = shared_by[groups[site.fqn]]
+            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params,
+                   sharers)
             if key not in timings:
-                timings[key] = time_linear_site(site, module, params)
-            timing = timings[key]
-        if timing is not None and timing.slower:
+                timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
+            measured[site.fqn] = timings[key]
+    slower = slower_sites(measured, groups)
+    for decision in todo:
+        timing, module = measured.get(decision.fqn), modules[decision.fqn]
+        if decision.fqn in slower:
             keep_slower(decision, timing)
+            del modules[decision.fqn]
             continue
-        modules[site.fqn] = module
         decision.note = "; ".join(filter(None, [module.plan_note() if hasattr(module, "plan_note") else "",
                                                 timing and f"measured {timing.describe(decision.op)}"]))
     if len(modules) < len(todo):  # never-slower kept some sites: the warnings follow the final decisions

@@ -8,8 +8,9 @@ from torch import nn
 import lowconv
 from lowconv import api
 from lowconv.errors import LowconvError
+from lowconv.ops.registry import OPS
 from lowconv.recipe import parse_recipe
-from lowconv.site_timing import SiteTiming, time_linear_site
+from lowconv.site_timing import SiteTiming, input_groups, time_linear_site
 from tests import sites
 
 RECIPE = """
@@ -26,7 +27,7 @@ def mlp():
 
 
 def timing_by_fqn(slow_fqns):
-    def fake(site, module, params):
+    def fake(site, module, params, shared_by=1):
         return SiteTiming(op_ms=2.0 if site.fqn in slow_fqns else 0.5, original_ms=1.0, shape="8 x 64 x 128")
     return fake
 
@@ -49,6 +50,51 @@ def test_a_forced_rule_converts_a_slower_site_without_timing_it(monkeypatch):
     assert all(d.op == "fp8" and d.forced for d in converted.lowconv_plan.decisions)
 
 
+class ThreeReadOneInput(nn.Module):
+    """q, k and v read x (one quantization of x under torch.compile); out reads what they give."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.out = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 64), nn.Linear(160, 16)
+
+    def forward(self, x):
+        return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], -1))
+
+
+@pytest.mark.parametrize("quantization_ms,converted", [(0.6, True), (1.2, False)],
+                         ids=["shared quantization pays", "slower even shared"])
+def test_layers_reading_one_input_share_its_quantization_and_are_kept_or_converted_together(
+        quantization_ms, converted, monkeypatch):
+    """Each of q, k, v measures 0.2 ms of GEMM plus x's quantization against 0.5 ms of bf16: alone
+    each is slower where the quantization costs 0.6 ms, shared by three they are faster."""
+    seen = {}
+
+    def fake(site, module, params, shared_by=1):
+        seen[site.fqn] = shared_by
+        gemm_ms = 0.2 if site.fqn != "k" else 0.45  # k's own share is slower: the group decides
+        return SiteTiming(op_ms=gemm_ms + quantization_ms / shared_by, original_ms=0.5, shape="8 x 64 x 64",
+                          shared_by=shared_by)
+    monkeypatch.setattr(api, "time_linear_site", fake)
+    converted_model = lowconv.convert(ThreeReadOneInput(), parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
+    decisions = {d.fqn: d for d in converted_model.lowconv_plan.decisions}
+    assert seen == {"q": 3, "k": 3, "out": 1}  # v is q's GEMM: timed once
+    assert {fqn: decisions[fqn].op for fqn in "qkv"} == {fqn: "fp8" if converted else "keep" for fqn in "qkv"}
+    if converted:
+        assert "x's quantization shared by 3 sites" in decisions["k"].note
+
+
+def test_input_groups_join_linears_of_one_op_and_options_reading_one_node():
+    found = api.analyze(ThreeReadOneInput(), (torch.randn(8, 64),))
+    sites_ = {s.fqn: s for s in found.sites}
+    same = {fqn: "fp8 {}" for fqn in sites_}
+    groups = input_groups(list(sites_.values()), same)
+    assert groups["q"] == groups["k"] == groups["v"] != groups["out"]
+    other = {**same, "k": "fp8 {'granularity': 'row'}"}  # another quantization of x: not shared
+    groups = input_groups(list(sites_.values()), other)
+    assert groups["q"] == groups["v"] != groups["k"]
+
+
 def test_force_must_be_a_boolean():
     with pytest.raises(LowconvError, match=r"rule 1: force: expected boolean, got 'yes'"):
         parse_recipe(RECIPE.format(force='force = "yes"'), "r.toml")
@@ -68,6 +114,18 @@ def test_timing_on_the_gpu_compares_the_op_with_f_linear():
     timing = time_linear_site(site, nn.Linear(4096, 4096, bias=False).cuda().bfloat16(), {"weight": weight})
     assert timing is not None and 0.5 < timing.op_ms / timing.original_ms < 2  # the same GEMM, timed twice
     assert timing.shape == "4096 x 4096 x 4096"
+
+
+@pytest.mark.gpu
+def test_an_fp8_layer_is_charged_its_share_of_a_shared_input_quantization():
+    site = sites.linear_site(4096, 4096, bias=False, dtype="bfloat16")
+    site.input = type(site.input)((4096, 4096), "bfloat16")
+    linear = nn.Linear(4096, 4096, bias=False).cuda().bfloat16()
+    module = OPS["fp8"].from_site(site, OPS["fp8"].options(granularity="row"), {"weight": linear.weight.detach()})
+    alone = time_linear_site(site, module, {"weight": linear.weight})
+    shared = time_linear_site(site, module, {"weight": linear.weight}, shared_by=3)
+    assert shared.op_ms < alone.op_ms and shared.shared_by == 3 and alone.shared_by == 1
+    assert "shared by 3 sites" in shared.describe("fp8")
 
 
 class Branching(nn.Module):
@@ -96,7 +154,7 @@ def test_the_plan_warns_of_a_rewritten_region_only_if_a_site_in_it_stays_convert
 def test_sites_of_the_same_gemm_are_timed_once(monkeypatch):
     timed = []
 
-    def fake(site, module, params):
+    def fake(site, module, params, shared_by=1):
         timed.append(site.fqn)
         return SiteTiming(op_ms=0.5, original_ms=1.0, shape="")
     monkeypatch.setattr(api, "time_linear_site", fake)

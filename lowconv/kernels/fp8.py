@@ -12,15 +12,17 @@ reference, the same numbers) elsewhere and under torch.compile, where inductor f
 op that produces x (one kernel for a norm, its amax and the cast); the per-tensor quantizer may
 scale x by a vector along its columns or rows first (mul, mul_axis), as the training backward
 needs. The GEMM is the custom op `torch.ops.lowconv.fp8_gemm` (a fake implementation gives its
-output's shape, so compiled graphs keep it whole): torch._scaled_mm (cuBLASLt) on CUDA where it
-takes the operands, and otherwise a torch reference with the same numerics.
+output's shape, so compiled graphs keep it whole): on CUDA, for up to 64 rows (a decode step)
+lowconv's Triton GEMM (fp8_small_m.py: the weight's bytes at memory speed, where torch._scaled_mm
+is slower than bf16), else torch._scaled_mm (cuBLASLt) where it takes the operands, and otherwise
+a torch reference with the same numerics.
 """
 import functools
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from lowconv.kernels import fp8_quant
+from lowconv.kernels import fp8_quant, fp8_small_m
 
 E4M3 = torch.float8_e4m3fn  # forward: weights and activations
 E5M2 = torch.float8_e5m2  # backward: gradients (wider range, fewer mantissa bits)
@@ -220,12 +222,15 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False
 @torch.library.custom_op("lowconv::fp8_gemm", mutates_args=())
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """fp8_linear's GEMM, its inputs checked: torch._scaled_mm where it takes them
-    (scaled_mm_takes, blockwise_scaled_mm_takes), else the reference."""
+    """fp8_linear's GEMM, its inputs checked: for a few rows (a decode step) lowconv's Triton GEMM
+    (fp8_small_m.py), else torch._scaled_mm where it takes them (scaled_mm_takes,
+    blockwise_scaled_mm_takes), else the reference."""
     if blockwise(w_scale, w_fp8):
         if blockwise_scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, out_dtype):
             return scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
         return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    if fp8_small_m.takes(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+        return fp8_small_m.fp8_gemm_rows(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
     rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
     if scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, rowwise, out_dtype):
         return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum)

@@ -26,7 +26,7 @@ from torch import nn
 
 from lowconv.kernels.fp8 import (
     BLOCK, E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale,
-    block_count, dequantize, fp8_frozen_linear, quantize_weight,
+    block_count, dequantize, fp8_frozen_linear, quantize_activation, quantize_weight,
 )
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
@@ -120,6 +120,12 @@ class Fp8Linear(nn.Module):
         if needs_autograd(x, self.bias):
             return Fp8FrozenLinearFunction.apply(*args)
         return fp8_frozen_linear(*args)
+
+    def input_step(self, x: torch.Tensor):
+        """The forward's work on x alone (its dynamic quantization): the same in every layer of
+        these options that reads x, and done once for all of them under torch.compile (inductor
+        computes x's scales and casts in one kernel); never-slower's timing shares it among them."""
+        return quantize_activation(x, self.options.granularity)
 
     def linear_weight(self) -> torch.Tensor:
         """The master weight (training), or the e4m3 weight dequantized to the model's dtype."""
