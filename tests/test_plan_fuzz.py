@@ -1,6 +1,5 @@
 """Crafted plans: a valid plan mutated at random places, seeded (no hypothesis in the pinned test
 set), loads into a model or is refused with a LowconvError; never another exception (issue 25)."""
-import copy
 import json
 import random
 
@@ -12,37 +11,9 @@ from torch import nn
 import lowconv
 from lowconv.checkpoint import CHECKPOINT_FILE, PLAN_KEY, write_safetensors
 from lowconv.errors import LowconvError
+from tests.mutation import mutated
 
-JUNK = [None, True, -1, 0, 3.5, 1e308, float("nan"), "", "x" * 200, "float8_e4m3fn", "torch.float32", [], {},
-        [[[[[]]]]], {"type": "AttentionInfo"}, ["re:(a+)+$"], "../../etc/passwd"]
 MUTATIONS = 400
-
-
-def paths(value, prefix=()):
-    """Every place in a JSON value: (path, value) pairs, depth first."""
-    yield prefix, value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from paths(item, (*prefix, index))
-
-
-def mutated(plan: dict, rng: random.Random) -> dict:
-    plan = copy.deepcopy(plan)
-    path, value = rng.choice([p for p in paths(plan) if p[0]])
-    parent = plan
-    for step in path[:-1]:
-        parent = parent[step]
-    kind = rng.choice(["junk", "junk", "delete", "swap"])
-    if kind == "delete" and isinstance(parent, dict):
-        del parent[path[-1]]
-    elif kind == "swap" and isinstance(value, (dict, list)) and value:
-        parent[path[-1]] = list(value.values()) if isinstance(value, dict) else dict(enumerate(value))
-    else:
-        parent[path[-1]] = copy.deepcopy(rng.choice(JUNK))
-    return plan
 
 
 @pytest.fixture(scope="module")
