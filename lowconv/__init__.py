@@ -6,7 +6,8 @@
     report = lowconv.compare(model, converted, (x,))
     dense = lowconv.revert(converted)   # converted linears back to nn.Linear, same weights
 """
-from lowconv.api import compare, convert, load, revert, save
+from lowconv.api import convert, load, revert, save
+from lowconv.compare import compare
 from lowconv.errors import LowconvError
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.version import __version__

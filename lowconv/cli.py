@@ -13,6 +13,7 @@ import torch
 from tabulate import tabulate
 
 from lowconv import api, report as reports
+from lowconv.compare import compare
 from lowconv.errors import LowconvError
 from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
@@ -159,7 +160,7 @@ def cmd_convert(args) -> int:
     print(plan_table(plan))
     print(plan_notes(plan))
     progress("comparing original and converted on the example inputs")
-    report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
+    report = compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     # Everything is computed before the first write, and the four files replace the old ones all
     # or none, so a failure leaves out/ as it was.
     progress(f"writing {out / 'model.safetensors'}")
@@ -219,7 +220,7 @@ def cmd_compare(args) -> int:
             "a parameter the conversion kept as it was"
         raise LowconvError(f"{args.output}: its checkpoint holds other values than this model for {kept} "
                            f"(e.g. {', '.join(differ[:3])}): it was converted from other weights{why}")
-    report = api.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
+    report = compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     return print_report(report)
 
 

@@ -1,4 +1,6 @@
-"""Example inputs as a plan keeps them, so that load can trace a model again without the user's.
+"""A model's inputs: normalized to (args, kwargs), cloned fresh for each run lowconv makes, the
+runs in eval mode; and example inputs as a plan keeps them, so that load can trace a model again
+without the user's.
 
 Each tensor argument is kept as its shape and dtype, each constant (None, bool, int, float, str)
 as it is; inputs holding anything else (a KV cache, a dataclass), or positional and keyword
@@ -10,12 +12,17 @@ was converted.
 """
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Mapping
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.utils._pytree as pytree
+from torch import nn
 
 from lowconv.errors import LowconvError
-from lowconv.passes.trace import normalize_inputs
+from lowconv.scoped_setting import ScopedSetting
 from lowconv.site import dtype_name, is_dtype_name
 
 CONSTANTS = (bool, int, float, str)
@@ -69,3 +76,85 @@ def stand_in(item: dict, device: torch.device):
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype, device=device)
     return torch.ones(shape, dtype=dtype, device=device)
+
+
+def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
+    """example_inputs as (args, kwargs): a tuple/list is args, a dict (any mapping: a tokenizer's
+    BatchEncoding) is kwargs, else one arg."""
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+
+def fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) with every tensor in them (through tuples, lists, dicts and other pytree
+    containers) a detached clone, requires_grad kept; anything else as it is. A tensor passed twice
+    gets one clone, so the run sees the aliasing it had (views of one another become separate).
+    Other objects a run may change (a KV cache) are copies too (as_called). What each internal run
+    of a model is given, so that writes into its inputs change neither the caller's tensors and
+    objects nor what the next run sees."""
+    clones: dict[int, torch.Tensor] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in clones:
+            clones[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+        return clones[id(t)]
+
+    return pytree.tree_map_only(torch.Tensor, clone, as_called(args, kwargs))
+
+
+
+@contextmanager
+def evaluating(model: nn.Module, plain_path: bool = True):
+    """The model in eval mode (no BatchNorm statistics updated, no dropout), modes restored after;
+    the global RNG is left as it was. With `plain_path`, torch's fused attention fast paths are off
+    meanwhile (a process-wide switch, see ScopedSetting): the runs take the plain path that tracing
+    records, so an encoder's layers see padded tensors, not nested ones, as they will in the
+    converted model. (Timing runs keep the user's setting: see compare.compare.)"""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with NO_FAST_PATH.held() if plain_path else nullcontext(), torch.no_grad(), \
+                torch.random.fork_rng(devices=cuda):
+            yield model
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+
+NO_FAST_PATH = ScopedSetting(torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled, False)
+
+
+
+def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A module's arguments as they are when it is called: objects the call may change (a
+    transformers KV cache, which each layer appends to) copied; tensors, constants and what cannot
+    be copied as they are."""
+    def copied(value):
+        if isinstance(value, (torch.Tensor, nn.Module)) or is_constant(value) or value is None:
+            return value
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is recorded as it is
+            return value
+    return pytree.tree_map(copied, (tuple(args), dict(kwargs)))
+
+
+
+def is_constant(value) -> bool:
+    """An argument value that tracing fixes (and the graph guards): a bool, int, float or str."""
+    return type(value) in CONSTANTS
+
+
+def run_eval(model: nn.Module, args: tuple, kwargs: dict) -> object:
+    """model(*args, **kwargs) in eval mode, the model's modes and the global RNG left as they were,
+    on fresh clones of the tensors in args and kwargs (fresh_inputs): a model that writes into its
+    inputs leaves the caller's tensors as they were."""
+    args, kwargs = fresh_inputs(args, kwargs)
+    with evaluating(model):
+        return model(*args, **kwargs)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from lowconv.errors import LowconvError
 from lowconv.model_file import checked_cast
-from lowconv.passes.trace import is_constant
+from lowconv.inputs import is_constant
 from lowconv.site import fits, type_name
 
 

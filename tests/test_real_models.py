@@ -14,6 +14,7 @@ import lowconv
 from lowconv.cli import main
 from lowconv.errors import LowconvError
 from lowconv.model_sources import load_model
+from lowconv.inputs import NO_FAST_PATH, evaluating
 from lowconv.passes import trace
 
 HF_MODELS = ["hf:examples/hf/llama-tiny", "hf:examples/hf/gpt2-tiny", "hf:examples/hf/bert-tiny"]
@@ -259,7 +260,7 @@ def test_a_converted_encoder_warns_of_its_decided_branches_only():
 def test_evaluating_takes_the_plain_path_unless_timing(plain_path):
     """Example runs take the path tracing records; compare's timing runs leave the user's setting."""
     before = torch.backends.mha.get_fastpath_enabled()
-    with trace.evaluating(nn.Linear(2, 2), plain_path=plain_path):
+    with evaluating(nn.Linear(2, 2), plain_path=plain_path):
         assert torch.backends.mha.get_fastpath_enabled() == (before and not plain_path)
     assert torch.backends.mha.get_fastpath_enabled() == before
 
@@ -270,7 +271,7 @@ def test_example_runs_switch_the_fast_path_off_until_the_last_one_leaves():
     before = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(True)
     try:
-        a, b = trace.NO_FAST_PATH.held(), trace.NO_FAST_PATH.held()
+        a, b = NO_FAST_PATH.held(), NO_FAST_PATH.held()
         a.__enter__()
         b.__enter__()
         a.__exit__(None, None, None)

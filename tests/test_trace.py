@@ -60,7 +60,7 @@ def test_replay_of_known_regions():
 
 
 def test_fresh_inputs_clones_tensors_only():
-    from lowconv.passes.trace import fresh_inputs
+    from lowconv.inputs import fresh_inputs
 
     x, w = torch.randn(3), torch.randn(2, requires_grad=True)
     args, kwargs = fresh_inputs((x, [x, 7], "s"), {"w": w, "n": None, "d": {"i": torch.arange(3)}})

@@ -30,7 +30,6 @@ then neither changes the user's tensors nor sees another run's writes.
 from __future__ import annotations
 
 import bisect
-import copy
 import dataclasses
 import dis
 import inspect
@@ -38,8 +37,7 @@ import io
 import operator
 import sys
 import types
-from collections.abc import Mapping
-from contextlib import contextmanager, nullcontext, redirect_stderr
+from contextlib import redirect_stderr
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +54,7 @@ from lowconv.errors import LowconvError
 from lowconv.passes.example_values import (
     MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
 )
+from lowconv.inputs import as_called, evaluating, fresh_inputs, is_constant, normalize_inputs
 from lowconv.scoped_setting import ScopedSetting
 
 # timm's (1.0.x) non-fused attention adds its mask through these: `scores if mask is None else
@@ -595,33 +594,6 @@ def fixed_arguments(call: Call | None) -> tuple[list[str], dict]:
             {name: value for name, value in arguments.items() if is_constant(value)})
 
 
-def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
-    """example_inputs as (args, kwargs): a tuple/list is args, a dict (any mapping: a tokenizer's
-    BatchEncoding) is kwargs, else one arg."""
-    if isinstance(example_inputs, Mapping):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
-def fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """(args, kwargs) with every tensor in them (through tuples, lists, dicts and other pytree
-    containers) a detached clone, requires_grad kept; anything else as it is. A tensor passed twice
-    gets one clone, so the run sees the aliasing it had (views of one another become separate).
-    Other objects a run may change (a KV cache) are copies too (as_called). What each internal run
-    of a model is given, so that writes into its inputs change neither the caller's tensors and
-    objects nor what the next run sees."""
-    clones: dict[int, torch.Tensor] = {}
-
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in clones:
-            clones[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
-        return clones[id(t)]
-
-    return pytree.tree_map_only(torch.Tensor, clone, as_called(args, kwargs))
-
-
 def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
     """The forward's arguments by name, defaults filled, then the extra keyword arguments that
     went to its **kwargs (see bound_forward). None when they cannot be bound, or when extra
@@ -642,28 +614,6 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
         elif kind != inspect.Parameter.VAR_POSITIONAL:
             arguments[name] = value
     return {**arguments, **extra}
-
-
-@contextmanager
-def evaluating(model: nn.Module, plain_path: bool = True):
-    """The model in eval mode (no BatchNorm statistics updated, no dropout), modes restored after;
-    the global RNG is left as it was. With `plain_path`, torch's fused attention fast paths are off
-    meanwhile (a process-wide switch, see ScopedSetting): the runs take the plain path that tracing
-    records, so an encoder's layers see padded tensors, not nested ones, as they will in the
-    converted model. (Timing runs keep the user's setting: see api.compare.)"""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with NO_FAST_PATH.held() if plain_path else nullcontext(), torch.no_grad(), \
-                torch.random.fork_rng(devices=cuda):
-            yield model
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
-
-
-NO_FAST_PATH = ScopedSetting(torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled, False)
 
 
 @dataclass
@@ -713,20 +663,6 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
     return calls
 
 
-def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A module's arguments as they are when it is called: objects the call may change (a
-    transformers KV cache, which each layer appends to) copied; tensors, constants and what cannot
-    be copied as they are."""
-    def copied(value):
-        if isinstance(value, (torch.Tensor, nn.Module)) or is_constant(value) or value is None:
-            return value
-        try:
-            return copy.deepcopy(value)
-        except Exception:  # noqa: BLE001 - an object that cannot be copied is recorded as it is
-            return value
-    return pytree.tree_map(copied, (tuple(args), dict(kwargs)))
-
-
 def propagate_shapes(region: Region) -> None:
     """Leave tensor_meta on the region's graph nodes (no-op when its inputs are unknown). The run
     gets fresh clones of example_args, which keep their values."""
@@ -766,6 +702,3 @@ def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = 
     return find_regions(model, only, none_args, example_inputs, constant_args)
 
 
-def is_constant(value) -> bool:
-    """An argument value that tracing fixes (and the graph guards): a bool, int, float or str."""
-    return type(value) in (bool, int, float, str)
