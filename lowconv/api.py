@@ -1,11 +1,11 @@
-"""The public API: convert, save, load, compare. Each is the data flow of DESIGN.md, spelled out."""
+"""The public API: convert, revert, save, load (compare is in compare.py). Each is the data flow of
+DESIGN.md, spelled out: analysis.py plans, the passes rewrite, replay.py finds a saved plan's sites again."""
 from __future__ import annotations
 
 import copy
-import itertools
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -13,124 +13,25 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, hf
+from lowconv.analysis import conversion_warnings, copy_of, plan_conversion
 from lowconv.errors import LowconvError
-from lowconv.inputs import describe as describe_inputs, normalize_inputs, run_eval, stand_ins
-from lowconv.kernels.fp8 import E4M3, E5M2
+from lowconv.inputs import normalize_inputs, run_eval, stand_ins
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
-from lowconv.passes.mha_expand import expand_mha, mha_to_expand
+from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
-from lowconv.passes.sites import find_sites
 from lowconv.passes.example_values import short_path
-from lowconv.passes.trace import Trace, first_line, release_graphs, trace_model
-from lowconv.plan import Plan
-from lowconv.recipe import Recipe, load_recipe, make_plan, parse_options, plan_warnings, would_convert
-from lowconv.site import FLOAT_DTYPES, LinearInfo, Site, TensorMeta, description_problem
+from lowconv.passes.trace import first_line, release_graphs
+from lowconv.plan import PLAN_ATTR, Plan
+from lowconv.recipe import Recipe, load_recipe, parse_options
+from lowconv.replay import cast_floating, cast_like, decided_by_inputs, floating_dtypes, read_plan, refind_sites
+from lowconv.site import FLOAT_DTYPES, Site
 from lowconv.site_timing import SiteTiming, input_groups, slower_sites, time_linear_site
 from lowconv.version import __version__
 
-PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
 def no_progress(message: str) -> None:
     pass
-
-
-@dataclass
-class Analysis:
-    """What the passes found in a copy of the model, before anything is rewritten."""
-
-    model: nn.Module  # the copy that was traced
-    trace: Trace
-    sites: list[Site]
-    expanded_mha: list[str]  # its nn.MultiheadAttention modules expanded before tracing
-
-
-def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
-    """The copy lowconv works on, leaving the user's model as it is. With share_tensors only the
-    modules are copied: the copy's parameters and buffers are the model's own, for a copy whose
-    tensors nothing writes (tracing, a comparison, a conversion that neither model outlives
-    unchanged), at no memory cost."""
-    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())} if share_tensors else {}
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as err:  # e.g. torch.nn.utils.weight_norm's and prune's hooks hold non-leaf tensors
-        raise LowconvError(f"the model cannot be copied (lowconv works on a copy and leaves yours as it is): "
-                           f"{type(err).__name__}: {err}") from err
-
-
-def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None,
-            share_tensors: bool = False) -> Analysis:
-    """Trace a copy of `model` (copy_of) and find its sites (the user's model is never touched).
-    With a recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
-    work = copy_of(model, share_tensors)
-    expanded = mha_to_expand(work, lambda site: would_convert(site, recipe.rules)) if recipe else []
-    work = expand_mha(work, expanded)
-    trace = trace_model(work, example_inputs)
-    return Analysis(work, trace, find_sites(work, trace), expanded)
-
-
-def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: bool = False) -> tuple[Analysis, Plan]:
-    if not isinstance(model, nn.Module):
-        raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if example_inputs is None:
-        raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
-                           "of keyword arguments, or one tensor")
-    recipe = load_recipe(recipe)
-    quantized = already_quantized(model)
-    if quantized:
-        raise LowconvError(f"the model is quantized already: {quantized}; convert the model it was made from")
-    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if on_meta:
-        raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
-                           f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
-                           f"or to_empty() then load)")
-    found = analyze(model, example_inputs, recipe, share_tensors)
-    plan = make_plan(found.sites, found.trace, recipe)
-    plan.expanded_mha = found.expanded_mha
-    plan.warnings = conversion_warnings(model, found, plan, recipe)
-    plan.model = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
-    plan.example_inputs = describe_inputs(example_inputs)
-    return found, plan
-
-
-def already_quantized(model: nn.Module) -> str | None:
-    """Why a model is a quantized one already (None: it is not): a quantization_config, FP8 weights,
-    or tensor subclasses (torchao's quantized weights). A model lowconv made is converted again
-    where it still has sites (conversion_warnings says so)."""
-    if hasattr(model, PLAN_ATTR):
-        return None
-    described = hf.quantized_config(model)
-    if described:
-        return described
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if type(tensor) not in (torch.Tensor, nn.Parameter):
-            return f"{name} is a {type(tensor).__name__} (a tensor subclass, as torchao's quantized weights are)"
-        if tensor.dtype in (E4M3, E5M2):
-            return f"{name} is {tensor.dtype}"
-    return None
-
-
-def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: Recipe) -> list[str]:
-    """The plan's warnings for its decisions as they stand (convert asks again once never-slower
-    has kept sites: a region none of whose sites is converted any more is not rewritten)."""
-    warnings = plan_warnings(plan.decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(model, plan)
-    if hasattr(model, PLAN_ATTR):
-        warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
-                        "modules now and are not found again; convert the original model to change them")
-    return warnings
-
-
-def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
-    """An nn.TransformerEncoder with its nested-tensor path on, around converted sites, loses that
-    path (passes/rewrite.py leave_fused_paths): say what changes, which compare cannot show (it
-    runs both models on the plain path)."""
-    converted = [d.fqn for d in plan.converted()]
-    return [f"{fqn or '(whole model)'}: nn.TransformerEncoder built with enable_nested_tensor; the converted "
-            f"model runs it on the plain path, so in eval mode without grad the rows of padding hold "
-            f"computed values where the original gives zeros (mask them before pooling)"
-            for fqn, module in model.named_modules()
-            if isinstance(module, nn.TransformerEncoder) and module.use_nested_tensor
-            and any(site == fqn or site.startswith(f"{fqn}.") or not fqn for site in converted)]
 
 
 def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
@@ -318,26 +219,6 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
     return checkpoint.save_checkpoint(directory, state, metadata, files, max_shard_bytes)
 
 
-def read_plan(directory: str | Path) -> tuple[Plan, dict[str, torch.Tensor]]:
-    tensors, metadata = checkpoint.read_checkpoint(directory)
-    path = checkpoint.checkpoint_path(directory)
-    try:
-        plan = Plan.from_json(metadata["lowconv.plan"])
-    except RecursionError:
-        raise LowconvError(f"{path}: the plan in its metadata is not valid (nested too deep to read)") from None
-    except (ValueError, TypeError, KeyError) as err:
-        raise LowconvError(f"{path}: the plan in its metadata is not valid ({type(err).__name__}: {err})") from None
-    for decision in plan.decisions:
-        problem = description_problem(decision.site)
-        if problem:
-            raise LowconvError(f"{path}: the plan in its metadata is not valid: the site {decision.fqn}: {problem}")
-    unknown = sorted({d.op for d in plan.decisions} - set(OPS))
-    if unknown:
-        raise LowconvError(f"{path}: the plan uses ops this lowconv does not have: {', '.join(unknown)} "
-                           f"(known: {', '.join(OPS)})")
-    return plan, tensors
-
-
 def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Module:
     """Rebuild the converted model from `model` (the original) and a saved checkpoint.
 
@@ -380,69 +261,5 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
             raise LowconvError(f"{path}: {fqn}: {problem}")
     attach_plan(converted, plan)
     return converted
-
-
-def cast_like(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """A model saved after a module-wide cast (.half(), .to(torch.bfloat16)) holds its floating
-    tensors in another dtype than the original it is rebuilt from: cast the rebuilt model the same
-    way. Only where each side has one floating dtype (FP8 weights aside, which casts keep)."""
-    saved, built = floating_dtypes(tensors.values()), floating_dtypes(model.state_dict().values())
-    if len(saved) == 1 and len(built) == 1 and saved != built:
-        model.to(saved.pop())
-
-
-def floating_dtypes(tensors) -> set[torch.dtype]:
-    """The floating dtypes among the tensors, FP8 aside."""
-    return {t.dtype for t in tensors if t.is_floating_point() and t.dtype not in (E4M3, E5M2)}
-
-
-def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` with its floating tensors as empty meta tensors of `dtype` (for model_signature)."""
-    return {name: torch.empty(t.shape, dtype=dtype, device="meta")
-            if isinstance(t, torch.Tensor) and t.is_floating_point() else t for name, t in state.items()}
-
-
-def decided_by_inputs(plan: Plan) -> bool:
-    """Whether a region the plan converts in had branches that its example inputs decided (tracing
-    it again takes inputs that decide them)."""
-    return any(plan.decided.get(d.site["region"]) for d in plan.converted())
-
-
-def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> tuple[Trace, dict[str, Site]]:
-    """Trace `model` (a copy of the original) again and find the sites the plan converts, each
-    checked to be the same graph as at conversion and given what the conversion learned."""
-    todo = plan.converted()
-    trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in todo}),
-                        none_args=plan.none_args, constant_args=plan.constant_args)
-    found = {s.fqn: s for s in find_sites(model, trace)}
-    sites = {}
-    for decision in todo:
-        site = found.get(decision.fqn)
-        if site is None:
-            raise LowconvError(f"{source}: the plan converts {decision.fqn}, which this model does not have")
-        if site.graph_signature() != decision.site["graph"]:
-            hint = "" if example_inputs is not None else " (pass example_inputs: its matching depends on shapes)"
-            raise LowconvError(f"{source}: {decision.fqn} is not the site that was converted{hint}")
-        found_names = linear_names(site.info)
-        restore_site(site, decision.site)
-        if linear_names(site.info) != found_names:
-            raise LowconvError(f"{source}: {decision.fqn} is not the site that was converted (the plan names "
-                               f"{linear_names(site.info)}, the model {found_names})")
-        sites[site.fqn] = site
-    return trace, sites
-
-
-def linear_names(info) -> tuple | None:
-    """A linear site's shape and the names of its tensors in the model (None for attention)."""
-    if not isinstance(info, LinearInfo):
-        return None
-    return info.form, info.in_features, info.out_features, info.weight, info.bias_name, info.weight_layout
-
-
-def restore_site(site: Site, saved: dict) -> None:
-    """What the conversion run learned (shapes from the example inputs) onto a re-found site."""
-    site.info = Site.info_from_dict(saved["info"])
-    site.input = TensorMeta(tuple(saved["input"]["shape"]), saved["input"]["dtype"]) if saved["input"] else None
-    site.output = TensorMeta(tuple(saved["output"]["shape"]), saved["output"]["dtype"]) if saved["output"] else None
 
 

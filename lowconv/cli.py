@@ -13,7 +13,9 @@ import torch
 from tabulate import tabulate
 
 from lowconv import api, report as reports
+from lowconv.analysis import plan_conversion
 from lowconv.compare import compare
+from lowconv.replay import read_plan
 from lowconv.errors import LowconvError
 from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
@@ -113,7 +115,7 @@ def cmd_recipes(args) -> int:
 def cmd_inspect(args) -> int:
     loaded = load_model(args.model, device=pick_device(args.device), dtype=args.dtype, seed=args.seed)
     recipe = args.recipe or "keep-all"
-    _, plan = api.plan_conversion(loaded.model, recipe, loaded.inputs, share_tensors=True)
+    _, plan = plan_conversion(loaded.model, recipe, loaded.inputs, share_tensors=True)
     print(sites_table(plan))
     if args.recipe:
         print(f"\nrecipe {plan.recipe}:")
@@ -199,7 +201,7 @@ def recorded_path(spec: str) -> str:
 
 
 def cmd_compare(args) -> int:
-    plan, _ = api.read_plan(args.output)
+    plan, _ = read_plan(args.output)
     seed = args.seed if args.seed is not None else plan.model.get("seed", 0)
     converted_dtype = plan.model.get("dtype")
     # Only `lowconv convert` records its --dtype (None: none given); a checkpoint saved from Python has none.

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from lowconv import report as reports
-from lowconv.api import copy_of, plan_of, refind_sites
+from lowconv.analysis import copy_of
+from lowconv.api import plan_of
+from lowconv.replay import refind_sites
 from lowconv.errors import LowconvError
 from lowconv.inputs import evaluating, fresh_inputs, normalize_inputs, run_eval
 from lowconv.passes.mha_expand import expand_mha

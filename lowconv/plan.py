@@ -10,6 +10,8 @@ from lowconv.model_file import checked_cast
 from lowconv.inputs import is_constant
 from lowconv.site import fits, type_name
 
+PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
+
 
 @dataclass
 class Decision:

@@ -7,6 +7,7 @@ from torch import nn
 
 import lowconv
 from lowconv import api
+from lowconv.analysis import analyze
 from lowconv.errors import LowconvError
 from lowconv.ops.registry import OPS
 from lowconv.recipe import parse_recipe
@@ -85,7 +86,7 @@ def test_layers_reading_one_input_share_its_quantization_and_are_kept_or_convert
 
 
 def test_input_groups_join_linears_of_one_op_and_options_reading_one_node():
-    found = api.analyze(ThreeReadOneInput(), (torch.randn(8, 64),))
+    found = analyze(ThreeReadOneInput(), (torch.randn(8, 64),))
     sites_ = {s.fqn: s for s in found.sites}
     same = {fqn: "fp8 {}" for fqn in sites_}
     groups = input_groups(list(sites_.values()), same)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lowconv
-from lowconv.api import analyze
+from lowconv.analysis import analyze
 from lowconv.model_sources import load_model
 from lowconv.recipe import parse_recipe
 

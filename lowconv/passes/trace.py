@@ -23,7 +23,7 @@ Hugging Face's models) are traced through a function of the arguments the exampl
 
 Tracing works on the module it is given; callers pass a copy, never the user's model.
 
-Every run of a model on example inputs that lowconv makes (here and in api.py) is given fresh
+Every run of a model on example inputs that lowconv makes (here and in inputs.py) is given fresh
 clones of their tensors (`fresh_inputs`): a model that writes into its inputs (`x[:, 0] *= 2`)
 then neither changes the user's tensors nor sees another run's writes.
 """

@@ -1,0 +1,125 @@
+"""Analysis: a copy of the user's model traced, its sites found and the recipe's plan made, before
+anything is rewritten (what `lowconv inspect` shows and `convert` carries out)."""
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowconv import checkpoint, hf
+from lowconv.errors import LowconvError
+from lowconv.inputs import describe as describe_inputs
+from lowconv.kernels.fp8 import E4M3, E5M2
+from lowconv.passes.mha_expand import expand_mha, mha_to_expand
+from lowconv.passes.sites import find_sites
+from lowconv.passes.trace import Trace, trace_model
+from lowconv.plan import PLAN_ATTR, Plan
+from lowconv.recipe import Recipe, load_recipe, make_plan, plan_warnings, would_convert
+from lowconv.site import Site
+
+
+@dataclass
+class Analysis:
+    """What the passes found in a copy of the model, before anything is rewritten."""
+
+    model: nn.Module  # the copy that was traced
+    trace: Trace
+    sites: list[Site]
+    expanded_mha: list[str]  # its nn.MultiheadAttention modules expanded before tracing
+
+
+
+def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
+    """The copy lowconv works on, leaving the user's model as it is. With share_tensors only the
+    modules are copied: the copy's parameters and buffers are the model's own, for a copy whose
+    tensors nothing writes (tracing, a comparison, a conversion that neither model outlives
+    unchanged), at no memory cost."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())} if share_tensors else {}
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:  # e.g. torch.nn.utils.weight_norm's and prune's hooks hold non-leaf tensors
+        raise LowconvError(f"the model cannot be copied (lowconv works on a copy and leaves yours as it is): "
+                           f"{type(err).__name__}: {err}") from err
+
+
+
+def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None,
+            share_tensors: bool = False) -> Analysis:
+    """Trace a copy of `model` (copy_of) and find its sites (the user's model is never touched).
+    With a recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
+    work = copy_of(model, share_tensors)
+    expanded = mha_to_expand(work, lambda site: would_convert(site, recipe.rules)) if recipe else []
+    work = expand_mha(work, expanded)
+    trace = trace_model(work, example_inputs)
+    return Analysis(work, trace, find_sites(work, trace), expanded)
+
+
+
+def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: bool = False) -> tuple[Analysis, Plan]:
+    if not isinstance(model, nn.Module):
+        raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
+                           "of keyword arguments, or one tensor")
+    recipe = load_recipe(recipe)
+    quantized = already_quantized(model)
+    if quantized:
+        raise LowconvError(f"the model is quantized already: {quantized}; convert the model it was made from")
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
+                           f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
+                           f"or to_empty() then load)")
+    found = analyze(model, example_inputs, recipe, share_tensors)
+    plan = make_plan(found.sites, found.trace, recipe)
+    plan.expanded_mha = found.expanded_mha
+    plan.warnings = conversion_warnings(model, found, plan, recipe)
+    plan.model = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
+    plan.example_inputs = describe_inputs(example_inputs)
+    return found, plan
+
+
+
+def already_quantized(model: nn.Module) -> str | None:
+    """Why a model is a quantized one already (None: it is not): a quantization_config, FP8 weights,
+    or tensor subclasses (torchao's quantized weights). A model lowconv made is converted again
+    where it still has sites (conversion_warnings says so)."""
+    if hasattr(model, PLAN_ATTR):
+        return None
+    described = hf.quantized_config(model)
+    if described:
+        return described
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            return f"{name} is a {type(tensor).__name__} (a tensor subclass, as torchao's quantized weights are)"
+        if tensor.dtype in (E4M3, E5M2):
+            return f"{name} is {tensor.dtype}"
+    return None
+
+
+
+def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: Recipe) -> list[str]:
+    """The plan's warnings for its decisions as they stand (convert asks again once never-slower
+    has kept sites: a region none of whose sites is converted any more is not rewritten)."""
+    warnings = plan_warnings(plan.decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(model, plan)
+    if hasattr(model, PLAN_ATTR):
+        warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
+                        "modules now and are not found again; convert the original model to change them")
+    return warnings
+
+
+
+def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
+    """An nn.TransformerEncoder with its nested-tensor path on, around converted sites, loses that
+    path (passes/rewrite.py leave_fused_paths): say what changes, which compare cannot show (it
+    runs both models on the plain path)."""
+    converted = [d.fqn for d in plan.converted()]
+    return [f"{fqn or '(whole model)'}: nn.TransformerEncoder built with enable_nested_tensor; the converted "
+            f"model runs it on the plain path, so in eval mode without grad the rows of padding hold "
+            f"computed values where the original gives zeros (mask them before pooling)"
+            for fqn, module in model.named_modules()
+            if isinstance(module, nn.TransformerEncoder) and module.use_nested_tensor
+            and any(site == fqn or site.startswith(f"{fqn}.") or not fqn for site in converted)]
