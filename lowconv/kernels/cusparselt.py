@@ -20,7 +20,7 @@ Algorithm tuning, for the products a caller asks it for (the op asks for its sit
 shape), once per process and product: the candidates are cuSPARSELt's own search pick
 (cusparseLtMatmulSearch), its default, and every configuration id (torch asks for 0), timed here
 on the product's operands (`tune`); later plans of the product take the winner, so that two
-modules of one weight compute the same bits. Measured on the H100 (BENCHMARKS.md, issue 5): in
+modules of one weight compute the same bits. Measured on the H100 (scripts/bench_semi_sparse.py): in
 bf16 1.08-1.13x over cuSPARSELt's default at the ViT-L shapes and 1.13x at 8192^3; in fp16 within
 that run's noise.
 
@@ -515,7 +515,7 @@ def tune(make, compressed: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> 
     split-K (27 for fp16, 21 for bf16 with cuSPARSELt 0.8.0 on the H100), each timed briefly (one
     that fails to plan or run is left out); then the FINALISTS fastest again, interleaved, with
     more calls. Short timings of three candidates picked a configuration no faster than the
-    default in one run out of several (BENCHMARKS.md, issue 5)."""
+    default in one run out of several (scripts/bench_semi_sparse.py, H100)."""
     searched, default = make(), make()
     searched.run("cusparseLtMatmulSearch", compressed, x, out)
     configurations = default.attribute(ALG_CONFIG_MAX_ID)  # ids 0 .. configurations - 1

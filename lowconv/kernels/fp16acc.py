@@ -52,7 +52,7 @@ BLOCK_K = 16
 AUTO_MAX_SPLITS = 32
 AUTO_MAX_SPLITS_SMALL_M = 64  # up to SMALL_M rows (decode): see auto_splits
 AUTO_MIN_CHUNK_K = 64
-ERROR_BAR = 0.25  # auto's aim: its error at most this of one fp16 chain's (issue 6)
+ERROR_BAR = 0.25  # auto's aim: its error at most this of one fp16 chain's
 # The variance of the output's fp16 rounding over that of one k16 block's rounding in the
 # accumulator: (2.08e-4 / 2.04e-4)^2 on the H100 (cuBLAS fp32-acc's error; S = 1's fitted per block)
 OUTPUT_ROUNDING = 1.04

@@ -43,8 +43,7 @@ with the rows: per axis an (L, d) table-gradient block per tile, added with one 
 atomic per element. The kernels read the coordinates packed one int per point (`pack_coords`).
 They are the custom ops torch.ops.lowconv.window_attention_forward, _backward and
 window_row_windows (at the end of the file), which torch.compile takes whole.
-(The alternatives measured on the H100 with scripts/tune_window_attention.py, and what each of
-these choices gained, are in BENCHMARKS.md, issue 3.)
+(scripts/tune_window_attention.py measures the alternatives and what each of these choices gains.)
 """
 import os
 from typing import NamedTuple
