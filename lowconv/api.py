@@ -14,7 +14,7 @@ from torch import fx, nn
 
 from lowconv import checkpoint, hf
 from lowconv.analysis import conversion_warnings, copy_of, plan_conversion
-from lowconv.errors import LowconvError
+from lowconv.errors import LowconvError, first_line
 from lowconv.inputs import normalize_inputs, run_eval, stand_ins
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
@@ -22,7 +22,7 @@ from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
 from lowconv.passes.example_values import short_path
-from lowconv.passes.trace import first_line, release_graphs
+from lowconv.passes.trace import release_graphs
 from lowconv.plan import PLAN_ATTR, Plan
 from lowconv.recipe import Recipe, load_recipe, parse_options
 from lowconv.replay import cast_floating, cast_like, decided_by_inputs, floating_dtypes, read_plan, refind_sites

@@ -1,4 +1,5 @@
-"""The one exception type lowconv raises for a user's mistake: its message is the whole story."""
+"""The one exception type lowconv raises for a user's mistake (its message is the whole story),
+and an error put in one line."""
 
 
 class LowconvError(Exception):
@@ -6,3 +7,9 @@ class LowconvError(Exception):
 
     The message names the file, the key or the module and, where there are some, the valid choices.
     """
+
+
+def first_line(err: BaseException) -> str:
+    """"TypeName: the first line of the message": an error in one line."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".strip()

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 from tabulate import tabulate
 
+from lowconv.errors import first_line
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
 
 
@@ -362,9 +363,8 @@ def measure_compiled_ms(model: torch.nn.Module, args: tuple, kwargs: dict) -> fl
     try:
         forward()  # compiles
     except Exception as err:  # noqa: BLE001 - a model that does not compile has no compiled time to report
-        first_line = (str(err).strip().splitlines() or [""])[0]
         warnings.warn(f"torch.compile of {type(model).__name__} failed, so the report has no compiled time for it: "
-                      f"{type(err).__name__}: {first_line}", stacklevel=2)
+                      f"{first_line(err)}", stacklevel=2)
         return None
     from triton.testing import do_bench
     return float(do_bench(forward, return_mode="median"))

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.testing
 
+from lowconv.errors import first_line
+
 CPU_REPS = 3
 
 
@@ -73,11 +75,6 @@ def returned_tensors(result):
         return [result]
     tensors = [t for part in result for t in returned_tensors(part)]
     return list({id(t): t for t in tensors}.values())
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
 
 
 def add_run_arguments(parser, *, name, quick_help, tiny_help, cpu_help, budget_s, warmup_ms, rep_ms):

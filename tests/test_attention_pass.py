@@ -13,6 +13,7 @@ from torch import nn
 
 import lowconv.ops.sparse_attention as sa
 from lowconv.passes import trace
+from lowconv.passes.shapes import propagate_shapes
 from lowconv.passes.attention import find_attention_sites
 from lowconv.passes.rewrite import relative, replace_in_graph
 from lowconv.site import TensorMeta
@@ -232,7 +233,7 @@ def region_of(model, inputs, shapes, buffers=False) -> trace.Region:
         graph = fx.GraphModule(model, BufferProxyTracer().trace(model))
         region = trace.Region("", model, graph, example_args=inputs)
         if shapes:
-            trace.propagate_shapes(region)
+            propagate_shapes(region)
         return region
     found = trace.trace_model(model, inputs) if shapes else trace.find_regions(model)
     [region] = found.regions

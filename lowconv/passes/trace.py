@@ -37,24 +37,23 @@ import io
 import operator
 import sys
 import types
-from contextlib import redirect_stderr
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.fx.proxy import TraceError
 
 from lowconv.compat import sptr, sptr_install
-from lowconv.errors import LowconvError
+from lowconv.errors import LowconvError, first_line
 from lowconv.passes.example_values import (
     MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
 )
-from lowconv.inputs import as_called, evaluating, fresh_inputs, is_constant, normalize_inputs
+from lowconv.inputs import fresh_inputs, is_constant
+from lowconv.passes.example_calls import Call, first_calls, fixed_arguments, is_site_module
+from lowconv.passes.shapes import propagate_shapes
 from lowconv.scoped_setting import ScopedSetting
 
 # timm's (1.0.x) non-fused attention adds its mask through these: `scores if mask is None else
@@ -110,8 +109,6 @@ def recompile(gm: fx.GraphModule) -> None:
 # tensor), and fx's Proxy.__iter__ (the same, without a reference cycle).
 STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy}
 
-# Modules that are sites by themselves: traced as calls, never into.
-SITE_MODULES = (nn.Linear, nn.MultiheadAttention)
 # torch.nn modules whose forward, in inference, may skip their submodules' forward and read their
 # weights directly (torch's "fast path": a fused C++ encoder layer, nested tensors). fx keeps
 # torch.nn modules as calls; these are traced into, so that their sites are found in the plain path
@@ -123,12 +120,6 @@ def has_fused_path(module: nn.Module) -> bool:
     """Whether a module in `module` may read a swapped module's weight instead of calling it: a
     converted FP8 or 2:4 weight would break its fused kernel, so the region's graph replaces it."""
     return any(isinstance(m, FUSED_INFERENCE_PATHS) for m in module.modules())
-
-
-def is_site_module(module: nn.Module) -> bool:
-    """An nn.Linear or nn.MultiheadAttention that computes what its class says (a subclass with
-    its own forward, e.g. a LoRA layer, is traced into instead)."""
-    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in SITE_MODULES)
 
 
 # The hooks a user registers on a module (register_forward_hook, ..._pre_hook, ...full_backward_hook).
@@ -340,11 +331,6 @@ def qualified_name(function) -> str:
 
 def join_fqn(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".strip()
 
 
 def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = False,
@@ -584,108 +570,6 @@ def tree_position(model: nn.Module, fqn: str) -> tuple[int, ...]:
         position.append([n for n, _ in module.named_children()].index(name))
         module = getattr(module, name)
     return tuple(position)
-
-
-def fixed_arguments(call: Call | None) -> tuple[list[str], dict]:
-    """The arguments of a module's example call that tracing fixes by default: those that are
-    None, and those that are a constant (name -> value)."""
-    arguments = call.arguments if call is not None and call.arguments else {}
-    return ([name for name, value in arguments.items() if value is None],
-            {name: value for name, value in arguments.items() if is_constant(value)})
-
-
-def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
-    """The forward's arguments by name, defaults filled, then the extra keyword arguments that
-    went to its **kwargs (see bound_forward). None when they cannot be bound, or when extra
-    positional arguments went to its *args, which have no names."""
-    try:
-        sig = inspect.signature(module.forward)
-        bound = sig.bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    arguments, extra = {}, {}
-    for name, value in bound.arguments.items():
-        kind = sig.parameters[name].kind
-        if kind == inspect.Parameter.VAR_POSITIONAL and value:
-            return None
-        if kind == inspect.Parameter.VAR_KEYWORD:
-            extra = value
-        elif kind != inspect.Parameter.VAR_POSITIONAL:
-            arguments[name] = value
-    return {**arguments, **extra}
-
-
-@dataclass
-class Call:
-    arguments: dict | None  # by name, see bind_arguments
-    output: object  # a site module's (None for any other module: see first_calls)
-
-
-def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, Call]:
-    """Run the model once (eval mode); what each module in `fqns` got on its first call, and what
-    it gave if it is a site module (the example_output of a lone site region).
-
-    The run gets fresh clones of the inputs; the model's own call is then given other fresh clones,
-    so that its recorded arguments hold the example values even if the model wrote into its inputs
-    (a submodule's recorded arguments are what it got, as they are after the run)."""
-    calls: dict[str, Call] = {}
-    handles = []
-    wanted = set(fqns)
-    for fqn, module in model.named_modules():
-        if fqn not in wanted:
-            continue
-
-        def record_arguments(mod, args, kwargs, fqn=fqn):
-            if fqn not in calls:
-                calls[fqn] = Call(bind_arguments(mod, *as_called(args, kwargs)), None)
-
-        def record_output(mod, args, kwargs, output, fqn=fqn):
-            if is_site_module(mod) and calls[fqn].output is None:
-                calls[fqn].output = output
-
-        handles.append(module.register_forward_pre_hook(record_arguments, with_kwargs=True))
-        handles.append(module.register_forward_hook(record_output, with_kwargs=True))
-    args, kwargs = normalize_inputs(example_inputs)
-    run_args, run_kwargs = fresh_inputs(args, kwargs)
-    try:
-        with evaluating(model):
-            model(*run_args, **run_kwargs)
-    except Exception as err:
-        raise LowconvError(f"the model failed on its example inputs: {type(err).__name__}: {err}") from err
-    finally:
-        for h in handles:
-            h.remove()
-    if "" in calls and calls[""].arguments is not None:
-        del run_args, run_kwargs  # the run's copies, and the hook's, go before the next (a KV cache can be GBs)
-        calls[""].arguments = None
-        calls[""].arguments = bind_arguments(model, *fresh_inputs(args, kwargs))
-    return calls
-
-
-def propagate_shapes(region: Region) -> None:
-    """Leave tensor_meta on the region's graph nodes (no-op when its inputs are unknown). The run
-    gets fresh clones of example_args, which keep their values."""
-    if region.graph is None or region.example_args is None:
-        return
-    args, _ = fresh_inputs(region.example_args, {})
-    try:  # ShapeProp prints the traceback of a node that fails before it raises: the caller says why
-        with evaluating(region.graph), redirect_stderr(io.StringIO()):
-            ShapeProp(region.graph).propagate(*args)
-    except RuntimeError as err:
-        cause = err.__cause__ or err
-        raise RuntimeError(f"its traced graph does not run its example call: {first_line(cause)}") from err
-    for node in region.graph.graph.nodes:  # ShapeProp keeps a result's other objects (a KV cache): metadata only
-        if "tensor_meta" in node.meta:
-            node.meta["tensor_meta"] = pytree.tree_map(metadata_only, node.meta["tensor_meta"], is_leaf=is_metadata)
-
-
-def is_metadata(value) -> bool:
-    return isinstance(value, TensorMetadata)
-
-
-def metadata_only(value):
-    return value if is_metadata(value) or is_constant(value) else None
 
 
 def trace_model(model: nn.Module, example_inputs=None, only: list[str] | None = None,
