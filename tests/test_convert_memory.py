@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run in a child process, whose RSS high-water mark is convert's and one forward's alone. glibc's
 # mmap threshold is fixed small (MALLOC_MMAP_THRESHOLD_ below), so a freed tensor goes back to the
 # system at once and the RSS follows the tensors alive, not what malloc kept for later.
-PEAK_OF_CONVERT = """
+CHILD_SETUP = """
 import json, resource, sys
 import torch, transformers
 import lowconv
@@ -32,10 +32,14 @@ def rss():
 def high_water():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-torch.manual_seed(0)
-config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
-                                  num_attention_heads=8, num_key_value_heads=4, vocab_size=8000)
-model = transformers.LlamaForCausalLM(config).eval()
+def llama(hidden, intermediate, kv_heads):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=kv_heads, vocab_size=8000)
+    return transformers.LlamaForCausalLM(config).eval()
+"""
+PEAK_OF_CONVERT = CHILD_SETUP + """
+model = llama(512, 1536, 4)
 inputs = {"input_ids": torch.randint(0, 8000, (4, 256)), "use_cache": False}
 base = rss()
 with torch.no_grad():
@@ -45,37 +49,11 @@ lowconv.convert(model, sys.argv[1], inputs)
 print(json.dumps({"weights": sum(p.numel() * p.element_size() for p in model.parameters()),
                   "activations": activations, "convert": high_water() - base}))
 """
-SLACK = 64 * 2**20  # what a conversion allocates beside tensors (code, graphs, plans), and RSS noise
-
-
-def test_convert_peak_is_two_copies_of_the_weights_and_one_forward():
-    pytest.importorskip("transformers")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
-    child = subprocess.run([sys.executable, "-c", PEAK_OF_CONVERT, "mixed"], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    used = json.loads(child.stdout.strip().splitlines()[-1])
-    bound = 2 * used["weights"] + used["activations"] + SLACK
-    assert used["convert"] <= bound, (
-        f"convert took {used['convert'] / 2**20:.0f} MiB over the model's {used['weights'] / 2**20:.0f} MiB of "
-        f"weights (one forward: {used['activations'] / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB)")
-
-
 # The command line's convert then compare, as lowconv.convert(share_weights=True) and compare do
 # it: neither makes a second copy of the model's weights (a 1B-parameter model had peaked at 3.3x
 # its bytes: one copy for the conversion, one for the comparison's traced model).
-PEAK_OF_CONVERT_AND_COMPARE = """
-import json, resource, sys
-import torch, transformers
-import lowconv
-
-def high_water():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-torch.manual_seed(0)
-config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
-                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8000)
-model = transformers.LlamaForCausalLM(config).eval()
+PEAK_OF_CONVERT_AND_COMPARE = CHILD_SETUP + """
+model = llama(1024, 3072, 2)
 inputs = {"input_ids": torch.randint(0, 8000, (1, 32)), "use_cache": False}
 with torch.no_grad():
     model(**inputs)
@@ -88,15 +66,29 @@ print(json.dumps({"weights": sum(p.numel() * p.element_size() for p in model.par
                              if t.data_ptr() not in shared),
                   "shared": len(shared), "peak": high_water() - base}))
 """
+SLACK = 64 * 2**20  # what a conversion allocates beside tensors (code, graphs, plans), and RSS noise
+
+
+def run_child(script: str, *args: str) -> dict:
+    """The JSON that `script` prints last, run in a child process with a small mmap threshold."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    child = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_convert_peak_is_two_copies_of_the_weights_and_one_forward():
+    used = run_child(PEAK_OF_CONVERT, "mixed")
+    bound = 2 * used["weights"] + used["activations"] + SLACK
+    assert used["convert"] <= bound, (
+        f"convert took {used['convert'] / 2**20:.0f} MiB over the model's {used['weights'] / 2**20:.0f} MiB of "
+        f"weights (one forward: {used['activations'] / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB)")
 
 
 def test_convert_sharing_weights_then_compare_hold_no_second_copy_of_the_model():
-    pytest.importorskip("transformers")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
-    child = subprocess.run([sys.executable, "-c", PEAK_OF_CONVERT_AND_COMPARE], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    used = json.loads(child.stdout.strip().splitlines()[-1])
+    used = run_child(PEAK_OF_CONVERT_AND_COMPARE)
     assert used["shared"] > 0  # the embeddings, norms and lm_head are the model's own tensors
     bound = used["new"] + SLACK
     assert used["peak"] <= bound, (
