@@ -94,23 +94,25 @@ def tensor_metrics(ref: torch.Tensor, test: torch.Tensor) -> TensorMetrics:
         raise ValueError(
             f"cannot compare an original tensor of shape {tuple(ref.shape)} with a converted one of shape {tuple(test.shape)}"
         )
-    # sums of ref², test², (ref - test)², ref * test, then the largest |ref - test|; tensors, so
-    # that NaN propagates
-    sums, max_abs = torch.zeros(4, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    nan = inf = new_nonfinite = changed_inf = 0
+    # On the tensors' device, read once at the end: sums of ref², test², (ref - test)² and ref * test,
+    # the largest |ref - test|, and counts of NaN, Inf, new non-finite and changed Inf values in test.
+    # Positions where ref is +-Inf are measured as zeros (the converted must match the Inf itself).
+    device = _metric_device(ref)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    max_abs = torch.zeros((), dtype=torch.float64, device=device)
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
     ref_values, test_values = ref.reshape(-1), test.reshape(-1)
     for start in range(0, ref.numel(), METRIC_CHUNK):
         x, y = _float64_pair(ref_values[start:start + METRIC_CHUNK], test_values[start:start + METRIC_CHUNK])
-        nan, inf = nan + int(torch.isnan(y).sum()), inf + int(torch.isinf(y).sum())
-        new_nonfinite += int((torch.isfinite(x) & ~torch.isfinite(y)).sum())
         infinite = torch.isinf(x)
-        if infinite.any():  # where the original is +-Inf the converted must match; the rest is measured
-            changed_inf += int((y[infinite] != x[infinite]).sum())
-            x, y = x[~infinite], y[~infinite]
+        counts += torch.stack([torch.isnan(y).sum(), torch.isinf(y).sum(),
+                               (torch.isfinite(x) & ~torch.isfinite(y)).sum(), (infinite & (y != x)).sum()])
+        x, y = torch.where(infinite, 0.0, x), torch.where(infinite, 0.0, y)
         diff = x - y
-        sums += torch.stack([x.dot(x), y.dot(y), diff.dot(diff), x.dot(y)]).cpu()
-        if diff.numel():
-            max_abs = torch.maximum(max_abs, diff.abs().max().cpu())
+        sums += torch.stack([x.dot(x), y.dot(y), diff.dot(diff), x.dot(y)])
+        max_abs = torch.maximum(max_abs, diff.abs().max())
+    sums, max_abs = sums.cpu(), max_abs.cpu()
+    nan, inf, new_nonfinite, changed_inf = (int(c) for c in counts.tolist())
     ref_norm, test_norm, noise = sums[:3].sqrt()
     if bool(noise == 0):
         sqnr, rel_l2, cosine = math.inf, 0.0, 1.0
@@ -136,16 +138,16 @@ def logit_metrics(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> LogitM
     classes = ref_logits.shape[-1]
     ref_rows, test_rows = ref_logits.reshape(-1, classes), test_logits.reshape(-1, classes)
     step = max(1, METRIC_CHUNK // max(classes, 1))
-    kl, agree = torch.zeros((), dtype=torch.float64), 0
+    kl, agree = 0, 0  # tensors on the logits' device, read once at the end
     for start in range(0, ref_rows.shape[0], step):
         x, y = _float64_pair(ref_rows[start:start + step], test_rows[start:start + step])
         log_p, log_q = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
         p = log_p.exp()
         # Classes the original gives no probability add nothing, even where the converted gives -inf.
-        kl = kl + torch.where(p > 0, p * (log_p - log_q), 0.0).sum().cpu()
-        agree += int((x.argmax(-1) == y.argmax(-1)).sum())
+        kl = kl + torch.where(p > 0, p * (log_p - log_q), 0.0).sum()
+        agree = agree + (x.argmax(-1) == y.argmax(-1)).sum()
     rows = ref_rows.shape[0]
-    return LogitMetrics(kl=float(kl / rows), top1=agree / rows, rows=rows)
+    return LogitMetrics(kl=float(kl) / rows, top1=int(agree) / rows, rows=rows)
 
 
 def flatten_outputs(obj: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
@@ -379,9 +381,14 @@ def _unique_storages(model: torch.nn.Module, device: torch.device) -> list[torch
     return list(by_storage.values())
 
 
+def _metric_device(ref: torch.Tensor) -> torch.device:
+    """Where the metrics compute in float64: the ref's device where it has float64 (CPU, CUDA);
+    elsewhere (MPS) the CPU."""
+    return ref.device if ref.device.type in ("cpu", "cuda") else torch.device("cpu")
+
+
 def _float64_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # float64 on the ref's device where it exists (CPU, CUDA); elsewhere (MPS) on the CPU.
-    device = ref.device if ref.device.type in ("cpu", "cuda") else torch.device("cpu")
+    device = _metric_device(ref)
     return ref.detach().to(device, torch.float64), test.detach().to(device, torch.float64)
 
 
