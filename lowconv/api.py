@@ -52,23 +52,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     found, plan = plan_conversion(model, recipe, example_inputs, share_weights)
     todo = plan.converted()
     progress(f"{len(found.sites)} sites, {len(todo)} to convert")
-    by_fqn = {s.fqn: s for s in found.sites}
-    groups = input_groups([by_fqn[d.fqn] for d in todo], {d.fqn: f"{d.op} {d.options!r}" for d in todo})
-    shared_by = Counter(groups.values())
-    modules, timings, measured = {}, {}, {}
-    for i, decision in enumerate(todo, 1):
-        progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
-        site, op = by_fqn[decision.fqn], OPS[decision.op]
-        options = op.options(**decision.options)
-        params = site_params(site, found.model)
-        modules[site.fqn] = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
-        if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
-            sharers = shared_by[groups[site.fqn]]
-            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params,
-                   sharers)
-            if key not in timings:
-                timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
-            measured[site.fqn] = timings[key]
+    modules, measured, groups = build_op_modules(todo, found, progress)
     slower = slower_sites(measured, groups)
     for decision in todo:
         timing, module = measured.get(decision.fqn), modules[decision.fqn]
@@ -94,6 +78,29 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
                                      if calibration is not None else "the example inputs (1 batch)")
     attach_plan(converted, plan)
     return converted
+
+
+def build_op_modules(todo: list, found, progress) -> tuple[dict[str, nn.Module], dict[str, SiteTiming | None], dict]:
+    """Each decision's op module by fqn; where its op is timed (never slower), its timing against
+    the original; and the groups of sites that share an input (site_timing.input_groups)."""
+    by_fqn = {s.fqn: s for s in found.sites}
+    groups = input_groups([by_fqn[d.fqn] for d in todo], {d.fqn: f"{d.op} {d.options!r}" for d in todo})
+    shared_by = Counter(groups.values())
+    modules, timings, measured = {}, {}, {}
+    for i, decision in enumerate(todo, 1):
+        progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
+        site, op = by_fqn[decision.fqn], OPS[decision.op]
+        options = op.options(**decision.options)
+        params = site_params(site, found.model)
+        modules[site.fqn] = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
+        if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
+            sharers = shared_by[groups[site.fqn]]
+            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params,
+                   sharers)
+            if key not in timings:
+                timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
+            measured[site.fqn] = timings[key]
+    return modules, measured, groups
 
 
 def check_runs(converted: nn.Module, example_inputs) -> None:
