@@ -33,7 +33,7 @@ def fp16_operands(m, n, k, x_rows, w_rows, seed=0):
 @pytest.mark.parametrize("x_rows,w_rows", [(True, True), (False, True), (True, False)],
                          ids=["row scales", "tensor x", "tensor w"])
 def test_tiles_splits_scales_and_bias_compute_the_linear(m, n, k, config, multiprocessors, x_rows, w_rows, monkeypatch):
-    monkeypatch.setattr(fp8_small_m, "multiprocessors", lambda index: multiprocessors)
+    monkeypatch.setattr(fp8_small_m, "multiprocessors", lambda device: multiprocessors)
     x, x_scale, w, w_scale = fp16_operands(m, n, k, x_rows, w_rows)
     bias = torch.randn(n).bfloat16()
     got = fp8_small_m.fp8_gemm_rows(x, x_scale, w, w_scale, bias, torch.float32, False, config)
@@ -50,7 +50,7 @@ def test_k_splits_give_every_multiprocessor_a_program_and_each_range_its_minimum
 
 
 def test_takes_few_e4m3_rows_with_tensor_or_row_scales_on_sm90(monkeypatch):
-    monkeypatch.setattr(fp8_small_m, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(fp8_small_m, "cuda_capability", lambda index: (9, 0))
     cuda = type("CudaTensor", (), {})
     x = torch.zeros(64, 128, dtype=fp8.E4M3)
     w = torch.zeros(256, 128, dtype=fp8.E4M3)
@@ -62,7 +62,7 @@ def test_takes_few_e4m3_rows_with_tensor_or_row_scales_on_sm90(monkeypatch):
     assert not fp8_small_m.takes(x[:0], one, w, one, torch.bfloat16)  # no rows
     assert not fp8_small_m.takes(x.view(torch.float8_e5m2), one, w, one, torch.bfloat16)  # a gradient
     assert not fp8_small_m.takes(x, torch.ones(64, 1), w, torch.ones(2, 1), torch.bfloat16)  # block scales
-    monkeypatch.setattr(fp8_small_m, "capability", lambda index: (8, 9))
+    monkeypatch.setattr(fp8_small_m, "cuda_capability", lambda index: (8, 9))
     assert not fp8_small_m.takes(x, rows, w, torch.ones(256, 1), torch.bfloat16)
 
 

@@ -44,6 +44,7 @@ import triton.language as tl
 import triton.testing
 
 from lowconv.kernels.fp16acc_wgmma import launch_fp16acc_wgmma, wgmma_aligned, wgmma_runs
+from lowconv.kernels.gpu import multiprocessors
 from lowconv.kernels.tile_order import grouped_tile
 from lowconv.kernels.triton_ops import cdiv, triton_op, wrap
 from lowconv.scoped_setting import ScopedSetting
@@ -58,7 +59,6 @@ ERROR_BAR = 0.25  # auto's aim: its error at most this of one fp16 chain's
 OUTPUT_ROUNDING = 1.04
 SMALL_M = 64  # up to this many rows: 16- or 64-row tiles, their own configs
 NARROW_TILE_N = 16
-H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
 SMALL_WORK = 1 << 24  # M*N*K below which tuning costs more than it can win: one fixed config
 
 
@@ -436,11 +436,6 @@ wgmma_gemm.register_fake(fp16_output)
 
 def small_block_m(m: int) -> int:
     return 16 if m <= 16 else 64
-
-
-@functools.cache
-def multiprocessors(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
 
 
 def run_gemm(tuner, x, w, bias, out, chunk_k, splits, chunks_per_program, programs_per_tile, combine_fp32, block_m,

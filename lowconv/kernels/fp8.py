@@ -17,12 +17,12 @@ lowconv's Triton GEMM (fp8_small_m.py: the weight's bytes at memory speed, where
 is slower than bf16), else torch._scaled_mm (cuBLASLt) where it takes the operands, and otherwise
 a torch reference with the same numerics.
 """
-import functools
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from lowconv.kernels import fp8_quant, fp8_small_m
+from lowconv.kernels.gpu import cuda_capability
 
 E4M3 = torch.float8_e4m3fn  # forward: weights and activations
 E5M2 = torch.float8_e5m2  # backward: gradients (wider range, fewer mantissa bits)
@@ -45,13 +45,6 @@ def quantizes_in_triton(x: torch.Tensor) -> bool:
     cast rounds once (on sm_89 it goes through fp16: a double rounding, not the reference's
     numbers). Under torch.compile the torch ops run: inductor fuses them with x's producer."""
     return x.is_cuda and not torch.compiler.is_compiling() and cuda_capability(x.device.index) >= (9, 0)
-
-
-@functools.cache
-def cuda_capability(index: int | None) -> tuple[int, int]:
-    """CUDA device `index`'s (None: the current one) compute capability; cached, as the FP8
-    layers ask on every call."""
-    return torch.cuda.get_device_capability(index)
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):

@@ -13,12 +13,11 @@ multiprocessors and reads its FP8 weight slower than cuBLAS reads the bf16 one (
 llama-decode). Here a program covers BLOCK_N output columns and a share of K, so every layer
 runs about one program per multiprocessor, each streaming its slice of the weight.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from lowconv.kernels.gpu import cuda_capability, multiprocessors
 from lowconv.kernels.triton_ops import cdiv
 
 # Rows the kernel takes: one BLOCK_M tile, of 16 rows (tensor-core MMAs) or 64 (Hopper's wgmma; 32 rows
@@ -94,17 +93,7 @@ def takes(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_sca
     rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
     return (x_fp8.is_cuda and x_fp8.dtype == torch.float8_e4m3fn and 0 < rows <= MAX_ROWS and w_fp8.shape[1] % 16 == 0 and out_dtype in OUT_DTYPES
             and x_scale.numel() in (1, rows) and w_scale.numel() in (1, w_fp8.shape[0]) and w_fp8.numel() < 2**31
-            and capability(x_fp8.device.index) >= (9, 0))
-
-
-@functools.cache
-def capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.cache
-def multiprocessors(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+            and cuda_capability(x_fp8.device.index) >= (9, 0))
 
 
 def tiles(m: int, n: int, k: int) -> tuple[int, int]:
@@ -134,7 +123,7 @@ def fp8_gemm_rows(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tenso
     w = w_fp8.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
     block_n, stages = config or tiles(m, n, k)
-    splits = split_k(n, k, multiprocessors(x2.device.index), block_n)
+    splits = split_k(n, k, multiprocessors(x2.device), block_n)
     k_per_split = cdiv(cdiv(k, splits), BLOCK_K) * BLOCK_K
     splits = cdiv(k, k_per_split)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out

@@ -1,0 +1,18 @@
+"""What the kernels ask of the GPU they launch on, cached: they ask on every call."""
+import functools
+
+import torch
+
+H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
+
+
+@functools.cache
+def cuda_capability(index: int | None) -> tuple[int, int]:
+    """CUDA device `index`'s (None: the current one) compute capability."""
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count; H100_SMS off CUDA."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
