@@ -18,6 +18,7 @@ from lowconv.errors import LowconvError, first_line
 from lowconv.inputs import normalize_inputs, run_eval, stand_ins
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
+from lowconv.ops.registry import Calibrated, ChecksLoadedState, NotesThePlan
 from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
@@ -60,7 +61,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
             keep_slower(decision, timing)
             del modules[decision.fqn]
             continue
-        decision.note = "; ".join(filter(None, [module.plan_note() if hasattr(module, "plan_note") else "",
+        decision.note = "; ".join(filter(None, [module.plan_note() if isinstance(module, NotesThePlan) else "",
                                                 timing and f"measured {timing.describe(decision.op)}"]))
     if len(modules) < len(todo):  # never-slower kept some sites: the warnings follow the final decisions
         plan.warnings = conversion_warnings(model, found, plan, recipe)
@@ -137,7 +138,7 @@ def site_device(site: Site, model: nn.Module) -> torch.device:
 def calibrate(model: nn.Module, batches: Iterable, progress) -> int:
     """Run the batches through modules that observe their inputs (static/delayed scales); how many
     ran (0: no module observes, and the batches are not asked for)."""
-    observers = [m for m in model.modules() if getattr(m, "needs_calibration", False)]
+    observers = [m for m in model.modules() if isinstance(m, Calibrated) and m.needs_calibration]
     if not observers:
         return 0
     progress(f"calibrating {len(observers)} modules")
@@ -263,7 +264,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)
     for fqn, module in modules.items():
-        problem = module.loaded_state_problem() if hasattr(module, "loaded_state_problem") else None
+        problem = module.loaded_state_problem() if isinstance(module, ChecksLoadedState) else None
         if problem:
             raise LowconvError(f"{path}: {fqn}: {problem}")
     attach_plan(converted, plan)

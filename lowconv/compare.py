@@ -18,6 +18,7 @@ from lowconv.inputs import evaluating, fresh_inputs, normalize_inputs, run_eval
 from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes.rewrite import tap_sites
 from lowconv.passes.trace import release_graphs
+from lowconv.ops.registry import ReportsStats
 from lowconv.plan import Plan
 
 
@@ -114,7 +115,7 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
     fqns = [d.fqn for d in plan.converted()]
     ops = {fqn: converted.get_submodule(fqn) for fqn in fqns}
     out_original, calls = run_original(original, plan, inputs)
-    counters = {fqn: op.report_stats() for fqn, op in ops.items() if hasattr(op, "report_stats")}
+    counters = {fqn: op.report_stats() for fqn, op in ops.items() if isinstance(op, ReportsStats)}
     out_converted, site_outputs = run_converted(converted, fqns, inputs)
     stats = {fqn: {k: v - before[k] for k, v in ops[fqn].report_stats().items()}  # this run's counts
              for fqn, before in counters.items()}

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from lowconv.ops.registry import Calibrated, SharesInputStep
 from lowconv.passes.linear import linear_input
 from lowconv.site import Site
 
@@ -86,13 +87,13 @@ def time_linear_site(site: Site, module: nn.Module, params: dict[str, torch.Tens
     None where it is not timed (not on CUDA, no traced input, training modules, modules that wait
     for calibration)."""
     weight, bias = params["weight"], params.get("bias")
-    if (not weight.is_cuda or site.input is None or getattr(module, "needs_calibration", False)
+    if (not weight.is_cuda or site.input is None or (isinstance(module, Calibrated) and module.needs_calibration)
             or getattr(getattr(module, "options", None), "training", False)):
         return None
     x = torch.randn(site.input.shape, dtype=getattr(torch, site.input.dtype), device=weight.device)
     with torch.no_grad():
         op_ms = graph_ms(lambda: module(x))
-        if shared_by > 1 and hasattr(module, "input_step"):
+        if shared_by > 1 and isinstance(module, SharesInputStep):
             op_ms -= graph_ms(lambda: module.input_step(x)) * (1 - 1 / shared_by)
         else:
             shared_by = 1

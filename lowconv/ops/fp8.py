@@ -122,9 +122,9 @@ class Fp8Linear(nn.Module):
         return fp8_frozen_linear(*args)
 
     def input_step(self, x: torch.Tensor):
-        """The forward's work on x alone (its dynamic quantization): the same in every layer of
-        these options that reads x, and done once for all of them under torch.compile (inductor
-        computes x's scales and casts in one kernel); never-slower's timing shares it among them."""
+        """x's dynamic quantization (registry.SharesInputStep): under torch.compile done once for
+        every layer of these options that reads x (inductor computes x's scales and casts in one
+        kernel)."""
         return quantize_activation(x, self.options.granularity)
 
     def linear_weight(self) -> torch.Tensor:

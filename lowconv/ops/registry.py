@@ -5,17 +5,12 @@ compress) from the site's original parameters; `empty` builds the same module wi
 uninitialized tensors of the right shapes and dtypes, which `load_state_dict` then fills, so a
 module rebuilt from a checkpoint equals the one built by `from_site`.
 
-Op modules may also have:
-- `needs_calibration` (True) with `begin_calibration()` / `end_calibration()`: convert runs the
-  example or calibration inputs through the model between the two (static/delayed FP8 scales);
-- `report_stats() -> dict[str, float]`: counters the report shows per site (e.g. clipped values);
-- `plan_note() -> str`: what the module measured or chose when it was built (a 2:4 layer's CUDA
-  backend and its timings), kept in the plan beside the recipe's decision.
+Op modules may also have what the protocols below name; lowconv asks `isinstance(module, P)`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -42,6 +37,46 @@ class Op:
 
 
 OPS: dict[str, Op] = {}
+
+
+@runtime_checkable
+class Calibrated(Protocol):
+    """A module whose scales are measured on inputs: convert runs the example or calibration inputs
+    through the model between begin_calibration() and end_calibration() where needs_calibration
+    (static and delayed FP8 scales)."""
+    needs_calibration: bool
+
+    def begin_calibration(self) -> None: ...
+
+    def end_calibration(self) -> None: ...
+
+
+@runtime_checkable
+class NotesThePlan(Protocol):
+    def plan_note(self) -> str:
+        """What the module measured or chose when it was built (a 2:4 layer's CUDA backend and its
+        timings), kept in the plan beside the recipe's decision."""
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    def report_stats(self) -> dict[str, float]:
+        """Counters the report shows per site (e.g. clipped values), cumulative: compare reports
+        the difference over its run."""
+
+
+@runtime_checkable
+class ChecksLoadedState(Protocol):
+    def loaded_state_problem(self) -> str | None:
+        """What is wrong with the tensors a checkpoint filled in (2:4 masks that are not 2:4,
+        scales that are not finite and positive), or None."""
+
+
+@runtime_checkable
+class SharesInputStep(Protocol):
+    def input_step(self, x: torch.Tensor) -> object:
+        """The forward's work on x alone (an FP8 layer's dynamic quantization of x), the same in
+        every layer of these options that reads x: never-slower's timing shares it among them."""
 
 
 def register(op: Op) -> Op:
