@@ -45,8 +45,9 @@ def reference_windows(xyz, batch, window, shift):
 
 
 def quantized(xyz, shift):
-    """Each point's quant cell inside its cubic window (the notes' formula)."""
-    return torch.floor(((xyz - xyz.min(0).values + (CUBE / 2 if shift else 0)) % CUBE) / QUANT).long()
+    """Each point's quant cell inside its cubic window, as SpTr computes it (a floor division)."""
+    in_window = (xyz - xyz.min(0).values + (CUBE / 2 if shift else 0)) % CUBE
+    return torch.div(in_window, QUANT, rounding_mode="floor").long()
 
 
 def table_sum(table, rel):
@@ -180,6 +181,14 @@ def test_relative_position_index_is_the_quantized_offset(shift):
     qxyz = quantized(xyz, shift)[sort_idx]
     assert rel_idx.dtype == torch.int32 and rel_idx.min() >= 0 and rel_idx.max() <= 6
     assert torch.equal(rel_idx.long(), qxyz[index_0.long()] - qxyz[index_1.long()] + 3)
+
+
+def test_quant_cells_are_sptr_s_floor_division_not_the_floor_of_a_rounded_quotient():
+    """In float32 2.0 / 0.1 rounds to 20.0, but 0.1 is stored a hair above it, so SpTr's
+    torch.div(..., rounding_mode="floor") gives 19 (likewise 0.7 -> 6 and 3.6 -> 35)."""
+    xyz = torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.7, 3.6]])
+    assert torch.floor(xyz[1] / 0.1).tolist() == [20, 7, 36]
+    assert sptr.quantized_coordinates(xyz, 4.0, 0.1, 40)[1].tolist() == [19, 6, 35]
 
 
 def test_coordinates_in_window_keep_the_differences_within_each_window_in_0_to_g_minus_1():

@@ -143,13 +143,17 @@ def get_window_rows(xyz, batch, window_size, shift_win: bool):
 @torch.fx.wrap
 def quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win=False):
     """qxyz (N, 3) int64: each point's quant cell inside its window,
-    floor(((xyz - min + shift) mod window_size) / quant_size), in [0, G-1] with G = quant_grid_length."""
+    floor(((xyz - min + shift) mod window_size) / quant_size) (torch.div's floor division, as SpTr),
+    in [0, G-1] with G = quant_grid_length."""
     xyz = coordinates(xyz)
     size = xyz.new_tensor(to_3d(window_size))
     shift = size / 2 if shift_win else torch.zeros_like(size)
     in_window = torch.remainder(xyz - xyz.amin(0) + shift, size)
-    # Rounding can put a point a hair past the last quant cell; SpTr then fails its L > rel_idx assert.
-    return torch.floor(in_window / xyz.new_tensor(to_3d(quant_size))).long().clamp_(0, quant_grid_length - 1)
+    # SpTr's floor division: floor(a / q) of the rounded quotient differs where a / q rounds up to
+    # a whole number. Rounding can put a point a hair past the last quant cell; SpTr then fails its
+    # L > rel_idx assert.
+    cells = torch.div(in_window, xyz.new_tensor(to_3d(quant_size)), rounding_mode="floor")
+    return cells.long().clamp_(0, quant_grid_length - 1)
 
 
 @torch.fx.wrap
