@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 from torch import nn
 
@@ -175,3 +176,22 @@ def test_an_attribute_read_again_after_its_value_was_dropped_still_decides():
     (region,) = trace_model(ShapeReadTwice(), (x,)).regions
     assert len(region.decided) == 2
     torch.testing.assert_close(region.graph(x), ShapeReadTwice()(x))
+
+
+class NumpyScalars(nn.Module):
+    """SphereFormer's exponential split scales by `np.log(2)` (np.float64); other code divides by
+    an np.float32 or indexes with an np.int64."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * np.log(2) + x[:, np.int64(1):].sum(-1, keepdim=True) / np.float32(3.0)
+
+
+def test_numpy_scalars_become_the_numbers_they_hold_in_the_traced_code():
+    model, x = NumpyScalars(), torch.randn(4, 8)
+    region = trace_model(model, (x,)).regions[0]
+    assert "np." not in region.graph.code  # numpy 2 prints np.float64(0.69...), which the code cannot run
+    torch.testing.assert_close(region.graph(x), model(x))

@@ -289,6 +289,11 @@ class SiteTracer(fx.Tracer):
         # get_indices_params; fx takes no numpy argument, so the graph rebuilds the array.
         if isinstance(a, np.ndarray):
             return self.create_node("call_function", np.array, (a.tolist(),), {"dtype": str(a.dtype)})
+        # A numpy scalar (SphereFormer's `np.log(2)`) as the Python number it holds: fx refuses
+        # np.float32 and np.int64, and writes np.float64 as numpy 2 prints it, `np.float64(0.69...)`,
+        # which the generated code cannot run (it has no `np`).
+        if isinstance(a, np.generic):
+            return a.item()
         # A dataclass (Hugging Face's ModelOutput, a dict subclass that fx would turn into a plain
         # dict) is rebuilt by the graph, so a converted model returns what the model returned.
         if dataclasses.is_dataclass(a) and not isinstance(a, type):
