@@ -371,6 +371,18 @@ def test_contextual_uses_its_tables():
     torch.testing.assert_close(contextual(feats, xyz, batch), plain, rtol=1e-12, atol=1e-12)
 
 
+def test_the_constructor_takes_sptr_s_positional_arguments_and_names_its_keywords():
+    """SpTr's tenth positional argument is `algo`; quant_size and the rel flags come by keyword."""
+    module = sptr.VarLengthMultiheadSA(32, 2, "key", CUBE, True, "contextual", 0.0, None, True, "native",
+                                       quant_size=QUANT)
+    assert module.algo == "native" and module.quant_size == (QUANT,) * 3
+    with pytest.raises(TypeError):
+        sptr.VarLengthMultiheadSA(32, 2, "key", CUBE, False, "contextual", 0.0, None, True, "native", QUANT)
+    with pytest.raises(TypeError, match="attntion_type"):  # a keyword compat does not know is not ignored
+        sptr.VarLengthMultiheadSA(32, 2, "key", CUBE, attntion_type="qkv")
+    assert sptr.to_3d_numpy(0.3).tolist() == [0.3] * 3 and sptr.to_3d_numpy([1, 2, 3]).tolist() == [1.0, 2.0, 3.0]
+
+
 def test_the_module_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="pe_type"):
         sptr.VarLengthMultiheadSA(32, 2, "key", CUBE, pe_type="sine")

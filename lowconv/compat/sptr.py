@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 import torch.fx
 from torch import nn
@@ -50,6 +51,10 @@ def to_3d(size) -> tuple[float, float, float]:
         raise ValueError(f"a size is a number or 3 numbers, not {len(values)}")
     return values
 
+
+def to_3d_numpy(size) -> np.ndarray:
+    """SpTr's name (SphereFormer imports it): a window or quant size as a numpy array of 3."""
+    return np.array(to_3d(size))
 
 def grid_length(window_size, quant_size) -> int:
     """G, the quant cells per window side (SpTr's formula, from the x axis); tables have 2G-1 rows."""
@@ -280,8 +285,10 @@ def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_ma
 class VarLengthMultiheadSA(nn.Module):
     """SpTr's VarLengthMultiheadSA: multi-head self-attention within windows of points.
 
-    Constructor as SpTr's, with its keyword arguments (quant_size, rel_query, rel_key, rel_value)
-    spelled out. Differences from SpTr, on purpose:
+    Constructor as SpTr's, its positional arguments in its order (the tenth is `algo`, SpTr's choice
+    among its own CUDA kernels: compat has one implementation, so any value computes the same), and
+    the keyword arguments SpTr reads from **kwargs (quant_size, rel_query, rel_key, rel_value)
+    spelled out; another keyword is an error, not ignored. Differences from SpTr, on purpose:
     - forward takes plain tensors, (feats (N, C), xyz (N, 3), batch (N,)), and returns (N, C)
       where SpTr takes and returns a SparseTrTensor (query_feats; query_indices = [batch, xyz]).
       The window indices are computed in forward (one fx node, get_indices_params); SpTr caches
@@ -295,12 +302,12 @@ class VarLengthMultiheadSA(nn.Module):
     """
 
     def __init__(self, embed_dim, num_heads, indice_key, window_size, shift_win=False, pe_type="none",
-                 dropout=0.0, qk_scale=None, qkv_bias=True, quant_size=None, rel_query=True, rel_key=True,
-                 rel_value=True):
+                 dropout=0.0, qk_scale=None, qkv_bias=True, algo="native", *, quant_size=None, rel_query=True,
+                 rel_key=True, rel_value=True):
         super().__init__()
         if pe_type not in PE_TYPES:
             raise ValueError(f"pe_type {pe_type!r} is not one of {PE_TYPES}")
-        self.embed_dim, self.num_heads, self.indice_key = embed_dim, num_heads, indice_key
+        self.embed_dim, self.num_heads, self.indice_key, self.algo = embed_dim, num_heads, indice_key, algo
         self.window_size, self.shift_win, self.pe_type = to_3d(window_size), shift_win, pe_type
         head_dim = embed_dim // num_heads
         self.scale = qk_scale or head_dim ** -0.5
