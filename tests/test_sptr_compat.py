@@ -383,6 +383,25 @@ def test_the_constructor_takes_sptr_s_positional_arguments_and_names_its_keyword
     assert sptr.to_3d_numpy(0.3).tolist() == [0.3] * 3 and sptr.to_3d_numpy([1, 2, 3]).tolist() == [1.0, 2.0, 3.0]
 
 
+def test_half_q_k_v_with_float32_tables_compute_in_the_half_dtype():
+    """Under AMP the projections give half q, k, v while the tables stay float32: SpTr's kernels
+    return the inputs' dtype, and so does compat."""
+    xyz, batch = random_points()
+    q, k, v = (torch.randn(len(xyz), 2, 16).half() for _ in range(3))
+    tables = [torch.randn(7, 3, 2, 16) * 0.1 for _ in range(3)]
+    indices = sptr.get_indices_params(xyz, batch, CUBE, False)
+    out = sptr.sparse_self_attention(q, k, v, xyz, *indices, CUBE, False, pe_type="contextual", rel_query=True,
+                                     rel_key=True, rel_value=True, quant_size=QUANT, quant_grid_length=4,
+                                     relative_pos_query_table=tables[0], relative_pos_key_table=tables[1],
+                                     relative_pos_value_table=tables[2])
+    reference = sptr.sparse_self_attention(q.float(), k.float(), v.float(), xyz, *indices, CUBE, False,
+                                           pe_type="contextual", rel_query=True, rel_key=True, rel_value=True,
+                                           quant_size=QUANT, quant_grid_length=4, relative_pos_query_table=tables[0],
+                                           relative_pos_key_table=tables[1], relative_pos_value_table=tables[2])
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+
+
 def test_the_module_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="pe_type"):
         sptr.VarLengthMultiheadSA(32, 2, "key", CUBE, pe_type="sine")

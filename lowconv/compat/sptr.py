@@ -228,8 +228,10 @@ def attention_step2(attn, v, index_0, index_0_offsets, index_1, index_1_offsets,
 def dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offsets, table_q, table_k,
                           rel_idx, n_max):
     """attn (M, h) with contextual relative position, tables (L, 3, h, d), rel_idx (M, 3):
-    attn[m] = <q_i, k_j + sum_a table_q[r_a, a]> + <k_j, sum_a table_k[r_a, a]>."""
+    attn[m] = <q_i, k_j + sum_a table_q[r_a, a]> + <k_j, sum_a table_k[r_a, a]>, in q's dtype (as
+    SpTr's kernels, which take the tables in it: float32 tables with half q under AMP)."""
     q_i, k_j = q.index_select(0, index_0), k.index_select(0, index_1)
+    table_q, table_k = table_q.to(q.dtype), table_k.to(q.dtype)
     return (q_i * (k_j + table_rows(table_q, rel_idx))).sum(-1) + (k_j * table_rows(table_k, rel_idx)).sum(-1)
 
 
@@ -237,8 +239,8 @@ def dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offse
 def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max, index_1, index_1_offsets,
                                        table_v, rel_idx):
     """(N, h, d): out[i] = sum over i's pairs m of attn[m] * (v[index_1[m]] + sum_a table_v[r_a, a]).
-    Note n_max is the 5th argument here, as in SpTr."""
-    weighted = attn.unsqueeze(-1) * (v.index_select(0, index_1) + table_rows(table_v, rel_idx))
+    Note n_max is the 5th argument here, as in SpTr. In v's dtype, as dot_prod_with_idx_all."""
+    weighted = attn.unsqueeze(-1) * (v.index_select(0, index_1) + table_rows(table_v.to(v.dtype), rel_idx))
     return torch.segment_reduce(weighted, "sum", offsets=index_0_offsets)
 
 
