@@ -195,3 +195,24 @@ def test_numpy_scalars_become_the_numbers_they_hold_in_the_traced_code():
     region = trace_model(model, (x,)).regions[0]
     assert "np." not in region.graph.code  # numpy 2 prints np.float64(0.69...), which the code cannot run
     torch.testing.assert_close(region.graph(x), model(x))
+
+
+class PicksByType(nn.Module):
+    """spconv's SparseSequential picks its branch with isinstance on its input: a Proxy is no
+    Tensor, so tracing takes the other branch, which reads an attribute tensors lack."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            return self.fc(x)
+        return self.fc(x.features)
+
+
+def test_a_branch_on_the_input_s_type_falls_back_to_the_children_with_the_reason():
+    model = nn.Sequential(PicksByType(), nn.ReLU(), nn.Linear(16, 4))
+    trace = trace_model(model, (torch.randn(3, 16),))
+    assert {r.fqn for r in trace.regions} >= {"0.fc", "2"}
+    assert any(u.fqn == "0" and "features" in u.error for u in trace.untraced)
