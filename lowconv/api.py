@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, hf
-from lowconv.analysis import conversion_warnings, copy_of, plan_conversion
+from lowconv.analysis import Analysis, conversion_warnings, copy_of, plan_conversion
 from lowconv.errors import LowconvError, first_line
 from lowconv.inputs import normalize_inputs, run_eval, stand_ins
 from lowconv.ops import OPS
@@ -24,7 +24,7 @@ from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
 from lowconv.passes.example_values import short_path
 from lowconv.passes.trace import release_graphs
-from lowconv.plan import PLAN_ATTR, Plan
+from lowconv.plan import PLAN_ATTR, Decision, Plan
 from lowconv.recipe import Recipe, load_recipe, parse_options
 from lowconv.replay import cast_floating, cast_like, decided_by_inputs, floating_dtypes, read_plan, refind_sites
 from lowconv.site import FLOAT_DTYPES, Site
@@ -81,7 +81,8 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     return converted
 
 
-def build_op_modules(todo: list, found, progress) -> tuple[dict[str, nn.Module], dict[str, SiteTiming | None], dict]:
+def build_op_modules(todo: list[Decision], found: Analysis, progress: Callable[[str], None]
+                     ) -> tuple[dict[str, nn.Module], dict[str, SiteTiming | None], dict[str, tuple]]:
     """Each decision's op module by fqn; where its op is timed (never slower), its timing against
     the original; and the groups of sites that share an input (site_timing.input_groups)."""
     by_fqn = {s.fqn: s for s in found.sites}
@@ -93,11 +94,12 @@ def build_op_modules(todo: list, found, progress) -> tuple[dict[str, nn.Module],
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
         params = site_params(site, found.model)
-        modules[site.fqn] = keep_frozen(op.from_site(site, options, params), site.frozen).to(site_device(site, found.model))
+        module = keep_frozen(op.from_site(site, options, params), site.frozen)
+        modules[site.fqn] = module.to(site_device(site, found.model))
         if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
             sharers = shared_by[groups[site.fqn]]
-            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params,
-                   sharers)
+            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape),
+                   "bias" in params, sharers)
             if key not in timings:
                 timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
             measured[site.fqn] = timings[key]

@@ -51,7 +51,6 @@ def test_k_splits_give_every_multiprocessor_a_program_and_each_range_its_minimum
 
 def test_takes_few_e4m3_rows_with_tensor_or_row_scales_on_sm90(monkeypatch):
     monkeypatch.setattr(fp8_small_m, "cuda_capability", lambda index: (9, 0))
-    cuda = type("CudaTensor", (), {})
     x = torch.zeros(64, 128, dtype=fp8.E4M3)
     w = torch.zeros(256, 128, dtype=fp8.E4M3)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))

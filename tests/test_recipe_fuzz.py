@@ -5,6 +5,7 @@ import json
 import math
 import random
 import tomllib
+from collections import Counter
 
 import pytest
 import torch
@@ -75,29 +76,34 @@ def test_the_writer_gives_each_built_in_recipe_back():
         assert tomllib.loads(to_toml(data)) == data
 
 
+def outcome(text: str, model: nn.Module, x: torch.Tensor) -> str:
+    """"converted" (and the converted model ran), or "refused: MESSAGE" from parse_recipe or
+    "refused at convert"; any other exception is the defect the fuzz test looks for."""
+    try:
+        recipe = parse_recipe(text, "fuzz.toml")
+    except LowconvError as err:
+        return f"refused: {err}"
+    try:
+        lowconv.convert(model, recipe, (x,))(x)
+    except LowconvError:
+        return "refused at convert"
+    return "converted"
+
+
 def test_mutated_recipes_convert_or_are_refused_by_name(model_and_input):
     model, x = model_and_input
     originals = [tomllib.loads(path.read_text()) for path in builtin_recipes().values()]
     rng = random.Random(0)
-    outcomes = {"converted": 0, "refused": 0, "refused at convert": 0}
+    outcomes = Counter()
     for i in range(MUTATIONS):
         text = to_toml(mutated(rng.choice(originals), rng, RECIPE_JUNK))
         if rng.random() < 0.3:
             text = edited_text(text, rng)
         try:
-            try:
-                recipe = parse_recipe(text, "fuzz.toml")
-            except LowconvError as err:
-                assert "fuzz.toml" in str(err), f"mutation {i}: the error does not name the file: {err}"
-                outcomes["refused"] += 1
-                continue
-            try:
-                lowconv.convert(model, recipe, (x,))(x)
-                outcomes["converted"] += 1
-            except LowconvError:
-                outcomes["refused at convert"] += 1
-        except AssertionError:
-            raise
+            result = outcome(text, model, x)
         except Exception as err:  # noqa: BLE001: any other exception is the defect this test looks for
             pytest.fail(f"mutation {i}:\n{text[:600]}\n{type(err).__name__}: {err}")
+        kind, _, message = result.partition(": ")
+        assert kind != "refused" or "fuzz.toml" in message, f"mutation {i}: the error does not name the file: {message}"
+        outcomes[kind] += 1
     assert outcomes["converted"] and outcomes["refused"], outcomes

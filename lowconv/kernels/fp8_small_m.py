@@ -91,8 +91,9 @@ def takes(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_sca
     """Whether this kernel computes the linear: an e4m3 x on an sm_90+ GPU, 1 to MAX_ROWS rows,
     tensor or row scales, K a multiple of 16 (16-byte rows), 32-bit offsets."""
     rows = x_fp8.numel() // max(x_fp8.shape[-1], 1)
-    return (x_fp8.is_cuda and x_fp8.dtype == torch.float8_e4m3fn and 0 < rows <= MAX_ROWS and w_fp8.shape[1] % 16 == 0 and out_dtype in OUT_DTYPES
-            and x_scale.numel() in (1, rows) and w_scale.numel() in (1, w_fp8.shape[0]) and w_fp8.numel() < 2**31
+    return (x_fp8.is_cuda and x_fp8.dtype == torch.float8_e4m3fn and 0 < rows <= MAX_ROWS
+            and w_fp8.shape[1] % 16 == 0 and out_dtype in OUT_DTYPES and w_fp8.numel() < 2**31
+            and x_scale.numel() in (1, rows) and w_scale.numel() in (1, w_fp8.shape[0])
             and cuda_capability(x_fp8.device.index) >= (9, 0))
 
 
