@@ -18,7 +18,7 @@ from lowconv.errors import LowconvError, first_line
 from lowconv.inputs import normalize_inputs, run_eval, stand_ins
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
-from lowconv.ops.registry import Calibrated, ChecksLoadedState, NotesThePlan
+from lowconv.ops.registry import Calibrated, ChecksLoadedState, NotesThePlan, SharesInputStep
 from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
@@ -65,6 +65,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
                                                 timing and f"measured {timing.describe(decision.op)}"]))
     if len(modules) < len(todo):  # never-slower kept some sites: the warnings follow the final decisions
         plan.warnings = conversion_warnings(model, found, plan, recipe)
+    mark_shared_inputs(modules, groups)
     served = {site.fqn for site in served_sites(found.trace, found.sites, modules)}
     for decision in todo:
         if decision.fqn in served:
@@ -86,7 +87,7 @@ def build_op_modules(todo: list[Decision], found: Analysis, progress: Callable[[
     """Each decision's op module by fqn; where its op is timed (never slower), its timing against
     the original; and the groups of sites that share an input (site_timing.input_groups)."""
     by_fqn = {s.fqn: s for s in found.sites}
-    groups = input_groups([by_fqn[d.fqn] for d in todo], {d.fqn: f"{d.op} {d.options!r}" for d in todo})
+    groups = decision_groups(todo, by_fqn)
     shared_by = Counter(groups.values())
     modules, timings, measured = {}, {}, {}
     for i, decision in enumerate(todo, 1):
@@ -104,6 +105,20 @@ def build_op_modules(todo: list[Decision], found: Analysis, progress: Callable[[
                 timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
             measured[site.fqn] = timings[key]
     return modules, measured, groups
+
+
+def decision_groups(decisions: list[Decision], sites: dict[str, Site]) -> dict[str, tuple]:
+    """fqn -> its group of sites that read one input under one op and options (input_groups)."""
+    return input_groups([sites[d.fqn] for d in decisions], {d.fqn: f"{d.op} {d.options!r}" for d in decisions})
+
+
+def mark_shared_inputs(modules: dict[str, nn.Module], groups: dict[str, tuple]) -> None:
+    """Tell each op module with a step on its input alone (SharesInputStep) whether other converted
+    layers of its group read that input too."""
+    sizes = Counter(groups[fqn] for fqn in modules)
+    for fqn, module in modules.items():
+        if isinstance(module, SharesInputStep):
+            module.input_shared = sizes[groups[fqn]] > 1
 
 
 def check_runs(converted: nn.Module, example_inputs) -> None:
@@ -260,6 +275,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         options = parse_options(op.options, decision.options, f"{path}: {decision.fqn}")
         site = sites[decision.fqn]
         modules[site.fqn] = keep_frozen(op.empty(site, options), site.frozen).to(site_device(site, work))
+    mark_shared_inputs(modules, decision_groups(plan.converted(), sites))
     converted = rewrite(work, trace, list(sites.values()), modules)
     release_graphs(trace, converted)
     cast_like(converted, tensors)

@@ -131,6 +131,50 @@ def test_the_converted_model_compiles_whole(exact):
         torch.testing.assert_close(compiled(ids).logits, converted(ids).logits)
 
 
+def test_a_compiled_prefill_without_padding_runs_causal_attention_with_no_mask(exact, monkeypatch):
+    """transformers' sdpa_mask makes the full causal mask under torch.compile (torch < 2.14), which
+    SDPA computes tile by tile; the converted model's mask function skips it as transformers does
+    eagerly, and still makes the mask where a padding mask comes."""
+    from lowconv.ops.sparse_attention import SparseAttention
+    model = build("llama", "sdpa")
+    ids, mask = padded(2, 12, 3)
+    converted = lowconv.convert(model, exact, (ids,))
+    calls, attend = [], SparseAttention.forward
+
+    def spy(self, q, k, v, mask=None, **kwargs):  # (no mask, causal) of each layer's call
+        calls.append((mask is None, kwargs["is_causal"]))
+        return attend(self, q, k, v, mask, **kwargs)
+    monkeypatch.setattr(SparseAttention, "forward", spy)
+    # torch before 2.14, where dynamo folds torch.compiler.is_exporting() to True while compiling
+    monkeypatch.setattr(transformers.masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
+    torch._dynamo.reset()  # code compiled by an earlier test would not call the spy
+    compiled = torch.compile(converted, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+        assert calls == [(True, True)] * 2
+        calls.clear()
+        got = compiled(input_ids=ids, attention_mask=mask).logits
+        assert calls == [(False, False)] * 2
+        torch.testing.assert_close(got[mask.bool()], model(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_the_mask_is_made_where_transformers_asks_for_more_than_causality():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    plain = dict(batch_size=1, q_length=4, kv_length=4, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                 attention_mask=None, allow_is_causal_skip=True)
+    assert hf_attention.plain_causal(plain, causal_mask_function)
+    assert hf_attention.plain_causal({**plain, "q_length": None, "cache_position": torch.arange(4)},
+                                     causal_mask_function)
+    others = [{"kv_length": 6}, {"q_offset": torch.tensor(0)}, {"q_offset": 2}, {"attention_mask": torch.ones(1, 4)},
+              {"allow_is_causal_skip": False}, {"local_size": 2}, {"mask_function": lambda *a: True}]
+    for other in others:
+        assert not hf_attention.plain_causal({**plain, **other}, causal_mask_function), other
+    # eagerly (and while exporting) it is transformers' own function
+    torch.testing.assert_close(hf_attention.sdpa_mask_or_causal(**{**plain, "kv_length": 6}),
+                               sdpa_mask(**{**plain, "kv_length": 6}))
+
+
 def test_a_local_window_refuses_a_decoding_step_with_the_reason(tmp_path):
     model = build("llama", "sdpa")
     recipe = tmp_path / "local.toml"

@@ -85,6 +85,19 @@ def test_layers_reading_one_input_share_its_quantization_and_are_kept_or_convert
         assert "x's quantization shared by 3 sites" in decisions["k"].note
 
 
+def test_fp8_layers_know_whether_another_layer_quantizes_their_input(tmp_path):
+    """Converted and loaded alike: q, k and v read one x (under torch.compile inductor quantizes it
+    once for the three), `out` reads its own (lowconv's row kernel may take it)."""
+    model = ThreeReadOneInput()
+    example = (torch.randn(8, 64),)
+    converted = lowconv.convert(model, parse_recipe(RECIPE.format(force="")), example)
+    shared = {fqn: converted.get_submodule(fqn).input_shared for fqn in ("q", "k", "v", "out")}
+    assert shared == {"q": True, "k": True, "v": True, "out": False}
+    lowconv.save(converted, tmp_path / "out")
+    loaded = lowconv.load(model, tmp_path / "out", example)
+    assert {fqn: loaded.get_submodule(fqn).input_shared for fqn in shared} == shared
+
+
 def test_input_groups_join_linears_of_one_op_and_options_reading_one_node():
     found = analyze(ThreeReadOneInput(), (torch.randn(8, 64),))
     sites_ = {s.fqn: s for s in found.sites}

@@ -11,11 +11,14 @@ Quantizers run Triton kernels (fp8_quant.py) eagerly on sm_90+ GPUs, and torch o
 reference, the same numbers) elsewhere and under torch.compile, where inductor fuses them into the
 op that produces x (one kernel for a norm, its amax and the cast); the per-tensor quantizer may
 scale x by a vector along its columns or rows first (mul, mul_axis), as the training backward
-needs. The GEMM is the custom op `torch.ops.lowconv.fp8_gemm` (a fake implementation gives its
-output's shape, so compiled graphs keep it whole): on CUDA, for up to 64 rows (a decode step)
-lowconv's Triton GEMM (fp8_small_m.py: the weight's bytes at memory speed, where torch._scaled_mm
-is slower than bf16), else torch._scaled_mm (cuBLASLt) where it takes the operands, and otherwise
-a torch reference with the same numerics.
+needs. The GEMM (gemm_route picks it): on CUDA, for up to 64 rows (a decode step) lowconv's
+Triton GEMM (fp8_small_m.py: the weight's bytes at memory speed, where torch._scaled_mm is slower
+than bf16), else torch._scaled_mm (cuBLASLt) where it takes the operands, and otherwise a torch
+reference with the same numerics. It runs as the custom op `torch.ops.lowconv.fp8_gemm` (a fake
+implementation gives its output's shape, so compiled graphs keep it whole), except torch._scaled_mm
+under torch.compile: traced, it is an aten op that inductor calls itself, with the scales' layout
+work fused into the quantizer's kernel; through the custom op each call paid about 0.1 ms of
+Python on the host (dispatch, checks, scale copies), which left compiled FP8 models host-bound.
 """
 
 import torch
@@ -138,13 +141,26 @@ def quantize(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype = E4M3):
     raise ValueError(f"granularity must be 'tensor', 'row', 'group' or 'block', got {granularity!r}")
 
 
+# Under torch.compile, rows of x longer than this that one layer alone reads are quantized by
+# lowconv's row kernel, not fused by inductor into x's producer: past 1024 values inductor's
+# reduction loops over each row twice and computes the producer twice (GELU's erf, SiLU), which
+# took ViT-L's GELU and quantization 188 us where GELU then the kernel take 156 (H200).
+# Where several layers read x, the fusion stays: inductor computes it once for all of them.
+FUSED_ROWS_MAX = 1024
+
+
 def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,
-                        clipped: torch.Tensor | None = None):
+                        clipped: torch.Tensor | None = None, alone: bool = False):
     """e4m3 x with a fixed dequant `scale` (static or delayed scaling; saturated values added to
-    `clipped`), or dynamically as the linear's granularity scales x."""
-    if scale is None:
-        return quantize(x, LINEAR_GRANULARITIES[granularity][0])
-    return quantize_with_scale(x, scale, E4M3, clipped)
+    `clipped`), or dynamically as the linear's granularity scales x; `alone`: no other layer
+    quantizes this x (see FUSED_ROWS_MAX)."""
+    if scale is not None:
+        return quantize_with_scale(x, scale, E4M3, clipped)
+    granularity = LINEAR_GRANULARITIES[granularity][0]
+    if (granularity == "row" and alone and torch.compiler.is_compiling() and x.shape[-1] > FUSED_ROWS_MAX
+            and x.is_cuda and cuda_capability(x.device.index) >= (9, 0)):
+        return fp8_quant.quantize_rowwise(x, E4M3)
+    return quantize(x, granularity)
 
 
 def quantize_weight(weight: torch.Tensor, granularity: str, scale_dtype: torch.dtype):
@@ -209,25 +225,46 @@ def fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum=False
     if x_scale.numel() != 1 and tuple(x_scale.shape) not in x_scale_shapes:
         raise ValueError(f"fp8_linear: x_scale has shape {tuple(x_scale.shape)}, "
                          f"expected (1,) or {' or '.join(map(str, x_scale_shapes))}")
+    route = gemm_route(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+    if route in TRACED_ROUTES and torch.compiler.is_compiling():
+        return gemm(route, x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
     return torch.ops.lowconv.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
+
+
+def gemm_route(x_fp8, x_scale, w_fp8, w_scale, out_dtype) -> str:
+    """Which GEMM computes an FP8 linear: "few_rows" (lowconv's Triton GEMM for a decode step's
+    tokens), "scaled_mm" or "scaled_mm_blockwise" (torch._scaled_mm, where it takes the operands:
+    scaled_mm_takes, blockwise_scaled_mm_takes), else "reference"."""
+    has_rows = x_fp8.numel() > 0
+    if blockwise(w_scale, w_fp8):
+        takes = blockwise_scaled_mm_takes(x_fp8.device, *w_fp8.shape, has_rows, out_dtype)
+        return "scaled_mm_blockwise" if takes else "reference"
+    if fp8_small_m.takes(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
+        return "few_rows"
+    rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
+    return "scaled_mm" if scaled_mm_takes(x_fp8.device, *w_fp8.shape, has_rows, rowwise, out_dtype) else "reference"
+
+
+TRACED_ROUTES = ("scaled_mm", "scaled_mm_blockwise")  # aten ops: under torch.compile, not behind the custom op
+
+
+def gemm(route, x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum):
+    if route == "few_rows":
+        return fp8_small_m.fp8_gemm_rows(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
+    if route == "scaled_mm":
+        rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
+        return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum)
+    if route == "scaled_mm_blockwise":
+        return scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
 
 
 @torch.library.custom_op("lowconv::fp8_gemm", mutates_args=())
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """fp8_linear's GEMM, its inputs checked: for a few rows (a decode step) lowconv's Triton GEMM
-    (fp8_small_m.py), else torch._scaled_mm where it takes them (scaled_mm_takes,
-    blockwise_scaled_mm_takes), else the reference."""
-    if blockwise(w_scale, w_fp8):
-        if blockwise_scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, out_dtype):
-            return scaled_mm_blockwise(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
-        return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
-    if fp8_small_m.takes(x_fp8, x_scale, w_fp8, w_scale, out_dtype):
-        return fp8_small_m.fp8_gemm_rows(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
-    rowwise = x_scale.numel() != 1 or w_scale.numel() != 1
-    if scaled_mm_takes(x_fp8.device, *w_fp8.shape, x_fp8.numel() > 0, rowwise, out_dtype):
-        return scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, fast_accum)
-    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    """fp8_linear's GEMM, its inputs checked, on the GEMM gemm_route picks."""
+    return gemm(gemm_route(x_fp8, x_scale, w_fp8, w_scale, out_dtype), x_fp8, x_scale, w_fp8, w_scale, bias,
+                out_dtype, fast_accum)
 
 
 @fp8_gemm.register_fake
@@ -304,10 +341,11 @@ def scaled_mm_linear(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, rowwise, f
     return y.reshape(*x_fp8.shape[:-1], n)
 
 
-def fp8_frozen_linear(x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None):
+def fp8_frozen_linear(x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None, alone=False):
     """Inference: y = x W^T + b with x quantized to e4m3 (with a fixed x_scale, else dynamically at
-    granularity; clipped values counted into `clipped`) and W a frozen e4m3 weight."""
-    x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped)
+    granularity; clipped values counted into `clipped`; `alone`: see quantize_activation) and W a
+    frozen e4m3 weight."""
+    x_fp8, x_scale = quantize_activation(x, granularity, x_scale, clipped, alone)
     return fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
 
 
@@ -320,10 +358,10 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None):
+    def forward(ctx, x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum=False, clipped=None, alone=False):
         ctx.save_for_backward(w_fp8, w_scale)
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
-        return fp8_frozen_linear(x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum, clipped)
+        return fp8_frozen_linear(x, x_scale, granularity, w_fp8, w_scale, bias, fast_accum, clipped, alone)
 
     @staticmethod
     def backward(ctx, grad):
@@ -331,7 +369,7 @@ class Fp8FrozenLinearFunction(torch.autograd.Function):
         x_dtype, bias_dtype = ctx.dtypes
         grad_x = (grad.float() @ dequantize(w_fp8, w_scale)).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_bias = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if ctx.needs_input_grad[5] else None
-        return grad_x, None, None, None, None, grad_bias, None, None
+        return grad_x, None, None, None, None, grad_bias, None, None, None
 
 
 def quantize_for_training(x2: torch.Tensor, granularity: str, scale: torch.Tensor | None = None,

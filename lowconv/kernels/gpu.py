@@ -6,6 +6,7 @@ import torch
 H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
 
 
+@torch.compiler.assume_constant_result  # traced code branches on it: a constant, not a traced call
 @functools.cache
 def cuda_capability(index: int | None) -> tuple[int, int]:
     """CUDA device `index`'s (None: the current one) compute capability."""

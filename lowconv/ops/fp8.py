@@ -85,6 +85,7 @@ class Fp8Linear(nn.Module):
             self.register_buffer("elements", torch.zeros((), dtype=torch.int64), persistent=False)
         self.calibrating = False
         self.calibration_amax = None
+        self.input_shared = False  # registry.SharesInputStep: set where the model is converted or loaded
 
     def _apply(self, fn, recurse=True):
         """Module-wide casts (.half(), .float(), .to(dtype)) cast every floating tensor, the e4m3
@@ -116,7 +117,7 @@ class Fp8Linear(nn.Module):
             return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, o.granularity, o.fast_accum,
                                            self.clipped if x_scale is not None else None)
         args = (x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias, o.fast_accum,
-                self.clipped if x_scale is not None else None)
+                self.clipped if x_scale is not None else None, not self.input_shared)
         if needs_autograd(x, self.bias):
             return Fp8FrozenLinearFunction.apply(*args)
         return fp8_frozen_linear(*args)

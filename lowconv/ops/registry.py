@@ -74,6 +74,10 @@ class ChecksLoadedState(Protocol):
 
 @runtime_checkable
 class SharesInputStep(Protocol):
+    # Whether other converted layers of these options read the same x (the conversion and load set
+    # it): under torch.compile the layer then leaves x's step to inductor, which does it once for all.
+    input_shared: bool
+
     def input_step(self, x: torch.Tensor) -> object:
         """The forward's work on x alone (an FP8 layer's dynamic quantization of x), the same in
         every layer of these options that reads x: never-slower's timing shares it among them."""

@@ -72,11 +72,45 @@ def register() -> None:
     """Make lowconv's implementations ones that transformers knows (at every attach: a model loaded
     in a new process registers them again)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    for original, mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+    for original, mask in (("sdpa", sdpa_mask_or_causal), ("eager", eager_mask)):
         AttentionInterface.register(IMPLEMENTATIONS[original], attention_forward)
         AttentionMaskInterface.register(IMPLEMENTATIONS[original], mask)
+
+
+def sdpa_mask_or_causal(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' sdpa_mask, but None (SDPA's is_causal, no mask) for a plain causal mask over as
+    many keys as queries with no padding mask under torch.compile too, as sdpa_mask decides eagerly.
+    With torch before 2.14 sdpa_mask cannot tell compiling from exporting (where a fixed is_causal
+    would be wrong for other lengths) and always makes the mask; SDPA then computes every tile, the
+    masked half too (a compiled Llama prefill's attention took twice the time, BENCHMARKS.md).
+    Dynamo guards the decision: it rests on Python values and shapes, never on a tensor's data."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if not args and torch.compiler.is_compiling() and not exporting() and plain_causal(kwargs, causal_mask_function):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def exporting() -> bool:
+    """torch.export's flag, read directly: dynamo before torch 2.14 folds torch.compiler.is_exporting()
+    to True while compiling. Where the flag is missing, assume exporting (keep the mask)."""
+    return getattr(torch.compiler, "_is_exporting_flag", True)
+
+
+def plain_causal(kwargs: dict, causal_mask_function) -> bool:
+    """Whether transformers asks for the causal mask alone, of as many keys as queries from position 0,
+    with no padding mask and nothing added (transformers' own skip rule for these arguments): the
+    arguments by their names in transformers 5 (q_length and q_offset, or cache_position before)."""
+    q_length = kwargs.get("q_length")
+    if q_length is None and isinstance(kwargs.get("cache_position"), torch.Tensor):
+        q_length = kwargs["cache_position"].shape[0]
+    q_offset = kwargs.get("q_offset", 0)
+    return (kwargs.get("allow_is_causal_skip", True) and kwargs.get("mask_function") is causal_mask_function
+            and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+            and not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kwargs.get("kv_offset", 0) == 0
+            and q_length is not None and q_length == kwargs.get("kv_length"))
 
 
 def original_attention(module: nn.Module):
