@@ -23,6 +23,7 @@ from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
 from lowconv.passes.example_values import short_path
+from lowconv.passes.fuse_activation import fuse_activations
 from lowconv.passes.trace import release_graphs
 from lowconv.plan import PLAN_ATTR, Decision, Plan
 from lowconv.recipe import Recipe, load_recipe, parse_options
@@ -71,6 +72,11 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         if decision.fqn in served:
             decision.note = "; ".join(filter(None, [hf_attention.PLAN_NOTE, decision.note]))
     converted = rewrite(found.model, found.trace, found.sites, modules)
+    converted, fused = fuse_activations(converted, modules)
+    for decision in todo:
+        if decision.fqn in fused:
+            decision.note = "; ".join(filter(None, [decision.note, f"its input's {fused[decision.fqn]} computed in "
+                                                                   "its quantization kernel (fuse_activation.py)"]))
     release_graphs(found.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
@@ -276,7 +282,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         site = sites[decision.fqn]
         modules[site.fqn] = keep_frozen(op.empty(site, options), site.frozen).to(site_device(site, work))
     mark_shared_inputs(modules, decision_groups(plan.converted(), sites))
-    converted = rewrite(work, trace, list(sites.values()), modules)
+    converted, _ = fuse_activations(rewrite(work, trace, list(sites.values()), modules), modules)
     release_graphs(trace, converted)
     cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)

@@ -104,6 +104,26 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=-1, keepdim=True)
 
 
+ACTIVATIONS = ("silu", "gelu")  # what quantize_rows_after applies before it quantizes
+
+
+def activate(x: torch.Tensor, activation: str, up: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x), times up where given (a gated MLP's SiLU(gate) * up), in torch ops."""
+    h = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation](x)
+    return h if up is None else h * up
+
+
+def quantize_rows_after(x: torch.Tensor, activation: str, up: torch.Tensor | None, fp8_dtype: torch.dtype = E4M3):
+    """quantize_rowwise(activate(x, activation, up)): on sm_90+ GPUs, eagerly and under
+    torch.compile, one Triton kernel that reads x (and up) once for rows of up to
+    fp8_quant.ONE_PASS_ROWS_MAX values; inductor's fusion of the two loops over a row twice past
+    1024 values, computing the activation twice. Elsewhere the torch ops."""
+    if (x.is_cuda and cuda_capability(x.device.index) >= (9, 0) and 0 < x.shape[-1] <= fp8_quant.ONE_PASS_ROWS_MAX
+            and (up is None or up.shape == x.shape)):
+        return fp8_quant.quantize_rows_after(x, activation, up, fp8_dtype)
+    return quantize_rowwise(activate(x, activation, up), fp8_dtype)
+
+
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, rows: int):
     """(x_fp8, scale) with one scale per `rows` x BLOCK tile of x's last two dims (rows=1: per
     BLOCK values of each row, "group"; rows=BLOCK: per tile of a weight, "block"), in torch ops:

@@ -7,6 +7,10 @@
   of a row comes from L2).
 - with a given scale (static or delayed scaling): one pass that also counts the clipped values.
 - transposed (training's GEMM operands): a tiled cast that writes x^T (K, M) of a 2D x.
+- per row after an activation (an FP8 layer whose input an activation makes, fp8.py
+  quantize_rows_after): a program holds a whole row of the activation's input (and of `up`, the
+  gated half) in registers: act(x) [* up], rounded to x's dtype as the model's own ops round it,
+  its amax, the cast; x read once.
 The per-tensor quantizers may multiply x by a vector along its columns or rows first (the
 backward's folding of the forward's row scales into the gradient) without materializing it.
 
@@ -295,4 +299,60 @@ def _quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Te
     block_m = max(1, BLOCK * 2 // block_k)  # ~4096 elements per program step
     wrap(_rowwise_kernel)[(cdiv(m, block_m),)](x, out, scales, m, k, FP8_MAX=torch.finfo(fp8_dtype).max,
                                                FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
+    return out, scales
+
+
+ROW_ACTIVATIONS = {"silu": 0, "gelu": 1}  # what quantize_rows_after's kernel computes before the cast
+ONE_PASS_ROWS_MAX = 16384  # a row held in registers: 32 values a thread at 16 warps
+
+
+@triton.jit
+def _activation(v, ACT: tl.constexpr):
+    """SiLU (x / (1 + e^-x)) or GELU (x / 2 * (1 + erf(x / sqrt 2))) of fp32 v, as torch computes them."""
+    if ACT == 0:
+        return tl.math.div_rn(v, 1.0 + tl.exp(-v))
+    return 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+
+
+@triton.jit
+def _activation_rows_kernel(x, up, out, scales, K, ACT: tl.constexpr, GATED: tl.constexpr,
+                            FP8_MAX: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row r: h = act(x[r]) [* up[r]], each op rounded to x's dtype; scale = amax(h) / FP8_MAX (1
+    for a zero row); out[r] = saturate(h / scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    ok = cols < K
+    v = tl.load(x + row * K + cols, mask=ok, other=0.0)
+    h = _activation(v.to(tl.float32), ACT).to(v.dtype)
+    if GATED:
+        u = tl.load(up + row * K + cols, mask=ok, other=0.0)
+        h = (h.to(tl.float32) * u.to(tl.float32)).to(v.dtype)
+    h = h.to(tl.float32)
+    a = tl.abs(h)
+    amax = tl.max(tl.where(a == a, a, 0.0), 0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    tl.store(scales + row, s)
+    tl.store(out + row * K + cols, _cast(h, s, FP8_MAX, FP8), mask=ok)
+
+
+def quantize_rows_after(x: torch.Tensor, activation: str, up: torch.Tensor | None, fp8_dtype: torch.dtype):
+    """(e4m3 rows, scales (..., 1)) of act(x) [* up], for rows of up to ONE_PASS_ROWS_MAX values."""
+    return torch.ops.lowconv.fp8_quantize_rows_after(x, ROW_ACTIVATIONS[activation], up, fp8_dtype)
+
+
+@triton_op("lowconv::fp8_quantize_rows_after", mutates_args=())
+def _quantize_rows_after(x: torch.Tensor, activation: int, up: torch.Tensor | None,
+                         fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    up = x if up is None else up.contiguous()
+    k = x.shape[-1]
+    m = x.numel() // max(k, 1)
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return out, scales.fill_(1.0)
+    block_k = triton.next_power_of_2(k)
+    wrap(_activation_rows_kernel)[(m,)](x, up, out, scales, k, ACT=activation, GATED=up is not x,
+                                        FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                                        BLOCK_K=block_k, num_warps=max(4, min(16, block_k // 512)))
     return out, scales

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    BLOCK, E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, amax_to_scale,
-    block_count, dequantize, fp8_frozen_linear, quantize_activation, quantize_weight,
+    BLOCK, E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, activate,
+    amax_to_scale, block_count, dequantize, fp8_frozen_linear, fp8_linear, quantize_activation,
+    quantize_rows_after, quantize_weight,
 )
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
@@ -107,8 +108,23 @@ class Fp8Linear(nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+    def forward(self, input: torch.Tensor, *, activation: str | None = None,
+                up: torch.Tensor | None = None) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        """nn.Linear's forward. With `activation` (kernels/fp8.py ACTIVATIONS) the layer's x is
+        activation(input) [* up], which the quantizer computes where it can (a scale per row,
+        inference, no autograd): one kernel reads the activation's input once."""
+        if activation is not None:
+            if self.takes_activation() and not self.calibrating and not needs_autograd(input, up, self.bias):
+                x_fp8, x_scale = quantize_rows_after(input, activation, up)
+                return in_autocast_dtype(fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias,
+                                                    input.dtype, self.options.fast_accum))
+            input = activate(input, activation, up)
         return in_autocast_dtype(self.calibration_forward(input) if self.calibrating else self.fp8_forward(input))
+
+    def takes_activation(self) -> bool:
+        """registry.TakesActivation: dynamic scaling with a scale per row of x, for inference."""
+        o = self.options
+        return o.scaling == "dynamic" and LINEAR_GRANULARITIES[o.granularity][0] == "row" and not o.training
 
     def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         x_scale = self.fixed_input_scale(x)

@@ -83,6 +83,13 @@ class SharesInputStep(Protocol):
         every layer of these options that reads x: never-slower's timing shares it among them."""
 
 
+@runtime_checkable
+class TakesActivation(Protocol):
+    def takes_activation(self) -> bool:
+        """Whether forward(h, activation=name, up=u) may compute its input act(h) [* u] within its
+        own step on x (fuse_activation.py moves the activation there)."""
+
+
 def register(op: Op) -> Op:
     if op.name in OPS:
         raise ValueError(f"op {op.name!r} is already registered")
