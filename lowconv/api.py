@@ -23,7 +23,7 @@ from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
 from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
 from lowconv.passes.example_values import short_path
-from lowconv.passes.fuse_activation import fuse_activations
+from lowconv.passes.fuse_activation import FUSED_NOTE, fuse_activations, restore_activation
 from lowconv.passes.trace import release_graphs
 from lowconv.plan import PLAN_ATTR, Decision, Plan
 from lowconv.recipe import Recipe, load_recipe, parse_options
@@ -75,8 +75,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     converted, fused = fuse_activations(converted, modules)
     for decision in todo:
         if decision.fqn in fused:
-            decision.note = "; ".join(filter(None, [decision.note, f"its input's {fused[decision.fqn]} computed in "
-                                                                   "its quantization kernel (fuse_activation.py)"]))
+            decision.note = "; ".join(filter(None, [decision.note, f"its input's {fused[decision.fqn]} {FUSED_NOTE}"]))
     release_graphs(found.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
@@ -222,10 +221,12 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
         if decision.op in wanted:
             module = reverted.get_submodule(decision.fqn)
             linear = linear_holding(module.linear_weight().detach(), module.bias)
+            restore_activation(reverted, decision.fqn)  # an nn.Linear takes no activation
             swap_module(reverted, decision.fqn, keep_frozen(linear, decision.site.get("frozen", [])))
             decision = replace(decision, op="dense", options={}, rule=None,
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
-                                      f"{decision.reason})")
+                                      f"{decision.reason})",
+                               note="; ".join(n for n in decision.note.split("; ") if FUSED_NOTE not in n))
         decisions.append(decision)
     attach_plan(reverted, replace(plan, decisions=decisions))
     return reverted

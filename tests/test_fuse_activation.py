@@ -75,6 +75,17 @@ def test_gelu_and_silu_times_up_move_into_the_layer_with_the_same_outputs(up_fir
         torch.testing.assert_close(compiled(x), want)
 
 
+def test_revert_puts_the_activation_back_before_the_dense_layer():
+    torch.manual_seed(0)
+    model = Model().eval()
+    dense = lowconv.revert(convert(model))
+    assert "activation" not in dense.mlp.code and "activation" not in dense.vit.code
+    assert notes(dense) == {}
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x), model(x), rtol=0.1, atol=0.05)  # the dequantized FP8 weights
+
+
 def test_a_model_that_trains_through_the_layer_gets_the_activations_gradient():
     torch.manual_seed(0)
     fused = convert(Model().eval())
@@ -111,15 +122,16 @@ def test_layers_without_a_scale_per_row_of_x_keep_the_activation_before_them(rec
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 12288], ids=["one kernel", "rows past ONE_PASS_ROWS_MAX"])
 @pytest.mark.parametrize("activation,gated", [("silu", True), ("gelu", False)])
-def test_the_layer_computes_the_activation_in_its_kernel_on_the_gpu(activation, gated):
+def test_the_layer_computes_the_activation_in_its_kernel_on_the_gpu(activation, gated, k):
     """The layer given h against the layer given act(h): within an e4m3 step of x (the kernel's exp
     and erf differ from torch's in the last bits), compiled with inductor too."""
     torch.manual_seed(0)
-    site = sites.linear_site(4096, 256, True, "bfloat16")
-    layer = from_site(site, Fp8Options(granularity="row"), {"weight": torch.randn(256, 4096, dtype=torch.bfloat16),
+    site = sites.linear_site(k, 256, True, "bfloat16")
+    layer = from_site(site, Fp8Options(granularity="row"), {"weight": torch.randn(256, k, dtype=torch.bfloat16),
                                                             "bias": torch.randn(256, dtype=torch.bfloat16)}).cuda()
-    h = torch.randn(8, 100, 4096, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(8, 100, k, device="cuda", dtype=torch.bfloat16)
     up = torch.randn_like(h) if gated else None
     with torch.no_grad():
         want = layer(fp8.activate(h, activation, up))

@@ -43,11 +43,16 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX[fp8_dtype], torch.ones_like(amax))
 
 
+def casts_in_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton quantizers can take x: on sm_90+, where Triton's fp32 -> fp8 cast rounds
+    once (on sm_89 it goes through fp16: a double rounding, not the reference's numbers)."""
+    return x.is_cuda and cuda_capability(x.device.index) >= (9, 0)
+
+
 def quantizes_in_triton(x: torch.Tensor) -> bool:
-    """Whether x's quantizers run the Triton kernels: eagerly on sm_90+, where Triton's fp32 -> fp8
-    cast rounds once (on sm_89 it goes through fp16: a double rounding, not the reference's
-    numbers). Under torch.compile the torch ops run: inductor fuses them with x's producer."""
-    return x.is_cuda and not torch.compiler.is_compiling() and cuda_capability(x.device.index) >= (9, 0)
+    """Whether x's quantizers run the Triton kernels: eagerly where they can take x. Under
+    torch.compile the torch ops run: inductor fuses them with x's producer."""
+    return not torch.compiler.is_compiling() and casts_in_triton(x)
 
 
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
@@ -104,23 +109,25 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=-1, keepdim=True)
 
 
-ACTIVATIONS = ("silu", "gelu")  # what quantize_rows_after applies before it quantizes
+ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}  # quantize_rows_after's
 
 
 def activate(x: torch.Tensor, activation: str, up: torch.Tensor | None = None) -> torch.Tensor:
     """act(x), times up where given (a gated MLP's SiLU(gate) * up), in torch ops."""
-    h = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation](x)
+    h = ACTIVATIONS[activation](x)
     return h if up is None else h * up
 
 
 def quantize_rows_after(x: torch.Tensor, activation: str, up: torch.Tensor | None, fp8_dtype: torch.dtype = E4M3):
-    """quantize_rowwise(activate(x, activation, up)): on sm_90+ GPUs, eagerly and under
-    torch.compile, one Triton kernel that reads x (and up) once for rows of up to
-    fp8_quant.ONE_PASS_ROWS_MAX values; inductor's fusion of the two loops over a row twice past
-    1024 values, computing the activation twice. Elsewhere the torch ops."""
-    if (x.is_cuda and cuda_capability(x.device.index) >= (9, 0) and 0 < x.shape[-1] <= fp8_quant.ONE_PASS_ROWS_MAX
-            and (up is None or up.shape == x.shape)):
-        return fp8_quant.quantize_rows_after(x, activation, up, fp8_dtype)
+    """quantize_rowwise(activate(x, activation, up)). On sm_90+ GPUs, eagerly and under
+    torch.compile, one Triton kernel that reads x (and up) once, for rows of up to
+    fp8_quant.ONE_PASS_ROWS_MAX values; longer rows the activation in torch ops, then the row
+    kernel (inductor's fusion of the two loops over a row twice past 1024 values, computing the
+    activation twice). Elsewhere the torch ops."""
+    if casts_in_triton(x) and x.shape[-1] > 0:
+        if x.shape[-1] <= fp8_quant.ONE_PASS_ROWS_MAX and (up is None or up.shape == x.shape):
+            return fp8_quant.quantize_rows_after(x, activation, up, fp8_dtype)
+        return fp8_quant.quantize_rowwise(activate(x, activation, up), fp8_dtype)
     return quantize_rowwise(activate(x, activation, up), fp8_dtype)
 
 
@@ -177,8 +184,8 @@ def quantize_activation(x: torch.Tensor, granularity: str, scale: torch.Tensor |
     if scale is not None:
         return quantize_with_scale(x, scale, E4M3, clipped)
     granularity = LINEAR_GRANULARITIES[granularity][0]
-    if (granularity == "row" and alone and torch.compiler.is_compiling() and x.shape[-1] > FUSED_ROWS_MAX
-            and x.is_cuda and cuda_capability(x.device.index) >= (9, 0)):
+    if granularity == "row" and alone and torch.compiler.is_compiling() and x.shape[-1] > FUSED_ROWS_MAX \
+            and casts_in_triton(x):
         return fp8_quant.quantize_rowwise(x, E4M3)
     return quantize(x, granularity)
 
@@ -269,6 +276,7 @@ TRACED_ROUTES = ("scaled_mm", "scaled_mm_blockwise")  # aten ops: under torch.co
 
 
 def gemm(route, x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum):
+    """The FP8 linear on the GEMM `route` names (gemm_route)."""
     if route == "few_rows":
         return fp8_small_m.fp8_gemm_rows(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype, fast_accum)
     if route == "scaled_mm":

@@ -28,7 +28,9 @@ from lowconv.passes.rewrite import keep_buffers_out_of_state_dict, swap_module
 from lowconv.passes.trace import recompile, release_graph
 
 MULTIPLIES = (operator.mul, torch.mul)
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu}
 NAMES = {"silu": "SiLU", "gelu": "GELU"}
+FUSED_NOTE = "computed in its quantization kernel (fuse_activation.py)"  # the plan's note, after what moved
 
 
 def fuse_activations(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[nn.Module, dict[str, str]]:
@@ -56,6 +58,26 @@ def fuse_activations(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[n
             model = swap_module(model, owner, gm)
         fused[fqn] = moved[0]
     return model, fused
+
+
+def restore_activation(model: nn.Module, fqn: str) -> None:
+    """Undo fuse_call for the layer at `fqn` (lowconv.revert puts an nn.Linear there): the calls
+    that pass it an activation get act(h) [* up] computed before them again."""
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        gm = model.get_submodule(".".join(parts[:i])) if i else model
+        target = ".".join(parts[i:])
+        calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == target
+                 and "activation" in n.kwargs] if isinstance(gm, fx.GraphModule) else []
+        for call in calls:
+            with gm.graph.inserting_before(call):
+                x = gm.graph.call_function(ACTIVATION_FUNCTIONS[call.kwargs["activation"]], call.args)
+                if "up" in call.kwargs:
+                    x = gm.graph.call_function(operator.mul, (x, call.kwargs["up"]))
+            call.args, call.kwargs = (x,), {}
+        if calls:
+            recompile(gm)
+            return
 
 
 def caller_graph(model: nn.Module, fqn: str, modules: dict[str, nn.Module]):
