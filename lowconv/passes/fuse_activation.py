@@ -23,12 +23,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from lowconv.kernels.fp8 import ACTIVATIONS
 from lowconv.ops.registry import TakesActivation
 from lowconv.passes.rewrite import keep_buffers_out_of_state_dict, swap_module
 from lowconv.passes.trace import recompile, release_graph
 
 MULTIPLIES = (operator.mul, torch.mul)
-ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu}
 NAMES = {"silu": "SiLU", "gelu": "GELU"}
 FUSED_NOTE = "computed in its quantization kernel (fuse_activation.py)"  # the plan's note, after what moved
 
@@ -45,9 +45,10 @@ def fuse_activations(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[n
             continue
         owner, gm, target = found
         moved = [fuse_call(gm, node) for node in list(gm.graph.nodes)
-                 if node.op == "call_module" and node.target == target]
+                 if node.op == "call_module" and node.target == target]  # each call on its own
+        moved = [what for what in moved if what]
         in_model = (model.get_submodule(owner) if owner else model) is gm
-        if not (moved and all(moved)):
+        if not moved:
             if not in_model:
                 release_graph(gm)  # a parent traced for nothing: no cycle left to the garbage collector
             continue
@@ -71,7 +72,7 @@ def restore_activation(model: nn.Module, fqn: str) -> None:
                  and "activation" in n.kwargs] if isinstance(gm, fx.GraphModule) else []
         for call in calls:
             with gm.graph.inserting_before(call):
-                x = gm.graph.call_function(ACTIVATION_FUNCTIONS[call.kwargs["activation"]], call.args)
+                x = gm.graph.call_function(ACTIVATIONS[call.kwargs["activation"]], call.args)
                 if "up" in call.kwargs:
                     x = gm.graph.call_function(operator.mul, (x, call.kwargs["up"]))
             call.args, call.kwargs = (x,), {}
