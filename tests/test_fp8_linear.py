@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lowconv.kernels.fp8 as fp8
+from lowconv.kernels import gpu
 from lowconv.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -16,10 +17,10 @@ def fake_capability(monkeypatch):
     """fake_capability((major, minor)): what torch.cuda reports from now on; the cached capability
     is cleared before and after."""
     def fake(capability):
-        fp8.cuda_capability.cache_clear()
+        gpu.cached_capability.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     yield fake
-    fp8.cuda_capability.cache_clear()
+    gpu.cached_capability.cache_clear()
 
 
 @pytest.fixture

@@ -6,10 +6,17 @@ import torch
 H100_SMS = 132  # what the interpreter (CPU tensors) takes the GPU to have
 
 
-@torch.compiler.assume_constant_result  # traced code branches on it: a constant, not a traced call
-@functools.cache
 def cuda_capability(index: int | None) -> tuple[int, int]:
-    """CUDA device `index`'s (None: the current one) compute capability."""
+    """CUDA device `index`'s (None: the current one) compute capability. Under torch.compile asked of
+    torch.cuda, which dynamo folds to a constant (through functools' cache it warns, and traces
+    past the cache anyway)."""
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(index)
+    return cached_capability(index)
+
+
+@functools.cache
+def cached_capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
