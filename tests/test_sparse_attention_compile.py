@@ -196,9 +196,10 @@ def test_converted_window_attention_compiles_whole(kernels, monkeypatch):
     import functools
 
     from lowconv.kernels.window_attention import window_attention
+    from lowconv.ops import window_attention as window_op
     from tests.test_window_attention_pass import Block, scene
     if kernels:
-        monkeypatch.setattr(sa, "window_attention", functools.partial(window_attention, backend="triton"))
+        monkeypatch.setattr(window_op, "window_attention", functools.partial(window_attention, backend="triton"))
     model, inputs = Block("contextual").eval(), scene()
     converted = lowconv.convert(model, attention_recipe('dtype = "float32"'), inputs)
     feats = inputs[0].clone().requires_grad_()

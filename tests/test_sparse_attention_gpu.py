@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 import lowconv
 import lowconv.ops.sparse_attention as sa
+from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.kernels.block_attention import block_attention_reference, block_attention_sdpa
 from lowconv.site_timing import captured
 from tests.test_block_attention import TOLERANCE, make_problem, outputs_and_grads, rel_error
@@ -173,7 +174,7 @@ def test_window_attention_replays_in_a_cuda_graph():
     q, k, v, offsets, coords, tables, _ = make_problem(sizes=[3, 0, 70, 1, 9, 2] * 50, seed=7)
     q, k, v = (t.float() for t in (q, k, v))
     start, end = (t.int() for t in row_windows_from_offsets(offsets, q.shape[0]))
-    module = sa.SparseWindowAttention(torch.float16)
+    module = SparseWindowAttention(torch.float16)
     tq, tk, tv = (t.float() for t in tables)
     grid = (tq.shape[0] + 1) // 2
 

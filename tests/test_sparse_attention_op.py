@@ -9,6 +9,7 @@ from torch import nn
 
 import lowconv
 import lowconv.ops.sparse_attention as sa
+from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.errors import LowconvError
 from lowconv.kernels.block_attention import attention_reference, block_layout, check_inputs
 from lowconv.passes.mha import mha_info
@@ -307,7 +308,7 @@ def test_window_module_names_tables_shorter_than_rel_idx_needs():
     batch = torch.zeros(40, dtype=torch.long)
     _, index_0_offsets, _, index_1, _, sort_idx = sptr.get_indices_params(xyz, batch, 0.3, False)
     q, k, v = torch.randn(3, 40, 2, 16).unbind(0)
-    op = sa.SparseWindowAttention()
+    op = SparseWindowAttention()
     for rows in (9, 10):
         tables = tuple(torch.randn(rows, 3, 2, 16) for _ in range(3))
         with pytest.raises(ValueError, match=rf"tables \(query, key, value\) have {rows}, {rows}, {rows} rows; "

@@ -9,7 +9,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 import lowconv
 from lowconv.compat import sptr
 from lowconv.model_file import load_model_file
-from lowconv.ops.sparse_attention import SparseWindowAttention
+from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.passes import rewrite
 from lowconv.recipe import parse_recipe
 

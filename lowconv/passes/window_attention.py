@@ -21,7 +21,7 @@ float rounding can put a point G cells from its window's least; the original the
 (per pair) and the conversion the point's coordinate (compat's coordinates_in_window), and the two
 differ for that point's pairs.
 
-Each chain becomes one site whose op (ops/sparse_attention.py's SparseWindowAttention) takes q, k,
+Each chain becomes one site whose op (ops/window_attention.py's SparseWindowAttention) takes q, k,
 v and what the fused kernel needs instead of the (M, h) pair tensors: the windows, as index_0_offsets
 and index_1, from which the op builds each point's row window (start, end), and, with relative
 position, the tables and what rel_idx was made from: the points' xyz and quantization, or P and G.

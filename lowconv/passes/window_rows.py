@@ -24,7 +24,7 @@ import operator
 import torch.fx as fx
 
 from lowconv.compat import sptr
-from lowconv.ops.sparse_attention import SparseWindowAttention
+from lowconv.ops.window_attention import SparseWindowAttention
 
 # Positions in get_indices_params' tuple (index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx).
 INDEX_0_OFFSETS, INDEX_1, SORT_IDX = 1, 3, 5
