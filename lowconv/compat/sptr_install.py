@@ -39,6 +39,7 @@ from types import ModuleType
 import torch
 
 from lowconv.compat import sptr
+from lowconv.compat.trace_hooks import TraceHook
 
 # The real callables that stand for compat functions: compat name -> the package's submodule
 # defining it (under the same name).
@@ -118,3 +119,20 @@ def real_ops() -> list[RealOp]:
             if callable(real):
                 ops.append(RealOp(name, real))
     return ops
+
+
+
+def real_op_of(function) -> RealOp | None:
+    """The RealOp a real SpTr callable is recorded as in a traced graph, or None."""
+    return next((op for op in real_ops() if op.real is function), None)
+
+
+# SpTr's ops stay single calls when traced, even where a model imported them by name
+# (torch.fx.wrap only patches calls through the module's namespace), and so do a real SpTr
+# install's, whose autograd Functions and CUDA extension cannot take a Proxy (recorded as their
+# RealOp). fx patches them in the traced forwards' globals and in the real packages' modules too,
+# which catches `sptr.functional.attention_step1(...)`, `F.attention_step1(...)` and the calls in
+# sptr's own sparse_self_attention. (fx's public autowrap_modules would also wrap every other
+# callable there, SparseTrTensor included.)
+TRACE_HOOK = TraceHook(autowrap_functions=lambda: sptr.SPTR_OPS + sptr.SPTR_HELPERS + tuple(op.real for op in real_ops()),
+                       autowrap_modules=loaded_modules, recorded_as=real_op_of)

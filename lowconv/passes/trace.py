@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.proxy import TraceError
 
-from lowconv.compat import sptr, sptr_install
+from lowconv.compat import sptr_install, timm
 from lowconv.errors import LowconvError, first_line
 from lowconv.passes.example_values import (
     MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
@@ -56,9 +56,8 @@ from lowconv.passes.example_calls import Call, first_calls, fixed_arguments, is_
 from lowconv.passes.shapes import propagate_shapes
 from lowconv.scoped_setting import ScopedSetting
 
-# timm's (1.0.x) non-fused attention adds its mask through these: `scores if mask is None else
-# scores + mask`, with a mask resolved from flags. Plain Python: they trace.
-TRACED_INTO = {"timm.layers.attention.maybe_add_mask", "timm.layers.attention.resolve_self_attn_mask"}
+# What the libraries lowconv knows need of the tracer, each declared in its compat/ file.
+TRACE_HOOKS = (sptr_install.TRACE_HOOK, timm.TRACE_HOOK)
 
 
 def none_or_dtype(input):
@@ -199,18 +198,13 @@ class SiteTracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def __init__(self, example_arguments: list | None = None, forward=None):
-        # SpTr ops stay single calls even when a model imported them by name (torch.fx.wrap only
-        # patches calls through the module's namespace); so do a real SpTr install's, whose
-        # autograd Functions and CUDA extension cannot take a Proxy.
-        real_ops = sptr_install.real_ops()
-        super().__init__(autowrap_functions=sptr.SPTR_OPS + sptr.SPTR_HELPERS + tuple(op.real for op in real_ops))
-        # fx patches autowrap functions in the traced forwards' globals and in the modules of its
-        # (private) _autowrap_search list: adding sptr's catches `sptr.functional.attention_step1(...)`,
-        # `F.attention_step1(...)` and the calls in sptr's own sparse_self_attention. (The public
-        # autowrap_modules would also wrap every other callable there, SparseTrTensor included.)
-        self._autowrap_search += sptr_install.loaded_modules()
+        wrapped = [(hook, hook.autowrap_functions()) for hook in TRACE_HOOKS]  # asked once: they may scan sys.modules
+        super().__init__(autowrap_functions=tuple(f for _, functions in wrapped for f in functions))
+        self._autowrap_search += [m for hook in TRACE_HOOKS for m in hook.autowrap_modules()]
         # By id: fx records the very object it patched, and call targets need not be hashable.
-        self.real_ops = {id(op.real): op for op in real_ops}
+        self.recorded_as = {id(f): target for hook, functions in wrapped for f in functions
+                            if (target := hook.recorded_as(f)) is not None}
+        self.traced_into = frozenset().union(*(hook.traced_into for hook in TRACE_HOOKS))
         self.example = ExampleValues(example_arguments) if example_arguments is not None else None
         self.forward = forward  # traced instead of the root's forward (see bound_forward)
         self.running_example = False  # a node is being run on its example values
@@ -281,7 +275,7 @@ class SiteTracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         if kind == "call_function":
-            target = self.real_ops.get(id(target), target)  # a real SpTr op is recorded as its RealOp
+            target = self.recorded_as.get(id(target), target)  # a real SpTr op as its RealOp
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
     def create_arg(self, a):
@@ -310,7 +304,7 @@ class SiteTracer(fx.Tracer):
         # is torch's, process-wide: an fx trace in another thread meanwhile would not see them wrapped.
         # And what STAND_INS lists is replaced by its stand-in meanwhile.
         table = torch.fx._symbolic_trace._wrapped_fns_to_patch
-        hidden = {key: frame for key, frame in table.items() if qualified_name(frame.get(key[1])) in TRACED_INTO}
+        hidden = {key: frame for key, frame in table.items() if qualified_name(frame.get(key[1])) in self.traced_into}
         for key in hidden:
             del table[key]
         originals = {(module, name): getattr(module, name) for module, name in STAND_INS}
