@@ -65,7 +65,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
         raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
                            "of keyword arguments, or one tensor")
     recipe = load_recipe(recipe)
-    quantized = already_quantized(model)
+    quantized = quantized_model_problem(model)
     if quantized:
         raise LowconvError(f"the model is quantized already: {quantized}; convert the model it was made from")
     on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -83,7 +83,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
 
 
 
-def already_quantized(model: nn.Module) -> str | None:
+def quantized_model_problem(model: nn.Module) -> str | None:
     """Why a model is a quantized one already (None: it is not): a quantization_config, FP8 weights,
     or tensor subclasses (torchao's quantized weights). A model lowconv made is converted again
     where it still has sites (conversion_warnings says so)."""

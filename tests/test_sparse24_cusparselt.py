@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt
-from lowconv.kernels.cusparselt import SparseGemm, dense_operand, unsupported_shape_reason
+from lowconv.kernels.cusparselt import SparseGemm, dense_operand, shape_problem
 from lowconv.kernels.sparse24 import (GemmCase, choose_backend, compress_bitmask, compressed_linear,
                                       fixed_mask_linear, mask_24_transposable, prune_24)
 from tests.compiled import lowconv_ops
@@ -16,13 +16,13 @@ from tests.sites import linear_site
 
 
 def test_unsupported_shapes_and_dtypes_say_why():
-    assert unsupported_shape_reason(4096, 1024, torch.float16) is None
-    assert unsupported_shape_reason(32, 48, torch.bfloat16) is None
-    assert unsupported_shape_reason(24, 64, torch.float16) == (
+    assert shape_problem(4096, 1024, torch.float16) is None
+    assert shape_problem(32, 48, torch.bfloat16) is None
+    assert shape_problem(24, 64, torch.float16) == (
         "cuSPARSELt needs out_features and in_features multiples of 16 (weight is (24, 64))")
-    assert unsupported_shape_reason(32, 40, torch.float16) == (
+    assert shape_problem(32, 40, torch.float16) == (
         "cuSPARSELt needs out_features and in_features multiples of 16 (weight is (32, 40))")
-    assert unsupported_shape_reason(32, 64, torch.float32) == (
+    assert shape_problem(32, 64, torch.float32) == (
         "cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is float32)")
 
 

@@ -208,7 +208,7 @@ def library() -> Library:
     return _library
 
 
-def unavailable_reason(device: torch.device) -> str | None:
+def unavailable_problem(device: torch.device) -> str | None:
     """Why cuSPARSELt cannot run 2:4 GEMMs on `device`, or None when it can (sm_80 and later)."""
     if device.type != "cuda":
         return f"cuSPARSELt runs on CUDA devices, not {device.type}"
@@ -222,7 +222,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def unsupported_shape_reason(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+def shape_problem(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
     """Why cuSPARSELt cannot take a 2:4 weight (out_features, in_features) of `dtype`, or None."""
     if dtype not in VALUE_TYPES:
         return f"cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is {str(dtype).removeprefix('torch.')})"
@@ -366,7 +366,7 @@ class SparseGemm:
     step compresses its new weight and reuses the plans)."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device):
-        reason = unavailable_reason(device) or unsupported_shape_reason(out_features, in_features, dtype)
+        reason = unavailable_problem(device) or shape_problem(out_features, in_features, dtype)
         if reason:
             raise LowconvError(f"cuSPARSELt cannot take this 2:4 weight: {reason}")
         self.lib = library()

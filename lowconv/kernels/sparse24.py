@@ -356,8 +356,8 @@ def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
         return BackendChoice("masked-dense", "backend = masked-dense")
     shapes = [(case.out_features, case.in_features)] + ([(case.in_features, case.out_features)]
                                                          if case.training and case.transposable else [])
-    reason = cusparselt.unavailable_reason(case.device) or next(
-        filter(None, (cusparselt.unsupported_shape_reason(*shape, case.dtype) for shape in shapes)), None)
+    reason = cusparselt.unavailable_problem(case.device) or next(
+        filter(None, (cusparselt.shape_problem(*shape, case.dtype) for shape in shapes)), None)
     if requested == "cusparselt":
         if reason:
             raise LowconvError(f"backend = cusparselt: {reason}")

@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lowconv.kernels.cusparselt import SparseGemm, unsupported_shape_reason
+from lowconv.kernels.cusparselt import SparseGemm, shape_problem
 from lowconv.kernels.sparse24 import (
     BackendChoice, GemmCase, TrainingGemms, bitmask_to_dense, choose_backend, compress_bitmask, compressed_linear,
     decompress_bitmask, fixed_mask_linear, mask_24, mask_24_transposable, prune_24_straight_through,
@@ -352,7 +352,7 @@ def check(site, options: SemiSparseOptions) -> str | None:
         shapes = [(info.out_features, info.in_features)]
         if options.training and options.transposable:  # dX runs W^T (in, out) through cuSPARSELt too
             shapes.append((info.in_features, info.out_features))
-        return next(filter(None, (unsupported_shape_reason(*shape, dtype) for shape in shapes)), None)
+        return next(filter(None, (shape_problem(*shape, dtype) for shape in shapes)), None)
     return None
 
 

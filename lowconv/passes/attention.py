@@ -407,7 +407,7 @@ def fold_masks(region: Region, match: Match) -> bool:
                                           if causal_chain(region, m, scores_shape(match)) is None]
     if not reshapes and len(masks) < 2:
         return False
-    why = why_not_foldable(match, reshapes)
+    why = fold_problem(match, reshapes)
     if why is not None:
         if reshapes:  # several masks alone: functional_site says so
             match.problems.append(f"the scores are reshaped ({', '.join(reshapes)}) between q @ k^T and "
@@ -419,7 +419,7 @@ def fold_masks(region: Region, match: Match) -> bool:
     return True
 
 
-def why_not_foldable(match: Match, reshapes: list[str]) -> str | None:
+def fold_problem(match: Match, reshapes: list[str]) -> str | None:
     """Why the steps of `match` cannot be replayed as one mask, or None when they can."""
     if match.k is None or match.problems:
         return "the attention has other problems"

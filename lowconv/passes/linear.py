@@ -108,7 +108,7 @@ def functional_site(node: fx.Node, region: Region) -> Site | None:
                       dtype_name(weight.dtype))
     site = Site("linear", join_fqn(region.fqn, rel), region.fqn, owner_classes(node, region), info,
                 tensor_meta(x), tensor_meta(out), args=(x,), output_node=out, nodes=nodes)
-    site.unsupported = functional_conflict(site, region, rel, w, b)
+    site.unsupported = functional_linear_problem(site, region, rel, w, b)
     return site
 
 
@@ -120,7 +120,7 @@ def op_place(weight_target: str) -> str:
     return weight_target.removesuffix(".weight")
 
 
-def functional_conflict(site: Site, region: Region, rel: str, w: fx.Node, b: fx.Node | None) -> str | None:
+def functional_linear_problem(site: Site, region: Region, rel: str, w: fx.Node, b: fx.Node | None) -> str | None:
     """Why the op module cannot take its place in the region, if it cannot."""
     own = {w.target} | ({b.target} if b is not None else set())
     if rel == "linear" and hasattr(region.module, "linear"):

@@ -39,7 +39,7 @@ def own_parameters(site: Site) -> list[tuple[str, str]]:
             if target is not None]
 
 
-def shared_or_computed(model: nn.Module, site: Site, names: dict[int, list[str]]) -> str | None:
+def weight_holding_problem(model: nn.Module, site: Site, names: dict[int, list[str]]) -> str | None:
     """Why a linear site's op module cannot hold its weight or bias (None: it can): the tensor is
     tied to another name, or computed on access (torch.nn.utils.parametrize)."""
     for kind, target in own_parameters(site):
@@ -61,7 +61,7 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
     sites = []
     for region in trace.regions:
         for site in find_linear_sites(region):
-            site.unsupported = site.unsupported or shared_or_computed(model, site, names)
+            site.unsupported = site.unsupported or weight_holding_problem(model, site, names)
             if site.unsupported is None:
                 site.frozen = [kind for kind, target in own_parameters(site)
                                if not model.get_parameter(target).requires_grad]

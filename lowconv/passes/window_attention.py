@@ -97,13 +97,13 @@ def uncast(node):
 def op_args(node: fx.Node, names: tuple[str, ...]) -> dict:
     """An SpTr op call's arguments by compat parameter name (`names`, in order). A real op's keywords
     are its own names (index0, index_q, table): renamed by their place in its signature. A keyword
-    that names no parameter keeps its name (unread_arguments)."""
+    that names no parameter keeps its name (unread_arguments_problem)."""
     own = getattr(node.target, "parameter_names", None) or names
     rename = dict(zip(own, names))
     return {**dict(zip(names, node.args)), **{rename.get(key, key): value for key, value in node.kwargs.items()}}
 
 
-def unread_arguments(node: fx.Node, args: dict, names: tuple[str, ...]) -> str | None:
+def unread_arguments_problem(node: fx.Node, args: dict, names: tuple[str, ...]) -> str | None:
     """Why a call's arguments cannot all be read by name (None when they can)."""
     unread = [key for key in args if key not in names]
     if unread:
@@ -156,9 +156,9 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     first = op_args(step1, first_names)
     contextual = rel_query and rel_value
 
-    unread = [why for why in (unread_arguments(step1, first, first_names),
-                              unread_arguments(softmax, scores, SOFTMAX_ARGS),
-                              unread_arguments(step2, second, second_names)) if why]
+    unread = [why for why in (unread_arguments_problem(step1, first, first_names),
+                              unread_arguments_problem(softmax, scores, SOFTMAX_ARGS),
+                              unread_arguments_problem(step2, second, second_names)) if why]
     if unread:  # what the chain computes is not known: nothing more to say of it
         return window_site(region, first.get("q"), step2, contextual, unread, (), [step1, softmax, step2], names)
     problems = []
