@@ -21,7 +21,7 @@ from lowconv.ops.dense import linear_holding
 from lowconv.ops.registry import Calibrated, ChecksLoadedState, NotesThePlan, SharesInputStep
 from lowconv.passes.mha_expand import expand_mha
 from lowconv.passes import hf_attention
-from lowconv.passes.rewrite import keep_frozen, rewrite, served_sites, site_params, swap_module
+from lowconv.passes.rewrite import freeze_named, rewrite, served_sites, site_params, swap_module
 from lowconv.passes.example_values import short_path
 from lowconv.passes.fuse_activation import FUSED_NOTE, fuse_activations, restore_activation
 from lowconv.passes.trace import release_graphs
@@ -51,12 +51,12 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     """
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
-    found, plan = plan_conversion(model, recipe, example_inputs, share_weights)
-    todo = plan.converted()
-    progress(f"{len(found.sites)} sites, {len(todo)} to convert")
-    modules, measured, groups = build_op_modules(todo, found, progress)
+    analysis, plan = plan_conversion(model, recipe, example_inputs, share_weights)
+    to_convert = plan.converted()
+    progress(f"{len(analysis.sites)} sites, {len(to_convert)} to convert")
+    modules, measured, groups = build_op_modules(to_convert, analysis, progress)
     slower = slower_sites(measured, groups)
-    for decision in todo:
+    for decision in to_convert:
         timing, module = measured.get(decision.fqn), modules[decision.fqn]
         if decision.fqn in slower:
             keep_slower(decision, timing)
@@ -64,19 +64,19 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
             continue
         decision.note = "; ".join(filter(None, [module.plan_note() if isinstance(module, NotesThePlan) else "",
                                                 timing and f"measured {timing.describe(decision.op)}"]))
-    if len(modules) < len(todo):  # never-slower kept some sites: the warnings follow the final decisions
-        plan.warnings = conversion_warnings(model, found, plan, recipe)
+    if len(modules) < len(to_convert):  # never-slower kept some sites: the warnings follow the final decisions
+        plan.warnings = conversion_warnings(model, analysis, plan, recipe)
     mark_shared_inputs(modules, groups)
-    served = {site.fqn for site in served_sites(found.trace, found.sites, modules)}
-    for decision in todo:
+    served = {site.fqn for site in served_sites(analysis.trace, analysis.sites, modules)}
+    for decision in to_convert:
         if decision.fqn in served:
             decision.note = "; ".join(filter(None, [hf_attention.PLAN_NOTE, decision.note]))
-    converted = rewrite(found.model, found.trace, found.sites, modules)
+    converted = rewrite(analysis.model, analysis.trace, analysis.sites, modules)
     converted, fused = fuse_activations(converted, modules)
-    for decision in todo:
+    for decision in to_convert:
         if decision.fqn in fused:
             decision.note = "; ".join(filter(None, [decision.note, f"its input's {fused[decision.fqn]} {FUSED_NOTE}"]))
-    release_graphs(found.trace, converted)
+    release_graphs(analysis.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
         check_runs(converted, example_inputs)
@@ -87,21 +87,21 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     return converted
 
 
-def build_op_modules(todo: list[Decision], found: Analysis, progress: Callable[[str], None]
+def build_op_modules(to_convert: list[Decision], analysis: Analysis, progress: Callable[[str], None]
                      ) -> tuple[dict[str, nn.Module], dict[str, SiteTiming | None], dict[str, tuple]]:
     """Each decision's op module by fqn; where its op is timed (never slower), its timing against
     the original; and the groups of sites that share an input (site_timing.input_groups)."""
-    by_fqn = {s.fqn: s for s in found.sites}
-    groups = decision_groups(todo, by_fqn)
+    by_fqn = {s.fqn: s for s in analysis.sites}
+    groups = decision_groups(to_convert, by_fqn)
     shared_by = Counter(groups.values())
     modules, timings, measured = {}, {}, {}
-    for i, decision in enumerate(todo, 1):
-        progress(f"[{i}/{len(todo)}] {decision.fqn} -> {decision.op}")
+    for i, decision in enumerate(to_convert, 1):
+        progress(f"[{i}/{len(to_convert)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
         options = op.options(**decision.options)
-        params = site_params(site, found.model)
-        module = keep_frozen(op.from_site(site, options, params), site.frozen)
-        modules[site.fqn] = module.to(site_device(site, found.model))
+        params = site_params(site, analysis.model)
+        module = freeze_named(op.from_site(site, options, params), site.frozen)
+        modules[site.fqn] = module.to(site_device(site, analysis.model))
         if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
             sharers = shared_by[groups[site.fqn]]
             key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape),
@@ -222,7 +222,7 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
             module = reverted.get_submodule(decision.fqn)
             linear = linear_holding(module.linear_weight().detach(), module.bias)
             restore_activation(reverted, decision.fqn)  # an nn.Linear takes no activation
-            swap_module(reverted, decision.fqn, keep_frozen(linear, decision.site.get("frozen", [])))
+            swap_module(reverted, decision.fqn, freeze_named(linear, decision.site.get("frozen", [])))
             decision = replace(decision, op="dense", options={}, rule=None,
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
                                       f"{decision.reason})",
@@ -281,7 +281,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         op = OPS[decision.op]
         options = parse_options(op.options, decision.options, f"{path}: {decision.fqn}")
         site = sites[decision.fqn]
-        modules[site.fqn] = keep_frozen(op.empty(site, options), site.frozen).to(site_device(site, work))
+        modules[site.fqn] = freeze_named(op.empty(site, options), site.frozen).to(site_device(site, work))
     mark_shared_inputs(modules, decision_groups(plan.converted(), sites))
     converted, _ = fuse_activations(rewrite(work, trace, list(sites.values()), modules), modules)
     release_graphs(trace, converted)

@@ -78,7 +78,7 @@ def site_params(site: Site, model: nn.Module) -> dict[str, torch.Tensor]:
     return {}
 
 
-def keep_frozen(module: nn.Module, frozen: list[str]) -> nn.Module:
+def freeze_named(module: nn.Module, frozen: list[str]) -> nn.Module:
     """`module` with requires_grad off on its parameters named in `frozen` (a site's: those whose
     originals the user froze, so that a frozen backbone stays frozen)."""
     for name, param in module.named_parameters():
