@@ -95,23 +95,51 @@ def test_a_model_that_trains_through_the_layer_gets_the_activations_gradient():
 
 
 class Reads(nn.Module):
-    """down(act(h)) where act(h) is also returned, or where the activation is not one the kernel computes."""
+    """down(act(h)), h also returned where second_reader; inside Outer, so that the pass traces it
+    (it never traces the model itself)."""
 
-    def __init__(self, act, second_reader):
+    def __init__(self, act, second_reader=False, between=None):
         super().__init__()
         self.fc, self.down, self.act, self.second_reader = nn.Linear(64, 128), nn.Linear(128, 64), act, second_reader
+        self.between = between or nn.Identity()
 
     def forward(self, x):
-        h = self.act(self.fc(x))
+        h = self.between(self.act(self.fc(x)))
         return (self.down(h), h) if self.second_reader else self.down(h)
 
 
-@pytest.mark.parametrize("act,second_reader", [
-    (nn.GELU(), True), (nn.GELU(approximate="tanh"), False), (nn.ReLU(), False),
-    (nn.Sequential(nn.GELU(), nn.Dropout(0.1)), False)],
-    ids=["read twice", "tanh GELU", "ReLU", "dropout"])
-def test_the_activation_stays_where_the_layer_is_not_its_only_reader_or_it_is_not_silu_or_gelu(act, second_reader):
-    assert notes(convert(Reads(act, second_reader).eval())) == {}
+class Outer(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class Scaled(nn.Module):
+    def forward(self, x):
+        return F.silu(x) * 2.0
+
+
+@pytest.mark.parametrize("between", [None, nn.Dropout(0.0)], ids=["nothing", "dropout 0"])
+def test_a_plain_activation_before_the_layer_moves_in(between):
+    assert set(notes(convert(Outer(Reads(nn.GELU(), between=between)).eval()))) == {"inner.down"}
+
+
+@pytest.mark.parametrize("act,second_reader,between", [
+    (nn.GELU(), True, None), (nn.GELU(approximate="tanh"), False, None), (nn.ReLU(), False, None),
+    (nn.GELU(), False, nn.Dropout(0.1)), (Scaled(), False, None)],
+    ids=["read twice", "tanh GELU", "ReLU", "dropout 0.1", "times a number"])
+def test_the_activation_stays_where_the_layer_is_not_its_only_reader_or_it_is_not_silu_or_gelu(
+        act, second_reader, between):
+    assert notes(convert(Outer(Reads(act, second_reader, between)).eval())) == {}
+
+
+def test_a_layer_the_model_itself_calls_keeps_the_model_as_it_is():
+    """The model's own class stays (an nn.Sequential stays subscriptable): no fusion at its top."""
+    converted = convert(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval())
+    assert notes(converted) == {} and isinstance(converted, nn.Sequential)
 
 
 @pytest.mark.parametrize("recipe", ["fp8-static", "fp8-block"])

@@ -125,7 +125,7 @@ def quantize_rows_after(x: torch.Tensor, activation: str, up: torch.Tensor | Non
     kernel (inductor's fusion of the two loops over a row twice past 1024 values, computing the
     activation twice). Elsewhere the torch ops."""
     if casts_in_triton(x) and x.shape[-1] > 0:
-        if x.shape[-1] <= fp8_quant.ONE_PASS_ROWS_MAX and (up is None or up.shape == x.shape):
+        if x.shape[-1] <= fp8_quant.ONE_PASS_ROWS_MAX and (up is None or (up.shape, up.dtype) == (x.shape, x.dtype)):
             return fp8_quant.quantize_rows_after(x, activation, up, fp8_dtype)
         return fp8_quant.quantize_rowwise(activate(x, activation, up), fp8_dtype)
     return quantize_rowwise(activate(x, activation, up), fp8_dtype)

@@ -134,7 +134,7 @@ def fuse_call(gm: fx.GraphModule, call: fx.Node) -> str | None:
     activation, up = activation_of(gm, x), None
     if activation is None and is_multiply(x):
         for act, other in (x.args, x.args[::-1]):
-            if isinstance(act, fx.Node) and only_reader(act, x) and activation_of(gm, act):
+            if isinstance(other, fx.Node) and only_reader(act, x) and activation_of(gm, act):
                 dead.append(x)
                 x, up, activation = act, other, activation_of(gm, act)
                 break
