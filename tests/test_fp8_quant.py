@@ -117,6 +117,14 @@ def test_rows_after_an_activation_match_the_activation_then_the_row_quantizer(sh
         assert (((g.abs() >= r.abs() / 2) & (g.abs() <= r.abs() * 2) & (g * r >= 0)) | ((g - r).abs() <= 2 ** -6)).all()
 
 
+def test_the_activation_times_its_own_input_is_gated():
+    """SiLU(x) * x: up is x itself, and still multiplies."""
+    x = sample((5, 64), torch.float32) / 100
+    got, scale = fp8_quant.quantize_rows_after(x, "silu", x, fp8.E4M3)
+    ref, ref_scale = fp8.quantize_rowwise(torch.nn.functional.silu(x.cpu()) * x.cpu(), fp8.E4M3)
+    torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2 ** -6, atol=0)
+
+
 def test_the_activation_quantizer_falls_back_to_torch_ops_off_the_gpu_and_for_long_rows():
     x = torch.randn(3, 64)
     got, scale = fp8.quantize_rows_after(x, "silu", x * 2)

@@ -288,11 +288,7 @@ def quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype):
 
 @triton_op("lowconv::fp8_quantize_rowwise", mutates_args=())
 def _quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x.contiguous()
-    k = x.shape[-1] if x.dim() else 1
-    m = x.numel() // max(k, 1)
-    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    scales = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    x, m, k, out, scales = _row_outputs(x, fp8_dtype)
     if m == 0 or k == 0:
         return out, scales.fill_(1.0)
     block_k = min(triton.next_power_of_2(k), BLOCK)
@@ -300,6 +296,16 @@ def _quantize_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Te
     wrap(_rowwise_kernel)[(cdiv(m, block_m),)](x, out, scales, m, k, FP8_MAX=torch.finfo(fp8_dtype).max,
                                                FP8=FP8_TL[fp8_dtype], BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
     return out, scales
+
+
+def _row_outputs(x: torch.Tensor, fp8_dtype: torch.dtype):
+    """(contiguous x, its rows m, their length k, the e4m3 output, the (..., 1) fp32 scales) of a
+    per-row quantization."""
+    x = x.contiguous()
+    k = x.shape[-1] if x.dim() else 1
+    m = x.numel() // max(k, 1)
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    return x, m, k, out, torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
 
 
 ROW_ACTIVATIONS = {"silu": 0, "gelu": 1}  # what quantize_rows_after's kernel computes before the cast
@@ -346,16 +352,12 @@ def quantize_rows_after(x: torch.Tensor, activation: str, up: torch.Tensor | Non
 @triton_op("lowconv::fp8_quantize_rows_after", mutates_args=())
 def _quantize_rows_after(x: torch.Tensor, activation: int, up: torch.Tensor | None,
                          fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x.contiguous()
-    up = x if up is None else up.contiguous()
-    k = x.shape[-1]
-    m = x.numel() // max(k, 1)
-    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    scales = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    x, m, k, out, scales = _row_outputs(x, fp8_dtype)
     if m == 0 or k == 0:
         return out, scales.fill_(1.0)
     block_k = triton.next_power_of_2(k)
-    wrap(_activation_rows_kernel)[(m,)](x, up, out, scales, k, ACT=activation, GATED=up is not x,
+    gated = up is not None  # (up may be x itself: SiLU(x) * x)
+    wrap(_activation_rows_kernel)[(m,)](x, up.contiguous() if gated else x, out, scales, k, ACT=activation, GATED=gated,
                                         FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
                                         BLOCK_K=block_k, num_warps=max(4, min(16, block_k // 512)))
     return out, scales
