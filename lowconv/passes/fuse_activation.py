@@ -8,10 +8,11 @@ an H200; Llama's SiLU * up and down_proj's: 733 us). The layer's own kernel hold
 registers and reads h (and up) once.
 
 In the graph that calls a converted layer (its region's rewritten graph, else its parent module
-traced alone here, unless the parent is the model itself) the pass finds x = act(h), act(h) * up or up * act(h), act SiLU or GELU (erf),
-a Dropout of p = 0 allowed after it, each step read by nothing else, and makes the call
-layer(h, activation=act, up=up). A parent traced here is replaced by its graph (a GraphModule with
-the same submodules, so the same state dict). Convert and load both run it after rewrite.
+traced alone here, unless the parent is the model itself) the pass finds x = act(h), act(h) * up
+or up * act(h), act SiLU or GELU (erf), a Dropout of p = 0 allowed after it, each step read by
+nothing else, and makes the call layer(h, activation=act, up=up). A parent traced here (once) is
+replaced by its graph, a GraphModule with the same submodules, so the same state dict. Convert and
+load both run the pass after rewrite.
 """
 from __future__ import annotations
 
@@ -36,28 +37,29 @@ FUSED_NOTE = "computed in its quantization kernel (fuse_activation.py)"  # the p
 def fuse_activations(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[nn.Module, dict[str, str]]:
     """(the model, fqn -> what moved into that layer: "SiLU", "SiLU * up", ...) for the converted
     `modules` (fqn -> op module) that take an activation."""
-    fused = {}
+    fused, traced = {}, {}  # traced: parent fqn -> its graph (None: it did not trace), each traced once
     for fqn, module in modules.items():
         if not (isinstance(module, TakesActivation) and module.takes_activation()):
             continue
-        found = caller_graph(model, fqn, modules)
+        found = caller_graph(model, fqn, modules, traced)
         if found is None:
             continue
         owner, gm, target = found
         moved = [fuse_call(gm, node) for node in list(gm.graph.nodes)
                  if node.op == "call_module" and node.target == target]  # each call on its own
         moved = [what for what in moved if what]
-        in_model = (model.get_submodule(owner) if owner else model) is gm
         if not moved:
-            if not in_model:
-                release_graph(gm)  # a parent traced for nothing: no cycle left to the garbage collector
             continue
         gm.graph.lint()
         gm.delete_all_unused_submodules()  # the activation's (and a Dropout's) module
         recompile(gm)
-        if not in_model:
+        if (model.get_submodule(owner) if owner else model) is not gm:
             model = swap_module(model, owner, gm)
         fused[fqn] = moved[0]
+    held = {id(m) for m in model.modules()}
+    for gm in traced.values():
+        if gm is not None and id(gm) not in held:
+            release_graph(gm)  # a parent traced for nothing: no cycle left to the garbage collector
     return model, fused
 
 
@@ -81,10 +83,10 @@ def restore_activation(model: nn.Module, fqn: str) -> None:
             return
 
 
-def caller_graph(model: nn.Module, fqn: str, modules: dict[str, nn.Module]):
+def caller_graph(model: nn.Module, fqn: str, modules: dict[str, nn.Module], traced: dict):
     """(owner fqn, GraphModule, the layer's target in it) of the graph that calls the layer: a
-    GraphModule above it whose graph calls it, else its parent traced alone; None where the
-    parent is the model or does not trace."""
+    GraphModule above it whose graph calls it, else its parent traced alone (kept in `traced`);
+    None where the parent is the model or does not trace."""
     parts = fqn.split(".")
     for i in range(len(parts) - 1, -1, -1):
         owner = ".".join(parts[:i])
@@ -95,17 +97,22 @@ def caller_graph(model: nn.Module, fqn: str, modules: dict[str, nn.Module]):
     parent_fqn = ".".join(parts[:-1])
     if not parent_fqn:  # the model keeps its own class (an nn.Sequential stays subscriptable)
         return None
-    parent = model.get_submodule(parent_fqn)
-    leaves = {id(m) for m in modules.values()}
+    if parent_fqn not in traced:
+        traced[parent_fqn] = traced_alone(model.get_submodule(parent_fqn), modules)
+    return None if traced[parent_fqn] is None else (parent_fqn, traced[parent_fqn], parts[-1])
+
+
+def traced_alone(parent: nn.Module, modules: dict[str, nn.Module]) -> fx.GraphModule | None:
+    """`parent`'s forward as a GraphModule, the converted modules kept as calls; None where it does not trace."""
     try:
-        graph = LeafTracer(leaves).trace(parent)
+        graph = LeafTracer({id(m) for m in modules.values()}).trace(parent)
     except Exception as error:  # noqa: BLE001 - a parent that does not trace keeps its forward
         traceback.clear_frames(error.__traceback__)  # their locals would hold tensors in reference cycles
         return None
     gm = fx.GraphModule(parent, graph, class_name=type(parent).__name__)
     gm.train(parent.training)
     keep_buffers_out_of_state_dict(gm, parent)
-    return parent_fqn, gm, parts[-1]
+    return gm
 
 
 class LeafTracer(fx.Tracer):
@@ -161,8 +168,8 @@ def is_identity(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def is_multiply(node: fx.Node) -> bool:
-    return len(node.args) == 2 and not node.kwargs and (
-        (node.op == "call_function" and node.target in MULTIPLIES) or (node.op == "call_method" and node.target == "mul"))
+    return len(node.args) == 2 and not node.kwargs and ((node.op == "call_function" and node.target in MULTIPLIES)
+                                                        or (node.op == "call_method" and node.target == "mul"))
 
 
 def activation_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
