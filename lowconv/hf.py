@@ -88,7 +88,8 @@ def quantization_config(plan: Plan) -> dict | None:
     groups: dict[str, dict] = {}
     unserved = []
     for decision in plan.converted():
-        scheme = fp8_scheme(decision.options) if decision.op == "fp8" else None
+        # a 2:4 FP8 layer's checkpoint is an fp8 one of the pruned weight (ops/fp8_semi_sparse.py)
+        scheme = fp8_scheme(decision.options) if decision.op in ("fp8", "fp8_semi_sparse") else None
         if decision.site["info"].get("weight_layout") == "in_out":  # a Conv1D: lowconv stores it (out, in)
             scheme, what = None, f"{decision.op}, a Conv1D stored (out, in) under its (in, out) name"
         elif decision.op == "dense" and decision.site["module_backed"]:  # plain weights under the module's names

@@ -13,21 +13,19 @@ set before calibration, which runs after the rewrite.
 """
 from __future__ import annotations
 
-import functools
 import math
-import statistics
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from lowconv.kernels.cuda_timing import graph_ms
 from lowconv.ops.registry import Calibrated, SharesInputStep
 from lowconv.passes.linear import linear_input
 from lowconv.site import Site
 
 SLOWER_BY = 1.03  # the op is kept only beyond this ratio: closer than that is the timing's noise
-REPLAYS, SAMPLES = 20, 5  # calls per graph, graph replays timed
 
 
 @dataclass
@@ -41,43 +39,6 @@ class SiteTiming:
         shared = f", x's quantization shared by {self.shared_by} sites" if self.shared_by > 1 else ""
         return (f"{op} {self.op_ms * 1e3:.1f} us vs the original's {self.original_ms * 1e3:.1f} us at {self.shape} "
                 f"(CUDA graph replay{shared}, {self.original_ms / self.op_ms:.2f}x)")
-
-
-def captured(fn, calls: int = 1):
-    """(a CUDA graph of `calls` calls of fn, the last call's outputs), after warm-up calls on a side
-    stream (which compile Triton kernels, pick cuBLASLt's and make cuSPARSELt's plans)."""
-    stream = warm_up_stream(torch.cuda.current_device())
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            outputs = fn()
-    return graph, outputs
-
-
-@functools.cache
-def warm_up_stream(device: int) -> torch.cuda.Stream:
-    """One side stream per device for every warm-up: cuBLAS keeps a workspace for each stream it
-    has run on, for the life of the process (a new stream per timing held 265 MiB after one convert)."""
-    return torch.cuda.Stream(device)
-
-
-def graph_ms(fn) -> float:
-    """Median ms of one fn() replayed from a CUDA graph."""
-    graph, _ = captured(fn, REPLAYS)
-    times = []
-    for _ in range(SAMPLES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / REPLAYS)
-    return statistics.median(times)
 
 
 def time_linear_site(site: Site, module: nn.Module, params: dict[str, torch.Tensor],

@@ -28,8 +28,9 @@ Models (random weights, bf16, eval):
                  times the linears' work instead of 2.7); with the recipe local-256 (attention on a
                  causal window of 256 keys, a change of the model's semantics on purpose), not
                  built in, defined here
-The bench's own recipe fp8-row-attention is fp8-row with the attention on lowconv's op in the
-model's dtype (its exact semantics): what FP8 weights add where the attention was the bottleneck.
+The bench's own recipes fp8-row-attention and fp8-semi-sparse-attention are those built-in recipes
+with the attention on lowconv's op in the model's dtype too (its exact semantics): what FP8 (and
+2:4) weights add where the attention was the bottleneck.
 
     PYTHONPATH=. python3 scripts/bench_models.py --out DIR [--models llama-prefill,vit_b_16]
         [--recipes fp8-row,fp8-dynamic] [--rounds 5]
@@ -58,12 +59,12 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import lowconv  # noqa: E402
-from lowconv.recipe import parse_recipe  # noqa: E402
+from lowconv.recipe import builtin_recipes, parse_recipe  # noqa: E402
 from scripts.bench_common import first_line  # noqa: E402
 
 MODELS = ("llama-prefill", "llama-decode", "vit_b_16", "vit_l_16", "gpt-16k", "gpt-16k-d256")
 # fp16acc converts fp16 models only; keep-all converts nothing.
-RECIPES = ("fp8-row", "fp8-dynamic", "fp8-static", "semi-sparse", "sparse-attention-bf16", "mixed")
+RECIPES = ("fp8-row", "fp8-dynamic", "fp8-static", "semi-sparse", "fp8-semi-sparse", "sparse-attention-bf16", "mixed")
 BF16 = torch.bfloat16
 # The compiled model against its own eager output: bf16 Llama compiled reads 29 dB against eager
 # (a chaotic random network; reordered sums), ViT 37 dB; a wrong compiled op reads near 0.
@@ -184,28 +185,27 @@ def gpt_16k(dim: int, heads: int):
 
 BUILDERS = {"llama-prefill": llama_prefill, "llama-decode": llama_decode, "vit_b_16": vit("vit_b_16"),
             "vit_l_16": vit("vit_l_16"), "gpt-16k": gpt_16k(512, 8), "gpt-16k-d256": gpt_16k(256, 4)}
+ATTENTION_RULE = """
+[[rules]]
+kind = "attention"
+op = "sparse_attention"
+"""
+
+
+def with_attention(recipe: str) -> str:
+    """A built-in recipe's text, renamed "<recipe>-attention", with the attention on lowconv's op in
+    the model's dtype too (its rules come after the recipe's: they match attention sites only)."""
+    text = builtin_recipes()[recipe].read_text()
+    return text.replace(f'name = "{recipe}"', f'name = "{recipe}-attention"', 1) + ATTENTION_RULE
+
+
 # Recipes the bench defines itself (the rest are lowconv's built-in ones, by name)
 BENCH_RECIPES = {"local-256": """name = "local-256"
 [[rules]]
 kind = "attention"
 op = "sparse_attention"
 options = { dtype = "bfloat16", layout = "local", window = 256 }
-""", "fp8-row-attention": """name = "fp8-row-attention"
-[[rules]]
-kind = "linear"
-modules = ["lm_head"]
-op = "keep"
-optional = true
-
-[[rules]]
-kind = "linear"
-op = "fp8"
-options = { scaling = "dynamic", granularity = "row" }
-
-[[rules]]
-kind = "attention"
-op = "sparse_attention"
-"""}
+""", **{f"{recipe}-attention": with_attention(recipe) for recipe in ("fp8-row", "fp8-semi-sparse")}}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -64,7 +64,7 @@ from lowconv.kernels import cusparselt  # noqa: E402
 from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from lowconv.site_timing import captured  # noqa: E402
+from lowconv.kernels.cuda_timing import captured  # noqa: E402
 from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments, first_line,  # noqa: E402
                                   host_ms, measure, no_grad_call, run_device, run_header, status_cell, train_call,
                                   write_outputs)
@@ -329,7 +329,7 @@ def training_builders(device):
 
 
 def graphed(call):
-    """call() captured in a CUDA graph (lowconv.site_timing.captured): the replay, returning the
+    """call() captured in a CUDA graph (lowconv.kernels.cuda_timing.captured): the replay, returning the
     captured outputs."""
     graph, outputs = captured(call)
 

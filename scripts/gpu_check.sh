@@ -25,7 +25,7 @@ for part in $PARTS; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       # The kernels' CPU-suite tests, compiled on CUDA this time (they run in the interpreter in CI).
       python3 -m pytest -q -p no:cacheprovider tests/test_window_attention.py tests/test_fp16acc_kernel.py \
-        tests/test_fp8_linear.py tests/test_fp8_quant.py tests/test_block_attention.py 2>&1 | tee "$OUT/pytest_kernels_cuda.txt"
+        tests/test_fp8_linear.py tests/test_fp8_quant.py tests/test_fp8_semi_sparse.py tests/test_block_attention.py 2>&1 | tee "$OUT/pytest_kernels_cuda.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     attention)
       python3 scripts/bench_sparse_attention.py --out "$OUT" --budget-s "${BENCH_BUDGET_S:-300}" \

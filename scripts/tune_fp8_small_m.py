@@ -1,6 +1,6 @@
 """Tune kernels/fp8_small_m.py: its configurations against cuBLAS bf16 and torch._scaled_mm at a
 decode step's row counts and Llama-3-8B's linear shapes, each timed as a CUDA graph replay
-(site_timing.graph_ms: GPU time, as never-slower measures), after a check against the reference.
+(cuda_timing.graph_ms: GPU time, as never-slower measures), after a check against the reference.
 
     PYTHONPATH=. python3 scripts/tune_fp8_small_m.py --out DIR
 """
@@ -15,7 +15,7 @@ from triton.runtime.errors import OutOfResources
 
 from lowconv.kernels import fp8_small_m
 from lowconv.kernels.fp8 import E4M3, fp8_linear_reference, quantize, quantize_weight, scaled_mm_linear
-from lowconv.site_timing import graph_ms
+from lowconv.kernels.cuda_timing import graph_ms
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
 # (BLOCK_N, STAGES) with the module's BLOCK_K, WARPS and MIN_K_STEPS; the earlier sweep of those

@@ -78,7 +78,7 @@ def test_unsupported_site_is_kept_with_its_reason():
 @pytest.mark.parametrize("text, message", [
     ("name = ", "r.toml: not valid TOML"),
     ("colour = 1", "r.toml: unknown key 'colour' (valid keys: description, name, report, rules)"),
-    ('[[rules]]\nop = "fp9"', "r.toml: rule 1: op: unknown op 'fp9' (one of: dense, fp8, fp16acc, keep, semi_sparse, sparse_attention)"),
+    ('[[rules]]\nop = "fp9"', "r.toml: rule 1: op: unknown op 'fp9' (one of: dense, fp8, fp8_semi_sparse, fp16acc, keep, semi_sparse, sparse_attention)"),
     ("[[rules]]\nkind = 'linear'", "r.toml: rule 1: missing key 'op'"),
     ('[[rules]]\nop = "fp8"\nmodule = ["a"]', "r.toml: rule 1: unknown key 'module' (valid keys: force, ignore, kind, modules, name, op, optional, options)"),
     ('[[rules]]\nop = "fp8"\nkind = "attention"', "r.toml: rule 1: op 'fp8' converts linear sites, not attention sites"),

@@ -82,7 +82,7 @@ def test_reverted_fp8_linear_holds_the_dequantized_weight():
 def test_revert_names_bad_ops_and_unconverted_models():
     example = load_model_file("examples/vit.py")
     converted = lowconv.convert(example.model, "semi-sparse", example.inputs)
-    with pytest.raises(LowconvError, match=r"\['sparse_attention'\] are not linear ops.*valid choices: fp16acc, fp8, semi_sparse"):
+    with pytest.raises(LowconvError, match=r"\['sparse_attention'\] are not linear ops.*valid choices: fp16acc, fp8, fp8_semi_sparse, semi_sparse"):
         lowconv.revert(converted, ops=["sparse_attention"])
     with pytest.raises(LowconvError, match="has no plan"):
         lowconv.revert(example.model)

@@ -10,7 +10,7 @@ import lowconv
 import lowconv.ops.sparse_attention as sa
 from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.kernels.block_attention import block_attention_reference, block_attention_sdpa
-from lowconv.site_timing import captured
+from lowconv.kernels.cuda_timing import captured
 from tests.test_block_attention import TOLERANCE, make_problem, outputs_and_grads, rel_error
 from tests.test_sparse_attention_op import CausalBlock, attention_recipe, spy_on_plans
 

@@ -12,7 +12,9 @@ operand is A, so it computes D = A op(B) + bias with
                  column-major x (an earlier layer's transposed output) as a row-major K x M
     D = y^T      N x M, one bias value per row of D (per output feature)
 D is written row-major, i.e. y^T contiguous, and y is returned as its transposed view (as torch's
-own 2:4 tensor does). Writing D column-major (y contiguous; torch's transpose_result=True) took
+own 2:4 tensor does). Operands are fp16 or bf16, D of their type; or e4m3 (sm_90), x row-major
+only, D in bf16 or fp16 (the fp32 sums rounded once, unscaled: kernels/fp8_sparse24.py scales
+them). Writing D column-major (y contiguous; torch's transpose_result=True) took
 1.8-2.2x the time on the H100 with cuSPARSELt 0.8.0 at the ViT-L MLP shapes (BENCHMARKS.md). The
 next layer reads such a column-major x as it lies (x^T row-major), without a copy.
 
@@ -51,7 +53,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lowconv.errors import LowconvError
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
@@ -61,21 +62,32 @@ STRUCT_BYTES = 16384
 STRUCT_ALIGN = 64
 ALIGNMENT = 16  # bytes; every operand's pointer and leading dimension must keep it
 MAX_PLANS = 32  # per weight: distinct (rows, input layout, bias) seen; the oldest plan is freed first
-ROW_MULTIPLE = 8  # the dense operand's rows (M) are zero-padded to this (torch pads 16-bit types the same)
-SHAPE_MULTIPLE = 16  # N and K of a 16-bit structured operand (torch's constraint for cuSPARSELt)
 
-CUDA_R_16F, CUDA_R_16BF = 2, 14  # cudaDataType
+CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 2, 14, 28  # cudaDataType
 ORDER_ROW = 2  # cusparseOrder_t
 OP_NON_TRANSPOSE, OP_TRANSPOSE = 0, 1  # cusparseOperation_t
 SPARSITY_50_PERCENT = 0  # cusparseLtSparsity_t
-COMPUTE_32F = 2  # cusparseComputeType (0.6+): fp32 accumulation for fp16/bf16 operands
+COMPUTE_32F = 2  # cusparseComputeType (0.6+): fp32 accumulation for fp16, bf16 and e4m3 operands
 MATMUL_BIAS_POINTER = 8  # cusparseLtMatmulDescAttribute_t
 MATMUL_ALG_DEFAULT = 0  # cusparseLtMatmulAlg_t
 # cusparseLtMatmulAlgAttribute_t
 ALG_CONFIG_ID, ALG_CONFIG_MAX_ID, ALG_SPLIT_K, ALG_SPLIT_K_MODE, ALG_SPLIT_K_BUFFERS = 0, 1, 3, 4, 5
 TUNING_SAMPLES, TUNING_CALLS = 3, 3  # one timing of a candidate: the median of 3 samples of 3 calls
 FINALISTS, FINAL_ROUNDS = 3, 5
-VALUE_TYPES = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
+VALUE_TYPES = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF, torch.float8_e4m3fn: CUDA_R_8F_E4M3}
+OUTPUT_TYPES = (torch.float16, torch.bfloat16)  # what an e4m3 product writes (a 16-bit one writes its own type)
+
+
+def shape_multiple(dtype: torch.dtype) -> int:
+    """What N and K of a structured operand of `dtype` must be multiples of (torch's constraints for
+    cuSPARSELt: 16 for 16-bit types, 32 for 8-bit ones)."""
+    return 32 if dtype.itemsize == 1 else 16
+
+
+def row_multiple(dtype: torch.dtype) -> int:
+    """What the dense operand's rows (M) are zero-padded to (as torch pads them: 8 for 16-bit types,
+    16 for 8-bit ones)."""
+    return 16 if dtype.itemsize == 1 else 8
 
 
 REGISTRY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> SparseGemm or TrainingGemms
@@ -208,13 +220,16 @@ def library() -> Library:
     return _library
 
 
-def unavailable_problem(device: torch.device) -> str | None:
-    """Why cuSPARSELt cannot run 2:4 GEMMs on `device`, or None when it can (sm_80 and later)."""
+def unavailable_problem(device: torch.device, dtype: torch.dtype = torch.float16) -> str | None:
+    """Why cuSPARSELt cannot run 2:4 GEMMs of `dtype` operands on `device`, or None when it can
+    (sm_80 and later; e4m3 on sm_90)."""
     if device.type != "cuda":
         return f"cuSPARSELt runs on CUDA devices, not {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"2:4 sparse tensor cores need compute capability 8.0 or later (this GPU is {major}.{minor})"
+    if dtype.itemsize == 1 and major < 9:
+        return f"cuSPARSELt's e4m3 2:4 GEMM needs compute capability 9.0 or later (this GPU is {major}.{minor})"
     try:
         library().handle(device)
     except LowconvError as error:
@@ -225,19 +240,25 @@ def unavailable_problem(device: torch.device) -> str | None:
 def shape_problem(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
     """Why cuSPARSELt cannot take a 2:4 weight (out_features, in_features) of `dtype`, or None."""
     if dtype not in VALUE_TYPES:
-        return f"cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is {str(dtype).removeprefix('torch.')})"
-    if out_features % SHAPE_MULTIPLE or in_features % SHAPE_MULTIPLE:
-        return (f"cuSPARSELt needs out_features and in_features multiples of {SHAPE_MULTIPLE} "
+        # e4m3 too, for fp8_semi_sparse's quantized weights: a 2:4 layer's own weight is 16-bit
+        return f"cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is {type_name(dtype)})"
+    multiple = shape_multiple(dtype)
+    if out_features % multiple or in_features % multiple:
+        return (f"cuSPARSELt needs out_features and in_features multiples of {multiple} "
                 f"(weight is ({out_features}, {in_features}))")
     return None
+
+
+def type_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class Plan:
     """Descriptors, matmul descriptor, algorithm selection and plan of one product, kept together
     at fixed addresses (the plan refers to the others) and destroyed together."""
 
-    def __init__(self, lib: Library, handle, n: int, k: int, m: int, dtype: torch.dtype, x_row_major: bool,
-                 bias: torch.Tensor | None, algorithm: Algorithm | None = None):
+    def __init__(self, lib: Library, handle, n: int, k: int, m: int, dtype: torch.dtype, out_dtype: torch.dtype,
+                 x_row_major: bool, bias: torch.Tensor | None, algorithm: Algorithm | None = None):
         self.lib, self.handle = lib, handle
         self.sparse, self.dense, self.out = Opaque(), Opaque(), Opaque()
         self.matmul, self.selection, self.plan = Opaque(), Opaque(), Opaque()
@@ -252,7 +273,8 @@ class Plan:
             dense_shape, op_b = (k, m, m), OP_NON_TRANSPOSE
         lib.call("cusparseLtDenseDescriptorInit", handle, self.dense.ptr, *dense_shape, ALIGNMENT, value, ORDER_ROW)
         self.descriptors.append(self.dense)
-        lib.call("cusparseLtDenseDescriptorInit", handle, self.out.ptr, n, m, m, ALIGNMENT, value, ORDER_ROW)
+        lib.call("cusparseLtDenseDescriptorInit", handle, self.out.ptr, n, m, m, ALIGNMENT, VALUE_TYPES[out_dtype],
+                 ORDER_ROW)
         self.descriptors.append(self.out)
         lib.call("cusparseLtMatmulDescriptorInit", handle, self.matmul.ptr, OP_NON_TRANSPOSE, op_b,
                  self.sparse.ptr, self.dense.ptr, self.out.ptr, self.out.ptr, COMPUTE_32F)
@@ -327,7 +349,7 @@ class Algorithm:
         return [(ALG_CONFIG_ID, self.config_id), *split]
 
 
-# product (N, K, M, dtype, x row-major, bias, device) -> the algorithm tuning picked for it
+# product (N, K, M, dtype, out dtype, x row-major, bias, device) -> the algorithm tuning picked for it
 TUNED: dict[tuple, Algorithm] = {}
 
 
@@ -363,14 +385,22 @@ class SparseGemm:
     """cuSPARSELt products y = x W^T + b with 2:4 weights W of one shape (N, K), dtype and CUDA
     device: compression of such weights, and one plan per input row count, input layout and
     bias, made on first use and kept (the weight's values are not part of a plan, so a training
-    step compresses its new weight and reuses the plans)."""
+    step compresses its new weight and reuses the plans). x has W's dtype; y has it too, or, for
+    e4m3 operands, `out_dtype` (float16 or bfloat16: the fp32 sums rounded once, unscaled)."""
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device):
-        reason = unavailable_problem(device) or shape_problem(out_features, in_features, dtype)
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
+                 out_dtype: torch.dtype | None = None):
+        out_dtype = out_dtype or dtype
+        reason = unavailable_problem(device, dtype) or shape_problem(out_features, in_features, dtype)
+        allowed = OUTPUT_TYPES if dtype.itemsize == 1 else (dtype,)
+        if not reason and out_dtype not in allowed:
+            reason = (f"a {type_name(dtype)} product writes {' or '.join(map(type_name, allowed))}, "
+                      f"not {type_name(out_dtype)}")
         if reason:
             raise LowconvError(f"cuSPARSELt cannot take this 2:4 weight: {reason}")
         self.lib = library()
         self.out_features, self.in_features, self.dtype, self.device = out_features, in_features, dtype, device
+        self.out_dtype = out_dtype
         self.handle = self.lib.handle(device)
         self.weights = WeightLayout(self.lib, self.handle, out_features, in_features, dtype)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
@@ -410,11 +440,11 @@ class SparseGemm:
             self.plans.move_to_end(key)
             return plan
         make = functools.partial(Plan, self.lib, self.handle, self.out_features, self.in_features, rows, self.dtype,
-                                 x_row_major, bias)
+                                 self.out_dtype, x_row_major, bias)
         algorithm = None
         if tuned:
-            product = (self.out_features, self.in_features, rows, self.dtype, x_row_major, bias is not None,
-                       self.device)
+            product = (self.out_features, self.in_features, rows, self.dtype, self.out_dtype, x_row_major,
+                       bias is not None, self.device)
             if product not in TUNED:
                 TUNED[product] = tune(make, compressed, x2, out)
             algorithm = TUNED[product]
@@ -431,11 +461,11 @@ class SparseGemm:
         if x.shape[-1] != self.in_features or x.dtype != self.dtype or x.device != self.device:
             raise LowconvError(f"cuSPARSELt 2:4 linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not fit "
                                f"the weight ({self.out_features}, {self.in_features}) {self.dtype} on {self.device}")
-        if bias is not None and (bias.shape != (self.out_features,) or bias.dtype != self.dtype):
+        if bias is not None and (bias.shape != (self.out_features,) or bias.dtype != self.out_dtype):
             raise LowconvError(f"cuSPARSELt 2:4 linear: bias {tuple(bias.shape)} {bias.dtype} does not fit "
-                               f"({self.out_features},) {self.dtype}")
+                               f"({self.out_features},) {self.out_dtype}")
         rows = x.numel() // self.in_features
-        out, y = linear_output(x, self.out_features)
+        out, y = linear_output(x, self.out_features, self.out_dtype)
         if rows:
             x2, x_row_major = dense_operand(x.reshape(rows, self.in_features))
             with self.lock:
@@ -444,12 +474,15 @@ class SparseGemm:
         return y
 
 
-def linear_output(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_output(x: torch.Tensor, out_features: int,
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(D, y) of a product y = x W^T + b, x (..., K): D = y^T (N, M padded as dense_operand pads
-    it), row-major, into which cuSPARSELt writes; and y (..., N), D's transposed view. What the
-    custom ops' fake implementations return too (torch.compile then knows y's strides)."""
+    it), row-major, of out_dtype (default x's), into which cuSPARSELt writes; and y (..., N), D's
+    transposed view. What the custom ops' fake implementations return too (torch.compile then
+    knows y's strides)."""
     rows = x.numel() // x.shape[-1]
-    out = torch.empty(out_features, rows + -rows % ROW_MULTIPLE, dtype=x.dtype, device=x.device)
+    out = torch.empty(out_features, rows + -rows % row_multiple(x.dtype), dtype=out_dtype or x.dtype,
+                      device=x.device)
     return out, out[:, :rows].t().reshape(*x.shape[:-1], out_features)
 
 
@@ -552,13 +585,14 @@ class SparseWeight:
 def dense_operand(x2: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """x (M, K) as cuSPARSELt can read it, and whether it is row-major: as it lies when row-major,
     or column-major (a transposed layer output), with 16-byte aligned data; else a row-major
-    copy, its rows zero-padded to a multiple of ROW_MULTIPLE."""
+    copy, its rows zero-padded to a multiple of row_multiple(x's dtype)."""
     rows, cols = x2.shape
-    if rows % ROW_MULTIPLE:
-        return F.pad(x2, (0, 0, 0, -rows % ROW_MULTIPLE)).contiguous(), True
+    multiple = row_multiple(x2.dtype)
+    if rows % multiple:
+        return torch.cat([x2, x2.new_zeros(-rows % multiple, cols)]), True
     if x2.data_ptr() % ALIGNMENT == 0:
         if x2.stride() == (cols, 1):
             return x2, True
-        if x2.stride() == (1, rows):
+        if x2.stride() == (1, rows) and x2.dtype.itemsize != 1:  # e4m3 products take x row-major only
             return x2, False
     return x2.clone(memory_format=torch.contiguous_format), True

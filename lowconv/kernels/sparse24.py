@@ -352,24 +352,34 @@ class GemmCase:
 def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
     """The backend of a 2:4 layer on a CUDA device: as requested ("cusparselt", "masked-dense"),
     or for "auto" the faster of the two on `case`, measured once per process and case."""
-    if requested == "masked-dense":
-        return BackendChoice("masked-dense", "backend = masked-dense")
     shapes = [(case.out_features, case.in_features)] + ([(case.in_features, case.out_features)]
                                                          if case.training and case.transposable else [])
-    reason = cusparselt.unavailable_problem(case.device) or next(
-        filter(None, (cusparselt.shape_problem(*shape, case.dtype) for shape in shapes)), None)
-    if requested == "cusparselt":
-        if reason:
-            raise LowconvError(f"backend = cusparselt: {reason}")
-        return BackendChoice("cusparselt", "backend = cusparselt")
-    if reason:
-        return BackendChoice("masked-dense", reason)
-    sparse_ms, dense_ms = time_backends(case)
+
+    def problem():
+        return cusparselt.unavailable_problem(case.device) or next(
+            filter(None, (cusparselt.shape_problem(*shape, case.dtype) for shape in shapes)), None)
     what = "forward+backward" if case.training else "forward"
-    measured = f"{what} 2:4 kernel {sparse_ms:.4f} ms vs dense {dense_ms:.4f} ms at M={case.rows}"
+    return pick_backend(requested, "masked-dense", problem, lambda: time_backends(case), case.rows, what)
+
+
+def pick_backend(requested: str, dense: str, find_problem, timed, rows: int, what: str) -> BackendChoice:
+    """`requested` (`dense`, the dense backend's name, or "cusparselt", which find_problem(), a
+    reason cuSPARSELt cannot run or None, refuses); for "auto" cuSPARSELt where it can run and
+    timed() -> (sparse ms, dense ms) says it is faster by WIN_FACTOR. `what` names the timed work."""
+    if requested == dense:
+        return BackendChoice(dense, f"backend = {dense}")
+    problem = find_problem()
+    if requested == "cusparselt":
+        if problem:
+            raise LowconvError(f"backend = cusparselt: {problem}")
+        return BackendChoice("cusparselt", "backend = cusparselt")
+    if problem:
+        return BackendChoice(dense, problem)
+    sparse_ms, dense_ms = timed()
+    measured = f"{what} 2:4 kernel {sparse_ms:.4f} ms vs dense {dense_ms:.4f} ms at M={rows}"
     if sparse_ms < WIN_FACTOR * dense_ms:
-        return BackendChoice("cusparselt", f"faster: {measured}", case.rows, sparse_ms, dense_ms)
-    return BackendChoice("masked-dense", f"2:4 not faster: {measured}", case.rows, sparse_ms, dense_ms)
+        return BackendChoice("cusparselt", f"faster: {measured}", rows, sparse_ms, dense_ms)
+    return BackendChoice(dense, f"2:4 not faster: {measured}", rows, sparse_ms, dense_ms)
 
 
 TIMING_ROUNDS, TIMING_SAMPLES, TIMING_CALLS = 3, 5, 8  # backends alternate over rounds of samples of calls

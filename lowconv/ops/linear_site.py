@@ -1,4 +1,6 @@
 """What the linear ops (fp8, semi_sparse, fp16acc) share: reading a linear Site and its params."""
+import math
+
 import torch
 
 from lowconv.site import LinearInfo, Site
@@ -20,6 +22,11 @@ def in_autocast_dtype(y: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(device) and y.is_floating_point():
         return y.to(torch.get_autocast_dtype(device))
     return y
+
+
+def site_rows(site: Site) -> int | None:
+    """M of the site's GEMM as traced (its input's elements over in_features), None if not traced."""
+    return math.prod(site.input.shape[:-1]) if site.input else None
 
 
 def linear_info(site: Site) -> LinearInfo:

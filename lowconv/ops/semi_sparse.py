@@ -28,7 +28,6 @@ weight is not made yet unpacks it in the graph, on every call (on the CPU too). 
 GPU, or run the model once eagerly there, before compiling it: the compiled model then runs what
 the plan says.
 """
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,7 +40,7 @@ from lowconv.kernels.sparse24 import (
     decompress_bitmask, fixed_mask_linear, mask_24, mask_24_transposable, prune_24_straight_through,
     semi_sparse_linear, unpack_bits,
 )
-from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
+from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype, site_rows
 from lowconv.ops.registry import Op, register
 
 
@@ -362,11 +361,6 @@ def empty(site, options: SemiSparseOptions) -> nn.Module:
     if issubclass(cls, FixedMaskLinear):
         return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options, site_rows(site))
     return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options)
-
-
-def site_rows(site) -> int | None:
-    """M of the site's GEMM as traced (its input's elements over in_features), None if not traced."""
-    return math.prod(site.input.shape[:-1]) if site.input else None
 
 
 def from_site(site, options: SemiSparseOptions, params: dict[str, torch.Tensor]) -> nn.Module:
