@@ -16,8 +16,8 @@ from lowconv.kernels.fp8 import E4M3, E5M2
 from lowconv.passes.mha_expand import expand_mha, mha_to_expand
 from lowconv.passes.sites import find_sites
 from lowconv.passes.trace import Trace, trace_model
-from lowconv.plan import PLAN_ATTR, Plan
-from lowconv.recipe import Recipe, load_recipe, make_plan, plan_warnings, would_convert
+from lowconv.plan import PLAN_ATTR, Decision, Plan
+from lowconv.recipe import Recipe, decide_sites, load_recipe, make_plan, plan_warnings, would_convert
 from lowconv.site import Site
 
 
@@ -74,12 +74,19 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
                            f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
                            f"or to_empty() then load)")
     found = analyze(model, example_inputs, recipe, share_tensors)
-    plan = make_plan(found.sites, found.trace, recipe)
-    plan.expanded_mha = found.expanded_mha
-    plan.warnings = conversion_warnings(model, found, plan, recipe)
-    plan.model = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
-    plan.example_inputs = describe_inputs(example_inputs)
-    return found, plan
+    return found, plan_for(model, found, recipe, decide_sites(found.sites, recipe), example_inputs)
+
+
+def plan_for(model: nn.Module, found: Analysis, recipe: Recipe, decisions: list[Decision], example_inputs,
+             calibration: str | None = None) -> Plan:
+    """The plan of `decisions` (the recipe's, or those convert carried out) for `model`, complete:
+    its warnings, how the original was made, the example inputs described and, where calibration
+    ran, on what."""
+    made = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
+    if calibration:
+        made["calibration"] = calibration
+    return make_plan(decisions, found.trace, recipe, warnings=conversion_warnings(model, found, decisions, recipe),
+                     model=made, expanded_mha=found.expanded_mha, example_inputs=describe_inputs(example_inputs))
 
 
 
@@ -101,10 +108,10 @@ def quantized_model_problem(model: nn.Module) -> str | None:
 
 
 
-def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: Recipe) -> list[str]:
-    """The plan's warnings for its decisions as they stand (convert asks again once never-slower
-    has kept sites: a region none of whose sites is converted any more is not rewritten)."""
-    warnings = plan_warnings(plan.decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(model, plan)
+def conversion_warnings(model: nn.Module, found: Analysis, decisions: list[Decision], recipe: Recipe) -> list[str]:
+    """The plan's warnings for these decisions (once never-slower has kept sites, a region none of
+    whose sites is converted any more is not rewritten)."""
+    warnings = plan_warnings(decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(model, decisions)
     if hasattr(model, PLAN_ATTR):
         warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
                         "modules now and are not found again; convert the original model to change them")
@@ -112,11 +119,11 @@ def conversion_warnings(model: nn.Module, found: Analysis, plan: Plan, recipe: R
 
 
 
-def nested_tensor_warnings(model: nn.Module, plan: Plan) -> list[str]:
+def nested_tensor_warnings(model: nn.Module, decisions: list[Decision]) -> list[str]:
     """An nn.TransformerEncoder with its nested-tensor path on, around converted sites, loses that
     path (passes/rewrite.py leave_fused_paths): say what changes, which compare cannot show (it
     runs both models on the plain path)."""
-    converted = [d.fqn for d in plan.converted()]
+    converted = [d.fqn for d in decisions if d.converted]
     return [f"{fqn or '(whole model)'}: nn.TransformerEncoder built with enable_nested_tensor; the converted "
             f"model runs it on the plain path, so in eval mode without grad the rows of padding hold "
             f"computed values where the original gives zeros (mask them before pooling)"

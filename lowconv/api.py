@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, hf
-from lowconv.analysis import Analysis, conversion_warnings, copy_of, plan_conversion
+from lowconv.analysis import Analysis, copy_of, plan_conversion, plan_for
 from lowconv.errors import LowconvError, first_line
 from lowconv.inputs import normalize_inputs, run_eval, stand_ins
 from lowconv.ops import OPS
@@ -51,40 +51,42 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     """
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
-    analysis, plan = plan_conversion(model, recipe, example_inputs, share_weights)
-    to_convert = plan.converted()
+    analysis, planned = plan_conversion(model, recipe, example_inputs, share_weights)
+    to_convert = planned.converted()
     progress(f"{len(analysis.sites)} sites, {len(to_convert)} to convert")
     modules, measured, groups = build_op_modules(to_convert, analysis, progress)
     slower = slower_sites(measured, groups)
-    for decision in to_convert:
-        timing, module = measured.get(decision.fqn), modules[decision.fqn]
-        if decision.fqn in slower:
-            keep_slower(decision, timing)
-            del modules[decision.fqn]
-            continue
-        decision.note = "; ".join(filter(None, [module.plan_note() if isinstance(module, NotesThePlan) else "",
-                                                timing and f"measured {timing.describe(decision.op)}"]))
-    if len(modules) < len(to_convert):  # never-slower kept some sites: the warnings follow the final decisions
-        plan.warnings = conversion_warnings(model, analysis, plan, recipe)
+    for fqn in slower:
+        del modules[fqn]
     mark_shared_inputs(modules, groups)
     served = {site.fqn for site in served_sites(analysis.trace, analysis.sites, modules)}
-    for decision in to_convert:
-        if decision.fqn in served:
-            decision.note = "; ".join(filter(None, [hf_attention.PLAN_NOTE, decision.note]))
     converted = rewrite(analysis.model, analysis.trace, analysis.sites, modules)
     converted, fused = fuse_activations(converted, modules)
-    for decision in to_convert:
-        if decision.fqn in fused:
-            decision.note = "; ".join(filter(None, [decision.note, f"its input's {fused[decision.fqn]} {FUSED_NOTE}"]))
     release_graphs(analysis.trace, converted)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
         check_runs(converted, example_inputs)
+    calibrated = None
     if seen:
-        plan.model["calibration"] = (f"{seen} batch{'es' if seen > 1 else ''} of {calibration_name}"
-                                     if calibration is not None else "the example inputs (1 batch)")
-    attach_plan(converted, plan)
+        calibrated = (f"{seen} batch{'es' if seen > 1 else ''} of {calibration_name}" if calibration is not None
+                      else "the example inputs (1 batch)")
+    decisions = [carried_out(d, modules.get(d.fqn), measured.get(d.fqn), d.fqn in served, fused.get(d.fqn))
+                 if d.converted else d for d in planned.decisions]
+    attach_plan(converted, plan_for(model, analysis, recipe, decisions, example_inputs, calibrated))
     return converted
+
+
+def carried_out(decision: Decision, module: nn.Module | None, timing: SiteTiming | None, served: bool,
+                fused: str | None) -> Decision:
+    """A converted decision as convert carried it out: kept where never-slower measured its op
+    slower (no module), else with the notes of what was measured, chosen and moved into it."""
+    if module is None:
+        return replace(decision, op="keep", options=asdict(OPS["keep"].options()),
+                       reason=f"{decision.reason}, but kept: {timing.describe(decision.op)}; "
+                              f"force = true in the rule converts it anyway")
+    notes = [hf_attention.PLAN_NOTE if served else "", module.plan_note() if isinstance(module, NotesThePlan) else "",
+             timing and f"measured {timing.describe(decision.op)}", fused and f"its input's {fused} {FUSED_NOTE}"]
+    return replace(decision, note="; ".join(filter(None, notes)))
 
 
 def build_op_modules(to_convert: list[Decision], analysis: Analysis, progress: Callable[[str], None]
@@ -140,13 +142,6 @@ def check_runs(converted: nn.Module, example_inputs) -> None:
         raise LowconvError(f"the converted model does not run on the example inputs: {first_line(err)}{where}; "
                            f"if that code reads a converted layer's own tensors (its weight's dtype or values), "
                            f"leave that layer out of the recipe (ignore = [...])") from err
-
-
-def keep_slower(decision, timing: SiteTiming) -> None:
-    """Never slower: the site stays as written where its op measured slower than the original."""
-    decision.reason = (f"{decision.reason}, but kept: {timing.describe(decision.op)}; "
-                       f"force = true in the rule converts it anyway")
-    decision.op, decision.options = "keep", asdict(OPS["keep"].options())
 
 
 def site_device(site: Site, model: nn.Module) -> torch.device:

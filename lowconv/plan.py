@@ -1,4 +1,5 @@
-"""The plan: one decision per site, readable by a person (`lowconv inspect`) and stored in checkpoints."""
+"""The plan: one decision per site, readable by a person (`lowconv inspect`) and stored in checkpoints.
+Frozen: made whole once (analysis.plan_for), a changed plan is a new one (dataclasses.replace)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from lowconv.site import fits, type_name
 PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decision:
     site: dict  # Site.describe()
     op: str  # the op that converts the site; "keep" when it stays as written
@@ -32,7 +33,7 @@ class Decision:
         return self.op != "keep"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     recipe: str  # recipe name
     recipe_text: str  # the recipe file as written

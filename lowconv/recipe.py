@@ -291,8 +291,15 @@ def decide(site: Site, rules: list[Rule]) -> Decision:
     return Decision(site.describe(), "keep", keep_options, None, "no rule matched")
 
 
-def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
-    decisions = [decide(site, recipe.rules) for site in sites]
+def decide_sites(sites: list[Site], recipe: Recipe) -> list[Decision]:
+    """The recipe's decision for each site."""
+    return [decide(site, recipe.rules) for site in sites]
+
+
+def make_plan(decisions: list[Decision], trace: Trace, recipe: Recipe, *, warnings: list[str],
+              model: dict | None = None, expanded_mha: list[str] | None = None,
+              example_inputs: dict | None = None) -> Plan:
+    """The plan, complete: the plan is not written after it is made (analysis.plan_for makes it)."""
     return Plan(
         recipe=recipe.name,
         recipe_text=recipe.text,
@@ -302,9 +309,12 @@ def make_plan(sites: list[Site], trace: Trace, recipe: Recipe) -> Plan:
         constant_args={r.fqn: r.constant_args for r in trace.regions if r.constant_args},
         decided={r.fqn: r.decided for r in trace.regions if r.decided},
         untraced=[dataclasses.asdict(u) for u in trace.untraced],
-        warnings=plan_warnings(decisions, sites, trace, recipe),
+        warnings=warnings,
         gate_min_sqnr_db=recipe.min_sqnr_db,
         gate_min_site_sqnr_db=recipe.min_site_sqnr_db,
+        model=model or {},
+        expanded_mha=expanded_mha or [],
+        example_inputs=example_inputs,
     )
 
 

@@ -1,9 +1,12 @@
 """Example inputs as the plan keeps them (lowconv/inputs.py), and load tracing again without the user's."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import lowconv
+from lowconv.api import attach_plan
 from lowconv.errors import LowconvError
 from lowconv.inputs import MAX_ELEMENTS, describe, stand_ins
 
@@ -58,7 +61,8 @@ def test_a_crafted_description_is_refused_naming_the_file(description, message):
 def test_without_kept_inputs_load_says_to_pass_them(tmp_path):
     model, x = encoder(), torch.randn(2, 10, 64)
     converted = lowconv.convert(model, "fp8-dynamic", (x,))
-    converted.lowconv_plan.example_inputs = None  # as for inputs that were neither tensors nor constants
+    # as for inputs that were neither tensors nor constants (the plan is frozen: a new one)
+    attach_plan(converted, dataclasses.replace(converted.lowconv_plan, example_inputs=None))
     lowconv.save(converted, tmp_path)
     with pytest.raises(LowconvError, match="its branches were decided by the example inputs: pass example_inputs"):
         lowconv.load(model, tmp_path)

@@ -2,7 +2,7 @@ import pytest
 
 from lowconv.errors import LowconvError
 from lowconv.passes.trace import Trace
-from lowconv.recipe import builtin_recipes, load_recipe, make_plan, parse_recipe
+from lowconv.recipe import builtin_recipes, decide_sites, load_recipe, make_plan, parse_recipe, plan_warnings
 from lowconv.site import AttentionInfo, Site
 from tests.sites import linear_site
 
@@ -16,7 +16,9 @@ def attention(fqn):
 
 
 def plan_for(text, sites):
-    return make_plan(sites, Trace([], []), parse_recipe(text, "r.toml"))
+    recipe, trace = parse_recipe(text, "r.toml"), Trace([], [])
+    decisions = decide_sites(sites, recipe)
+    return make_plan(decisions, trace, recipe, warnings=plan_warnings(decisions, sites, trace, recipe))
 
 
 def test_first_matching_rule_wins_and_unmatched_sites_are_kept():
