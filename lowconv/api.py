@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 import torch
 from torch import fx, nn
 
-from lowconv import checkpoint, hf
+from lowconv import checkpoint, distributed, hf
 from lowconv.analysis import Analysis, copy_of, plan_conversion, plan_for
 from lowconv.errors import LowconvError, first_line
 from lowconv.inputs import normalize_inputs, run_eval, stand_ins
@@ -232,7 +232,11 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
     """Write directory/model.safetensors (shards and their index above max_shard_bytes): the
     converted state dict, recipe and plan; for a transformers model the Hugging Face folder around
     it (hf.py: config.json, tokenizer files); and any `text_files` ({file name: text}, the CLI's
-    plan and reports) beside it, all or none."""
+    plan and reports) beside it, all or none.
+
+    A model sharded by FSDP2 (torch.distributed.fsdp.fully_shard): call save on every rank; the
+    whole tensors are gathered (torch.distributed.checkpoint's full state dict) and rank 0 writes
+    the same checkpoint an unsharded model would, which lowconv.load reads."""
     plan = plan_of(converted)
     metadata = {
         "lowconv.version": __version__,
@@ -240,10 +244,16 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
         "lowconv.model": plan.model.get("signature", ""),
     }
     state = converted.state_dict()
-    floating = floating_dtypes(state.values())
-    dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else None
-    files = {**hf.folder_files(plan, dtype), **(text_files or {})}
-    return checkpoint.save_checkpoint(directory, state, metadata, files, max_shard_bytes)
+
+    def write(state: dict[str, torch.Tensor]) -> Path:
+        floating = floating_dtypes(state.values())
+        dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else None
+        files = {**hf.folder_files(plan, dtype), **(text_files or {})}
+        return checkpoint.save_checkpoint(directory, state, metadata, files, max_shard_bytes)
+    if distributed.is_sharded(state):
+        whole = distributed.full_state_dict(converted)
+        return distributed.on_rank0(lambda: write(whole))
+    return write(state)
 
 
 def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Module:

@@ -3,7 +3,7 @@
 # the GPU tests, the benchmarks and the example conversions on CUDA; everything lands under $OUT.
 #
 #   bash scripts/gpu_check.sh                     # every part (more than one 10-minute device call)
-#   bash scripts/gpu_check.sh tests examples      # some parts: models tests attention fp8 train sparse fp16acc examples real blockattn
+#   bash scripts/gpu_check.sh tests examples      # some parts: models tests attention fp8 train dist sparse fp16acc examples real blockattn
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -42,6 +42,12 @@ for part in $PARTS; do
         > "$OUT/bench_fp16acc.txt" 2>&1 || status=1 ;;
     train)
       python3 scripts/train_fp8.py --out "$OUT" > "$OUT/train_fp8.txt" 2>&1 || status=1 ;;
+    dist)
+      # FSDP2 on every GPU of the machine (nvidia-h200-x2: 2): fp8 and 2:4 training, saved for lowconv.load
+      for recipe in fp8-row semi-sparse; do
+        torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" scripts/train_distributed.py --out "$OUT/dist-$recipe" \
+          --recipe "$recipe" > "$OUT/train_distributed-$recipe.txt" 2>&1 || status=1
+      done ;;
     examples)
       for recipe in fp8-dynamic mixed; do
         python3 -m lowconv.cli convert examples/vit.py "$recipe" -o "$OUT/vit-$recipe" --device cuda \

@@ -440,7 +440,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
-        return y.reshape(*x.shape[:-1], weight.shape[0])  # not -1: an empty batch has no size to infer
+        # Not a view of y (as aten's linear, whose output is no view either): FSDP2's pre-backward
+        # hook on a module's output is lost to an in-place op on a view. Not -1: an empty batch has
+        # no size to infer.
+        return torch.ops.aten._unsafe_view(y.contiguous(), (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     @once_differentiable  # the backward's FP8 GEMMs and casts have no derivatives of their own
