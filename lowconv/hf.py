@@ -88,7 +88,8 @@ def quantization_config(plan: Plan) -> dict | None:
     groups: dict[str, dict] = {}
     unserved = []
     for decision in plan.converted():
-        # a 2:4 FP8 layer's checkpoint is an fp8 one of the pruned weight (ops/fp8_semi_sparse.py)
+        # a 2:4 FP8 layer's checkpoint is an fp8 one of the pruned weight, its x scaled dynamically
+        # (ops/fp8_semi_sparse.py)
         scheme = fp8_scheme(decision.options) if decision.op in ("fp8", "fp8_semi_sparse") else None
         if decision.site["info"].get("weight_layout") == "in_out":  # a Conv1D: lowconv stores it (out, in)
             scheme, what = None, f"{decision.op}, a Conv1D stored (out, in) under its (in, out) name"
@@ -113,14 +114,16 @@ def quantization_config(plan: Plan) -> dict | None:
 
 
 def fp8_scheme(options: dict) -> dict | None:
-    """compressed-tensors' weights and input_activations of an fp8 site's options (module doc)."""
-    if options.get("training") or options.get("scaling") not in ("dynamic", "static"):
+    """compressed-tensors' weights and input_activations of an fp8 site's options (module doc);
+    options without `scaling` (fp8_semi_sparse's) scale x dynamically."""
+    scaling = options.get("scaling", "dynamic")
+    if options.get("training") or scaling not in ("dynamic", "static"):
         return None
     x_scales, w_scales = LINEAR_GRANULARITIES[options.get("granularity", "tensor")]
     weights = {**FP8_ARGS, "strategy": {"row": "channel"}.get(w_scales, w_scales), "dynamic": False}
     if w_scales == "block":
         weights["block_structure"] = [BLOCK, BLOCK]
-    if options["scaling"] == "static":
+    if scaling == "static":
         inputs = {**FP8_ARGS, "strategy": "tensor", "dynamic": False}
     else:
         inputs = {**FP8_ARGS, "strategy": {"row": "token"}.get(x_scales, x_scales), "dynamic": True}

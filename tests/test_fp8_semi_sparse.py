@@ -12,6 +12,7 @@ from lowconv.kernels.sparse24 import prune_24
 from lowconv.ops import fp8
 from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseOptions, check, empty, from_site
 from lowconv.plan import Decision, Plan
+from lowconv.recipe import decide, load_recipe, parse_recipe
 from tests.compiled import compile_recording, lowconv_ops
 from tests.sites import linear_site
 
@@ -36,15 +37,29 @@ def test_the_weight_is_2_4_and_the_layer_computes_fp8s_product_of_the_pruned_wei
     x = torch.randn(3, 7, 64)
     assert torch.equal(module(x), dense(x))
     assert torch.equal(module(x, activation="gelu"), dense(x, activation="gelu"))
+    assert "no CUDA backend chosen yet" in module.plan_note()
 
 
-def test_the_options_refuse_what_a_2_4_inference_layer_cannot_do():
-    with pytest.raises(ValueError, match="dynamically") as error:
-        Fp8SemiSparseOptions(scaling="static")
-    assert error.value.args[1] == "scaling"
-    with pytest.raises(ValueError, match="inference") as error:
-        Fp8SemiSparseOptions(training=True)
-    assert error.value.args[1] == "training"
+@pytest.mark.parametrize("option", ['scaling = "static"', "training = true", "amax_history_len = 4"])
+def test_fp8s_other_options_are_no_keys_of_this_op(option):
+    """Inference with x scaled dynamically: fp8's scaling, training and delayed-scaling options are
+    unknown keys here, and the error lists the valid ones."""
+    text = f'name = "r"\n[[rules]]\nkind = "linear"\nop = "fp8_semi_sparse"\noptions = {{ {option} }}\n'
+    with pytest.raises(LowconvError, match=option.split()[0]) as error:
+        parse_recipe(text, "r.toml")
+    assert "backend" in str(error.value) and "granularity" in str(error.value)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-semi-sparse", "semi-sparse", "mixed"])
+def test_the_2_4_recipes_find_mlps_by_their_common_names_but_not_routers(recipe):
+    rules = load_recipe(recipe).rules
+    mlp = [linear_site(64, 64, fqn=fqn) for fqn in
+           ("model.layers.0.mlp.gate_proj", "model.decoder.layers.3.fc1", "transformer.layer.0.ffn.lin1",
+            "blocks.0.mlp.fc2", "layers.1.feed_forward.0")]
+    router = linear_site(64, 64, fqn="model.layers.0.mlp.gate")  # a mixture of experts' (Qwen's)
+    two_four = {"semi_sparse", "fp8_semi_sparse"}
+    assert all(decide(site, rules).op in two_four for site in mlp)
+    assert decide(router, rules).op not in two_four
 
 
 def test_check_names_the_shapes_it_cannot_take():
@@ -68,7 +83,7 @@ def test_a_loaded_weight_that_is_not_2_4_is_named():
 
 
 def test_the_checkpoint_is_served_as_an_fp8_one():
-    options = {"scaling": "dynamic", "granularity": "row", "backend": "auto"}
+    options = {"granularity": "row", "fast_accum": True, "backend": "auto"}
     decision = Decision(site={"fqn": "mlp.fc1", "module_backed": True, "info": {}}, op="fp8_semi_sparse",
                         options=options, rule=1, reason="")
     config = quantization_config(Plan("r", "", [decision], [], {}, []))

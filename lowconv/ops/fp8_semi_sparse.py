@@ -17,36 +17,32 @@ torch.compile a layer runs what was prepared for its input's device, else the de
 convert on the GPU, or run the model once eagerly there, before compiling it (as semi_sparse).
 """
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
+from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt
 from lowconv.kernels.fp8 import E4M3, LINEAR_GRANULARITIES, activate, quantize_activation, quantize_rows_after
 from lowconv.kernels.fp8_sparse24 import GemmCase, choose_backend, fp8_sparse24_linear, sparse_gemm
 from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.sparse24 import BackendChoice, prune_24
-from lowconv.ops.fp8 import Fp8Linear, Fp8Options
+from lowconv.ops.fp8 import Fp8Linear
 from lowconv.ops.fp8 import check as fp8_check
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype, site_rows
 from lowconv.ops.registry import Op, register
 
 
 @dataclass
-class Fp8SemiSparseOptions(Fp8Options):
-    granularity: Literal["tensor", "row", "token"] = "row"  # as fp8's (dynamic scaling only: no "block")
+class Fp8SemiSparseOptions:
+    granularity: Literal["tensor", "row", "token"] = "row"  # as fp8's, for x scaled dynamically
+    fast_accum: bool = True  # as fp8's (the dense GEMM; cuSPARSELt's accumulates as it does)
     # CUDA only (the CPU runs the reference): cuSPARSELt's e4m3 2:4 GEMM, the dense FP8 GEMM of the
     # pruned weight, or whichever is faster at the site's shape
     backend: Literal["auto", "cusparselt", "dense"] = "auto"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.scaling != "dynamic":
-            raise ValueError(f'2:4 FP8 layers scale x dynamically (got "{self.scaling}"; fp8 calibrates static '
-                             f'and delayed scales)', "scaling")
-        if self.training:
-            raise ValueError("2:4 FP8 layers are for inference (semi_sparse with training = true trains a 2:4 "
-                             "weight)", "training")
+    # What fp8's layer reads of its options, fixed here (not recipe keys): inference, x's scales dynamic.
+    scaling: ClassVar[str] = "dynamic"
+    training: ClassVar[bool] = False
 
 
 class Fp8SemiSparseLinear(Fp8Linear):
@@ -121,7 +117,9 @@ class Fp8SemiSparseLinear(Fp8Linear):
 
     def plan_note(self) -> str:
         """The CUDA backend chosen at conversion and why (measured times for "auto"), for the plan."""
-        return f"CUDA backend {self.choice.backend} ({self.choice.reason})" if self.choice else ""
+        if self.choice is None:
+            return "no CUDA backend chosen yet (converted off the GPU): chosen at the layer's first call on one"
+        return f"CUDA backend {self.choice.backend} ({self.choice.reason})"
 
     def loaded_state_problem(self) -> str | None:
         """fp8's checks, and a weight that is 2:4 (at most 2 nonzeros in every 4 along in)."""
@@ -148,8 +146,11 @@ def recompress_loaded_weight(module: Fp8SemiSparseLinear, incompatible_keys=None
         return
     if module.weight.device != module.chosen_for:
         module.forget_cuda_state()
-    else:
-        module.cusparselt_weight.copy_(module.gemm.compress(module.weight))
+        return
+    problem = module.loaded_state_problem()  # cuSPARSELt would compress a weight that is not 2:4 silently
+    if problem:
+        raise LowconvError(f"fp8_semi_sparse: {problem}")
+    module.cusparselt_weight.copy_(module.gemm.compress(module.weight))
 
 
 def check(site, options: Fp8SemiSparseOptions) -> str | None:
