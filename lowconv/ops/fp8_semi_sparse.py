@@ -118,7 +118,7 @@ class Fp8SemiSparseLinear(Fp8Linear):
     def plan_note(self) -> str:
         """The CUDA backend chosen at conversion and why (measured times for "auto"), for the plan."""
         if self.choice is None:
-            return "no CUDA backend chosen yet (converted off the GPU): chosen at the layer's first call on one"
+            return "no CUDA backend chosen yet: chosen at the layer's first call on a GPU"
         return f"CUDA backend {self.choice.backend} ({self.choice.reason})"
 
     def loaded_state_problem(self) -> str | None:
