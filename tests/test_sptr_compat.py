@@ -211,19 +211,24 @@ def test_each_op_matches_dense_window_math():
     logits = sptr.attention_step1(q, k, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
     rel_logits = sptr.dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offsets, table_q,
                                             table_k, rel_idx, n_max)
+    rel_terms = sptr.dot_prod_with_idx(q, index_0, index_0_offsets, k, index_1, index_1_offsets, table_q, table_k,
+                                       rel_idx, n_max)
     probs = sptr.scatter_softmax_csr(rel_logits, index_0_offsets.long(), dim=0)
     out = sptr.attention_step2(probs, v, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
     rel_out = sptr.attention_step2_with_rel_pos_value(probs, v, index_0, index_0_offsets, n_max, index_1,
                                                       index_1_offsets, table_v, rel_idx)
     blocks = zip(window_blocks(logits, window_offsets), window_blocks(rel_logits, window_offsets),
-                 window_blocks(probs, window_offsets), window_offsets[:-1].tolist(), window_offsets[1:].tolist())
-    for logit, rel_logit, prob, s, e in blocks:
+                 window_blocks(rel_terms, window_offsets), window_blocks(probs, window_offsets),
+                 window_offsets[:-1].tolist(), window_offsets[1:].tolist())
+    for logit, rel_logit, rel_term, prob, s, e in blocks:
         qw, kw, vw = q[s:e], k[s:e], v[s:e]
         rel = qxyz[s:e, None] - qxyz[None, s:e] + 3
         expected = torch.einsum("ihd,thd->ith", qw, kw)
         torch.testing.assert_close(logit, expected, rtol=1e-12, atol=1e-12)
-        expected = expected + torch.einsum("ihd,ithd->ith", qw, table_sum(table_q, rel))
-        expected = expected + torch.einsum("thd,ithd->ith", kw, table_sum(table_k, rel))
+        terms = (torch.einsum("ihd,ithd->ith", qw, table_sum(table_q, rel))
+                 + torch.einsum("thd,ithd->ith", kw, table_sum(table_k, rel)))  # SpTr's dot_prod_with_idx
+        torch.testing.assert_close(rel_term, terms, rtol=1e-12, atol=1e-12)
+        expected = expected + terms
         torch.testing.assert_close(rel_logit, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(prob, expected.softmax(1), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out[s:e], torch.einsum("ith,thd->ihd", prob, vw), rtol=1e-12, atol=1e-12)
@@ -400,6 +405,44 @@ def test_half_q_k_v_with_float32_tables_compute_in_the_half_dtype():
                                            relative_pos_key_table=tables[1], relative_pos_value_table=tables[2])
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+
+
+def test_dtype_computes_in_it_and_returns_the_inputs_dtype():
+    """The lh9171338 fork's `dtype=`: q, k, v cast to it, the output cast back to query's dtype."""
+    xyz, batch = random_points()
+    q, k, v, tables = qkv_and_tables(len(xyz), dtype=torch.float32)
+    indices = sptr.get_indices_params(xyz, batch, CUBE, False)
+    out = sptr.sparse_self_attention(q, k, v, xyz, *indices, CUBE, False, dtype=torch.float16)
+    half = sptr.sparse_self_attention(q.half(), k.half(), v.half(), xyz, *indices, CUBE, False)
+    assert out.dtype == torch.float32 and torch.equal(out, half.float())
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        sptr.sparse_self_attention(q, k, v, xyz, *indices, CUBE, False, dtype=torch.float64)
+
+
+def test_a_split_function_with_a_required_fifth_parameter_gets_the_grid_length():
+    """The lh9171338 fork calls split_func(xyz, index_0, index_1, rel_idx, quant_grid_length);
+    SpTr and SphereFormer call it with four (SphereFormer's exponential_split has `a=` fifth)."""
+    xyz, batch = random_points()
+    q, k, v, tables = qkv_and_tables(len(xyz))
+    indices = sptr.get_indices_params(xyz, batch, CUBE, False)
+    seen = []
+
+    def fork_split(xyz, index_0, index_1, rel_idx, quant_grid_length):
+        seen.append(("fork", quant_grid_length))
+        return rel_idx
+
+    def sphereformer_split(xyz, index_0, index_1, rel_idx, a=0.0125):
+        seen.append(("sphereformer", a))
+        return rel_idx
+
+    outs = [sptr.sparse_self_attention(q, k, v, xyz, *indices, CUBE, False, pe_type="contextual", rel_query=True,
+                                       rel_key=True, rel_value=True, quant_size=QUANT, quant_grid_length=4,
+                                       relative_pos_query_table=tables[0], relative_pos_key_table=tables[1],
+                                       relative_pos_value_table=tables[2], split_func=split)
+            for split in (fork_split, sphereformer_split)]
+    assert seen == [("fork", 4), ("sphereformer", 0.0125)]
+    torch.testing.assert_close(outs[0], contextual_attention(q, k, v, xyz, batch, tables, False))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_the_module_rejects_what_it_cannot_do():

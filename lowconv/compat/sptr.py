@@ -32,6 +32,7 @@ through) are kept single calls by lowconv's tracer too, and read by the passes a
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import numpy as np
@@ -236,6 +237,15 @@ def dot_prod_with_idx_all(q, index_0, index_0_offsets, k, index_1, index_1_offse
 
 
 @torch.fx.wrap
+def dot_prod_with_idx(q, index_0, index_0_offsets, k, index_1, index_1_offsets, table_q, table_k, rel_idx, n_max):
+    """attn (M, h): dot_prod_with_idx_all's relative-position terms alone, as SpTr's kernel of this
+    name computes them (no q.k term): <q_i, sum_a table_q[r_a, a]> + <k_j, sum_a table_k[r_a, a]>."""
+    q_i, k_j = q.index_select(0, index_0), k.index_select(0, index_1)
+    table_q, table_k = table_q.to(q.dtype), table_k.to(q.dtype)
+    return (q_i * table_rows(table_q, rel_idx)).sum(-1) + (k_j * table_rows(table_k, rel_idx)).sum(-1)
+
+
+@torch.fx.wrap
 def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max, index_1, index_1_offsets,
                                        table_v, rel_idx):
     """(N, h, d): out[i] = sum over i's pairs m of attn[m] * (v[index_1[m]] + sum_a table_v[r_a, a]).
@@ -244,7 +254,7 @@ def attention_step2_with_rel_pos_value(attn, v, index_0, index_0_offsets, n_max,
     return torch.segment_reduce(weighted, "sum", offsets=index_0_offsets)
 
 
-SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx_all,
+SPTR_OPS = (attention_step1, scatter_softmax_csr, attention_step2, dot_prod_with_idx, dot_prod_with_idx_all,
             attention_step2_with_rel_pos_value)
 SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, get_window_rows, relative_position_index,
                 quantized_coordinates, row_windows_from_pairs, coordinates_in_window)
@@ -253,23 +263,32 @@ SPTR_HELPERS = (window_partition, precompute_all, get_indices_params, get_window
 def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets,
                           sort_idx, window_size, shift_win, pe_type="none", rel_query=False, rel_key=False,
                           rel_value=False, quant_size=None, quant_grid_length=None, relative_pos_query_table=None,
-                          relative_pos_key_table=None, relative_pos_value_table=None, split_func=None):
+                          relative_pos_key_table=None, relative_pos_value_table=None, split_func=None, dtype=None):
     """SpTr's window self-attention of query, key, value (N, h, d) in input order (query
     pre-scaled), with indices from get_indices_params; returns (N, h, d) in input order.
 
     Not wrapped: a trace records its chain of ops. `split_func(xyz, index_0, index_1, rel_idx)`
     rewrites rel_idx (SphereFormer's exponential split of the radial axis), which is then clamped
-    to [0, 2G-1] as in SpTr. Contextual position needs rel_query and rel_key together (SpTr's fused op).
+    to [0, 2G-1] as in SpTr; where its fifth parameter has no default, it gets quant_grid_length
+    there too (the lh9171338 fork's convention; SphereFormer's split functions default theirs).
+    `dtype` (the fork's): q, k and v are computed in it, and the output returned in query's own.
+    Contextual position needs rel_query and rel_key together (SpTr's fused op).
     """
     contextual = pe_type == "contextual"
     if contextual and rel_query != rel_key:
         raise ValueError("contextual position needs rel_query and rel_key together (SpTr's fused op)")
+    given_dtype = query.dtype
+    if dtype is not None:
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, COMPUTE_DTYPES))}, got {dtype}")
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     query, key, value, xyz = query[sort_idx], key[sort_idx], value[sort_idx], xyz[sort_idx]
     if contextual and (rel_query or rel_value):
         rel_idx = relative_position_index(xyz, index_0, index_1, window_size, quant_size, quant_grid_length,
                                           shift_win)
         if split_func is not None:
-            rel_idx = split_func(xyz, index_0, index_1, rel_idx.clone()).clamp(0, 2 * quant_grid_length - 1).int()
+            grid = (quant_grid_length,) if takes_grid_length(split_func) else ()
+            rel_idx = split_func(xyz, index_0, index_1, rel_idx.clone(), *grid).clamp(0, 2 * quant_grid_length - 1).int()
     if contextual and rel_query:
         attn = dot_prod_with_idx_all(query, index_0, index_0_offsets, key, index_1, index_1_offsets,
                                      relative_pos_query_table, relative_pos_key_table, rel_idx, n_max)
@@ -281,7 +300,22 @@ def sparse_self_attention(query, key, value, xyz, index_0, index_0_offsets, n_ma
                                                index_1_offsets, relative_pos_value_table, rel_idx)
     else:
         x = attention_step2(attn, value, index_0, index_0_offsets, index_1, index_1_offsets, n_max)
-    return torch.empty_like(x).index_copy(0, sort_idx, x)  # back to input order
+    out = torch.empty_like(x).index_copy(0, sort_idx, x)  # back to input order
+    return out if dtype is None else out.to(given_dtype)
+
+
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the fork's `dtype` choices
+
+
+def takes_grid_length(split_func) -> bool:
+    """Whether a split function's fifth positional parameter is required: the lh9171338 fork passes
+    quant_grid_length there, SpTr and SphereFormer pass four arguments."""
+    try:
+        parameters = list(inspect.signature(split_func).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature: SpTr's four arguments
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 5 and positional[4].default is inspect.Parameter.empty
 
 
 class VarLengthMultiheadSA(nn.Module):

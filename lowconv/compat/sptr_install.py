@@ -5,11 +5,12 @@ them single calls (passes/trace.py) and the passes read each as its compat equiv
 Real SpTr, as read (dvlab-research/SparseTransformer; the stored copies read are
 tokuda99/SparseTransformer sptr/{__init__,functional,utils,modules}.py at 3f33e4d, a fork of it,
 and dvlab-research/SphereFormer third_party/SparseTransformer/sptr/modules.py, sptr_backup/utils.py
-and model/spherical_transformer.py at 43ec041; the lh9171338 fork's Python files were not there):
+and model/spherical_transformer.py at 43ec041; lh9171338/SparseTransformer sptr/modules.py at
+1d170c2, whose sparse_self_attention adds `dtype=` and a fifth split_func argument, which compat takes):
 - sptr/functional.py imports `sptr_cuda` (the extension) and defines each op as a
   torch.autograd.Function exposed as `name = Class.apply`: attention_step1 (AttentionStep1),
   attention_step2, dot_prod_with_idx_all, attention_step2_with_rel_pos_value, precompute_all,
-  and dot_prod_with_idx (no compat equivalent, not called by sptr's modules). Their argument
+  and dot_prod_with_idx (not called by sptr's modules; compat's has its numerics). Their argument
   orders are the compat ones, and sptr calls them positionally; their keyword names differ
   (index0, index_q, table): a call by keywords is read by position in the real signature.
 - sptr/utils.py has plain functions: to_3d_numpy (sizes as numpy arrays), grid_sample
@@ -46,6 +47,7 @@ from lowconv.compat.trace_hooks import TraceHook
 REAL_NAMES = {
     "attention_step1": "functional",
     "attention_step2": "functional",
+    "dot_prod_with_idx": "functional",
     "dot_prod_with_idx_all": "functional",
     "attention_step2_with_rel_pos_value": "functional",
     "precompute_all": "functional",
