@@ -196,7 +196,10 @@ def with_attention(recipe: str) -> str:
     """A built-in recipe's text, renamed "<recipe>-attention", with the attention on lowconv's op in
     the model's dtype too (its rules come after the recipe's: they match attention sites only)."""
     text = builtin_recipes()[recipe].read_text()
-    return text.replace(f'name = "{recipe}"', f'name = "{recipe}-attention"', 1) + ATTENTION_RULE
+    name = f'name = "{recipe}"'
+    if name not in text:
+        raise ValueError(f"built-in recipe {recipe} has no line {name}: the bench cannot rename it")
+    return text.replace(name, f'name = "{recipe}-attention"', 1) + ATTENTION_RULE
 
 
 # Recipes the bench defines itself (the rest are lowconv's built-in ones, by name)

@@ -57,6 +57,7 @@ import torch
 from lowconv.errors import LowconvError
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
 from lowconv.kernels.pack24 import kept_codes, pack_kept
+from lowconv.site import dtype_name
 
 STRUCT_BYTES = 16384
 STRUCT_ALIGN = 64
@@ -241,16 +242,12 @@ def shape_problem(out_features: int, in_features: int, dtype: torch.dtype) -> st
     """Why cuSPARSELt cannot take a 2:4 weight (out_features, in_features) of `dtype`, or None."""
     if dtype not in VALUE_TYPES:
         # e4m3 too, for fp8_semi_sparse's quantized weights: a 2:4 layer's own weight is 16-bit
-        return f"cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is {type_name(dtype)})"
+        return f"cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is {dtype_name(dtype)})"
     multiple = shape_multiple(dtype)
     if out_features % multiple or in_features % multiple:
         return (f"cuSPARSELt needs out_features and in_features multiples of {multiple} "
                 f"(weight is ({out_features}, {in_features}))")
     return None
-
-
-def type_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class Plan:
@@ -394,8 +391,8 @@ class SparseGemm:
         reason = unavailable_problem(device, dtype) or shape_problem(out_features, in_features, dtype)
         allowed = OUTPUT_TYPES if dtype.itemsize == 1 else (dtype,)
         if not reason and out_dtype not in allowed:
-            reason = (f"a {type_name(dtype)} product writes {' or '.join(map(type_name, allowed))}, "
-                      f"not {type_name(out_dtype)}")
+            reason = (f"a {dtype_name(dtype)} product writes {' or '.join(map(dtype_name, allowed))}, "
+                      f"not {dtype_name(out_dtype)}")
         if reason:
             raise LowconvError(f"cuSPARSELt cannot take this 2:4 weight: {reason}")
         self.lib = library()
