@@ -3,11 +3,11 @@
 # the GPU tests, the benchmarks and the example conversions on CUDA; everything lands under $OUT.
 #
 #   bash scripts/gpu_check.sh                     # every part (more than one 10-minute device call)
-#   bash scripts/gpu_check.sh tests examples      # some parts: models tests attention fp8 train dist sparse fp16acc examples real blockattn
+#   bash scripts/gpu_check.sh tests examples      # some parts: models training tests attention fp8 train dist sparse fp16acc examples real blockattn
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
-PARTS=${*:-models tests attention fp8 train sparse fp16acc examples real blockattn}
+PARTS=${*:-models training tests attention fp8 train sparse fp16acc examples real blockattn}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -20,6 +20,9 @@ for part in $PARTS; do
     models)
       # The scoreboard (BENCHMARKS.md, first table); MODELS_BENCH_ARGS picks, e.g. "--models vit_b_16 --rounds 3"
       python3 scripts/bench_models.py --out "$OUT" ${MODELS_BENCH_ARGS:-} > "$OUT/bench_models.txt" 2>&1 || status=1 ;;
+    training)
+      # Whole training steps (BENCHMARKS.md, "Training steps"); TRAINING_BENCH_ARGS picks, e.g. "--models llama-4096"
+      python3 scripts/bench_training.py --out "$OUT" ${TRAINING_BENCH_ARGS:-} > "$OUT/bench_training.txt" 2>&1 || status=1 ;;
     tests)
       python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -69,7 +72,7 @@ for part in $PARTS; do
       python3 scripts/bench_block_attention.py --out "$OUT" --budget-s "${BLOCKATTN_BENCH_BUDGET_S:-420}" \
         ${BLOCKATTN_BENCH_ARGS:-} > "$OUT/bench_block_attention.txt" 2>&1 || status=1 ;;
     *)
-      echo "gpu_check.sh: unknown part '$part' (parts: models tests attention fp8 train sparse fp16acc examples real blockattn)" >&2
+      echo "gpu_check.sh: unknown part '$part' (parts: models training tests attention fp8 train dist sparse fp16acc examples real blockattn)" >&2
       exit 2 ;;
   esac
 done

@@ -33,21 +33,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import lowconv  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
-from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.train_fp8 import FULL, TINY, MarkovLanguage, init_weights  # noqa: E402
-
-RECIPES = {
-    "fp8-row": 'op = "fp8"\noptions = { training = true, granularity = "row" }',
-    "fp8-tensor": 'op = "fp8"\noptions = { training = true, granularity = "tensor" }',
-    "semi-sparse": 'op = "semi_sparse"\noptions = { training = true }',
-}
-
-
-def training_recipe(name: str):
-    """The recipe's rule on every linear but the tied LM head, for training."""
-    return parse_recipe(f'name = "{name}-training"\n[[rules]]\nkind = "linear"\nmodules = ["lm_head"]\nop = "keep"\n'
-                        f'[[rules]]\nkind = "linear"\n{RECIPES[name]}\n', "scripts/train_distributed.py")
-
+from scripts.train_fp8 import FULL, TINY, TRAINING_RECIPES, MarkovLanguage, init_weights, training_recipe  # noqa: E402
 
 def shard(model: torch.nn.Module, mesh) -> int:
     """fully_shard on each transformer block (h.N), then on the whole model (the embeddings and the
@@ -62,7 +48,7 @@ def shard(model: torch.nn.Module, mesh) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--recipe", choices=[*RECIPES, "none"], default="fp8-row")
+    parser.add_argument("--recipe", choices=[*TRAINING_RECIPES, "none"], default="fp8-row")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 10 steps (plumbing)")
