@@ -336,12 +336,18 @@ def bench_model(name: str, args) -> dict:
             variant.error = f"{variant.error + '; ' if variant.error else ''}{first_line(error)}"
         print(f"[{name}] {variant.name}: sqnr {variant.sqnr_db} / compiled {variant.compiled_sqnr_db}, "
               f"breaks {variant.graph_breaks}, compile {variant.compile_s}, {variant.error or 'ok'}", flush=True)
+    time_and_profile(calls, profiled, name, args, device)
+    return {"model": name, **run_header(args, device), "variants": [asdict(v) for v in variants]}
+
+
+def time_and_profile(calls, profiled: dict, model: str, args, device):
+    """args.rounds interleaved rounds of `calls` (measure_round), then the GPU kernels of each
+    call in `profiled` (variant -> call) that --profile names, to DIR/profile-MODEL-VARIANT.txt."""
     for round_index in range(args.rounds):
         measure_round(calls, device, args, round_index)
     for variant in args.profile:
         if variant in profiled and device.type == "cuda":
-            (Path(args.out) / f"profile-{name}-{variant}.txt").write_text(kernel_table(profiled[variant]))
-    return {"model": name, **run_header(args, device), "variants": [asdict(v) for v in variants]}
+            (Path(args.out) / f"profile-{model}-{variant}.txt").write_text(kernel_table(profiled[variant]))
 
 
 def kernel_table(call, calls: int = 3) -> str:
@@ -397,43 +403,57 @@ def table(data: dict) -> str:
             + tabulate(rows, headers, tablefmt="github") + "\n")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_bench_parser(doc: str, models, recipes, recipes_help: str, rounds: int, warmup_ms: float, rep_ms: float,
+                       profiled: str) -> argparse.ArgumentParser:
+    """The options of a whole-model bench (this one, bench_training.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(models), help=f"comma-separated: {', '.join(models)}")
     parser.add_argument("--model", help=argparse.SUPPRESS)  # a child process: this one model
-    parser.add_argument("--recipes", default=",".join(RECIPES),
-                        help=f"comma-separated built-in recipes, or the bench's own: {', '.join(BENCH_RECIPES)}")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup-ms", type=float, default=50)
-    parser.add_argument("--rep-ms", type=float, default=300)
+    parser.add_argument("--recipes", default=",".join(recipes), help=recipes_help)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--warmup-ms", type=float, default=warmup_ms)
+    parser.add_argument("--rep-ms", type=float, default=rep_ms)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (plumbing test, e.g. with --device cpu)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", default="", help="comma-separated variants (bf16 or recipes) whose compiled "
-                                                      "call's GPU kernels are written to DIR/profile-MODEL-VARIANT.txt")
-    args = parser.parse_args()
-    args.recipes = [r for r in args.recipes.split(",") if r]
-    args.profile = [v for v in args.profile.split(",") if v]
+    parser.add_argument("--profile", default="", help=f"comma-separated variants (bf16 or recipes) whose compiled "
+                                                      f"{profiled}'s GPU kernels are written to "
+                                                      "DIR/profile-MODEL-VARIANT.txt")
+    return parser
+
+
+def run_models(args, bench: str, script: str, models, bench_model, table):
+    """As a child (--model): bench that model into DIR/<bench>-<model>.json. Otherwise run `script`
+    once per model of --models in a child process (its compiled graphs and memory do not reach the
+    next), then write every model's table to DIR/<bench>.md; exits with the children's status."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model:
         data = bench_model(args.model, args)
-        (out / f"bench_models-{args.model}.json").write_text(json.dumps(data, indent=1))
+        (out / f"{bench}-{args.model}.json").write_text(json.dumps(data, indent=1))
         print(table(data))
         return
     status, tables = 0, []
     for name in args.models.split(","):
-        if name not in BUILDERS:
-            sys.exit(f"bench_models: unknown model {name!r} (choices: {', '.join(MODELS)})")
-        child = [sys.executable, __file__, "--model", name, *sys.argv[1:]]
-        status |= subprocess.run(child).returncode
-        result = out / f"bench_models-{name}.json"
+        if name not in models:
+            sys.exit(f"{bench}: unknown model {name!r} (choices: {', '.join(models)})")
+        status |= subprocess.run([sys.executable, script, "--model", name, *sys.argv[1:]]).returncode
+        result = out / f"{bench}-{name}.json"
         if result.exists():
             tables.append(table(json.loads(result.read_text())))
-    (out / "bench_models.md").write_text("\n".join(tables))
+    (out / f"{bench}.md").write_text("\n".join(tables))
     print("\n".join(tables))
     sys.exit(status)
+
+
+def main():
+    parser = model_bench_parser(__doc__, MODELS, RECIPES, f"comma-separated built-in recipes, or the bench's own: "
+                                f"{', '.join(BENCH_RECIPES)}", rounds=5, warmup_ms=50, rep_ms=300, profiled="call")
+    args = parser.parse_args()
+    args.recipes = [r for r in args.recipes.split(",") if r]
+    args.profile = [v for v in args.profile.split(",") if v]
+    run_models(args, "bench_models", __file__, MODELS, bench_model, table)
 
 
 if __name__ == "__main__":

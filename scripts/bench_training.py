@@ -24,10 +24,7 @@ semi-sparse on the MLP linears only):
     PYTHONPATH=. python3 scripts/bench_training.py --out DIR [--models llama-2048] [--recipes fp8-row]
     python3 scripts/bench_training.py --out DIR --device cpu --tiny --rounds 1   # plumbing only
 """
-import argparse
 import gc
-import json
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +38,7 @@ from tabulate import tabulate  # noqa: E402
 import lowconv  # noqa: E402
 from scripts.bench_common import first_line  # noqa: E402
 from scripts.bench_models import (  # noqa: E402
-    BF16, kernel_table, llama_model, measure_round, median_cell, ratio, run_header, sqnr_db,
+    llama_model, median_cell, model_bench_parser, ratio, run_header, run_models, sqnr_db, time_and_profile,
 )
 from scripts.train_fp8 import TRAINING_RECIPES, training_recipe  # noqa: E402
 
@@ -163,7 +160,7 @@ def bench_model(name: str, args) -> dict:
         print(f"[{name}] converted {recipe}: {variant.error or variant.sites}", flush=True)
     trainers["bf16"] = Trainer(original, ids, fused)
     reference_loss, reference_grads = trainers["bf16"].first_gradients(compiled=False)
-    calls = []
+    calls, profiled = [], {}
     for variant in variants:
         trainer = trainers.get(variant.name)
         if trainer is None:
@@ -174,16 +171,12 @@ def bench_model(name: str, args) -> dict:
             variant.step_peak_bytes = step_peak(trainer, True, device)
             calls.append((variant.eager_rounds_ms, lambda t=trainer: t.step(False)))
             calls.append((variant.compiled_rounds_ms, lambda t=trainer: t.step(True)))
+            profiled[variant.name] = lambda t=trainer: t.step(True)
         except Exception as error:  # noqa: BLE001
             variant.error = f"{variant.error + '; ' if variant.error else ''}{first_line(error)}"
         print(f"[{name}] {variant.name}: loss {variant.loss} / compiled {variant.compiled_loss}, grads "
               f"{variant.grad_sqnr_db} / {variant.compiled_grad_sqnr_db} dB, {variant.error or 'ok'}", flush=True)
-    for round_index in range(args.rounds):
-        measure_round(calls, device, args, round_index)
-    for variant in args.profile:
-        if variant in trainers and device.type == "cuda":
-            trainer = trainers[variant]
-            (Path(args.out) / f"profile-{name}-{variant}.txt").write_text(kernel_table(lambda: trainer.step(True)))
+    time_and_profile(calls, profiled, name, args, device)
     return {"model": name, **run_header(args, device), "variants": [asdict(v) for v in variants]}
 
 
@@ -221,45 +214,15 @@ def table(data: dict) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    parser.add_argument("--model", help=argparse.SUPPRESS)  # a child process: this one model
-    parser.add_argument("--recipes", default=",".join(TRAINING_RECIPES),
-                        help=f"comma-separated: {', '.join(TRAINING_RECIPES)}")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup-ms", type=float, default=100)
-    parser.add_argument("--rep-ms", type=float, default=500)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny configs (plumbing test, e.g. with --device cpu)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", default="", help="comma-separated variants (bf16 or recipes) whose compiled "
-                                                      "step's GPU kernels are written to DIR/profile-MODEL-VARIANT.txt")
+    parser = model_bench_parser(__doc__, MODELS, TRAINING_RECIPES, f"comma-separated: {', '.join(TRAINING_RECIPES)}",
+                                rounds=3, warmup_ms=100, rep_ms=500, profiled="step")
     args = parser.parse_args()
     args.recipes = [r for r in args.recipes.split(",") if r]
     unknown = [r for r in args.recipes if r not in TRAINING_RECIPES]
     if unknown:
         sys.exit(f"bench_training: unknown recipe {unknown[0]!r} (choices: {', '.join(TRAINING_RECIPES)})")
     args.profile = [v for v in args.profile.split(",") if v]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.model:
-        data = bench_model(args.model, args)
-        (out / f"bench_training-{args.model}.json").write_text(json.dumps(data, indent=1))
-        print(table(data))
-        return
-    status, tables = 0, []
-    for name in args.models.split(","):
-        if name not in MODELS:
-            sys.exit(f"bench_training: unknown model {name!r} (choices: {', '.join(MODELS)})")
-        child = [sys.executable, __file__, "--model", name, *sys.argv[1:]]
-        status |= subprocess.run(child).returncode
-        result = out / f"bench_training-{name}.json"
-        if result.exists():
-            tables.append(table(json.loads(result.read_text())))
-    (out / "bench_training.md").write_text("\n".join(tables))
-    print("\n".join(tables))
-    sys.exit(status)
+    run_models(args, "bench_training", __file__, MODELS, bench_model, table)
 
 
 if __name__ == "__main__":
