@@ -376,6 +376,70 @@ def test_contextual_uses_its_tables():
     torch.testing.assert_close(contextual(feats, xyz, batch), plain, rtol=1e-12, atol=1e-12)
 
 
+def sparse_tr(feats, xyz, batch, **features):
+    """SpTr's input: the batch index in column 0 of the indices, then xyz."""
+    return sptr.SparseTrTensor(feats, torch.cat([batch[:, None].to(xyz.dtype), xyz], 1), spatial_shape=None,
+                               batch_size=None, **features)
+
+
+def test_a_sparse_tr_tensor_in_gives_one_out_with_the_tensor_call_s_features():
+    _, contextual = module_pair()
+    xyz, batch = random_points()
+    feats = torch.randn(len(xyz), 32, dtype=F64)
+    given = sparse_tr(feats, xyz, batch)
+    given.spatial_shape, given.batch_size = [24, 24, 24], 2
+    out = contextual(given)
+    assert isinstance(out, sptr.SparseTrTensor) and out.indice_dict == {}
+    assert out.query_indices is given.query_indices and (out.spatial_shape, out.batch_size) == ([24, 24, 24], 2)
+    assert given.spatial_size == 24 ** 3
+    torch.testing.assert_close(out.query_feats, contextual(feats, xyz, batch), rtol=0, atol=0)
+
+
+def test_voxel_indices_as_spconv_gives_them_take_integer_coordinates():
+    """spconv's indices are int32 voxel coordinates, as SphereFormer passes them."""
+    none, _ = module_pair()
+    voxels = torch.randint(0, 12, (200, 3), generator=torch.Generator().manual_seed(1))
+    batch = (torch.arange(200) >= 100).int()
+    feats = torch.randn(200, 32, dtype=F64)
+    tensor = sptr.SparseTrTensor(feats, torch.cat([batch[:, None], voxels.int()], 1), None, None)
+    sized = sptr.VarLengthMultiheadSA(32, 2, "key", 4, True).double().eval()
+    sized.load_state_dict(none.state_dict())
+    expected = sized(feats, voxels.double(), batch.long())
+    torch.testing.assert_close(sized(tensor).query_feats, expected, rtol=0, atol=0)
+
+
+def test_key_and_value_features_of_a_sparse_tr_tensor_are_attended():
+    """SpTr takes k from key_feats and v from value_feats where given, at the query's points."""
+    none, _ = module_pair(shift=False)
+    xyz, batch = random_points()
+    feats, other = torch.randn(2, len(xyz), 32, dtype=F64).unbind(0)
+    windows = reference_windows(xyz, batch, CUBE, False)
+
+    def heads(x):
+        return x.reshape(len(xyz), 2, 16)
+
+    expected = none.proj(dense_attention(heads(none.q(feats)) * 16 ** -0.5, heads(none.k(other)),
+                                         heads(none.v(other)), windows).reshape(-1, 32))
+    out = none(sparse_tr(feats, xyz, batch, key_feats=other, value_feats=other)).query_feats
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_layers_given_one_sparse_tr_tensor_share_its_windows_under_their_key(monkeypatch):
+    none, contextual = module_pair()
+    xyz, batch = random_points()
+    tensor = sparse_tr(torch.randn(len(xyz), 32, dtype=F64), xyz, batch)
+    calls = []
+    layout = sptr.get_indices_params
+    monkeypatch.setattr(sptr, "get_indices_params", lambda *args: calls.append(args) or layout(*args))
+    first, second = none(tensor), contextual(tensor)
+    assert len(calls) == 1 and "key" in tensor.indice_dict
+    torch.testing.assert_close(second.query_feats, contextual(tensor.query_feats, xyz, batch), rtol=0, atol=0)
+    assert first.indice_dict == {}  # an output holds no layout, as SpTr's
+    other = sptr.VarLengthMultiheadSA(32, 2, "key", 0.5).double()
+    with pytest.raises(ValueError, match="indice_key 'key'.*share their windows"):
+        other(tensor)
+
+
 def test_the_constructor_takes_sptr_s_positional_arguments_and_names_its_keywords():
     """SpTr's tenth positional argument is `algo`; quant_size and the rel flags come by keyword."""
     module = sptr.VarLengthMultiheadSA(32, 2, "key", CUBE, True, "contextual", 0.0, None, True, "native",

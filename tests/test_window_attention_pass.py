@@ -35,6 +35,34 @@ def scene(n=300):
     return torch.randn(n, 32), xyz, (torch.arange(n) >= n // 2).long()
 
 
+class SparseTrBlock(nn.Module):
+    """SphereFormer's call: a SparseTrTensor made in forward (batch in column 0 of the indices),
+    attended by two layers (the second on the first's output, a third on the same input: the
+    layout cached in it under their key)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = sptr.VarLengthMultiheadSA(32, 2, "w", 0.3, pe_type="contextual", quant_size=0.3 / 6)
+        self.again = sptr.VarLengthMultiheadSA(32, 2, "w", 0.3)
+        self.beside = sptr.VarLengthMultiheadSA(32, 2, "w", 0.3)
+
+    def forward(self, feats, xyz, batch):
+        tensor = sptr.SparseTrTensor(feats, torch.cat([batch[:, None].float(), xyz], 1), None, None)
+        out = self.again(self.attn(tensor))
+        return out.query_feats + self.beside(tensor).query_feats
+
+
+def test_sparse_tr_tensor_calls_convert_every_chain_and_match_float64():
+    model, inputs = SparseTrBlock().eval(), scene()
+    converted = lowconv.convert(model, FLOAT32, inputs)
+    assert [d.fqn for d in converted.lowconv_plan.converted()] == ["attn.attention", "again.attention",
+                                                                    "beside.attention"]
+    assert not {n.target for n in converted.graph.nodes if n.op == "call_function"} & SPTR_NODES
+    with torch.no_grad():
+        expected = model.double()(*(t.double() if t.is_floating_point() else t for t in inputs))
+        torch.testing.assert_close(converted(*inputs).double(), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("pe_type", ["none", "contextual"])
 def test_chain_is_one_site_with_what_the_kernel_needs(pe_type):
     inputs = scene()

@@ -318,6 +318,31 @@ def takes_grid_length(split_func) -> bool:
     return len(positional) >= 5 and positional[4].default is inspect.Parameter.empty
 
 
+class SparseTrTensor:
+    """SpTr's SparseTrTensor: what its VarLengthMultiheadSA takes and returns.
+
+    query_indices (N, 4): each point's batch index in column 0, then its xyz (integer voxel
+    coordinates or float positions); query_feats (N, C). key_feats and value_feats, where given,
+    are the keys' and values' features at the same points (SpTr's attention reads them in place of
+    query_feats; key_indices it keeps and never reads). indice_dict caches the window layout per
+    indice_key, for the layers that share one and are given the same tensor.
+    """
+
+    def __init__(self, query_feats, query_indices, spatial_shape, batch_size, key_feats=None, value_feats=None,
+                 key_indices=None):
+        self.query_feats, self.key_feats, self.value_feats = query_feats, key_feats, value_feats
+        self.query_indices, self.key_indices = query_indices, key_indices
+        self.spatial_shape, self.batch_size = spatial_shape, batch_size
+        self.indice_dict = {}
+
+    @property
+    def spatial_size(self):
+        return np.prod(self.spatial_shape)
+
+    def find_indice_params(self, key):
+        return None if key is None else self.indice_dict.get(key)
+
+
 class VarLengthMultiheadSA(nn.Module):
     """SpTr's VarLengthMultiheadSA: multi-head self-attention within windows of points.
 
@@ -325,10 +350,11 @@ class VarLengthMultiheadSA(nn.Module):
     among its own CUDA kernels: compat has one implementation, so any value computes the same), and
     the keyword arguments SpTr reads from **kwargs (quant_size, rel_query, rel_key, rel_value)
     spelled out; another keyword is an error, not ignored. Differences from SpTr, on purpose:
-    - forward takes plain tensors, (feats (N, C), xyz (N, 3), batch (N,)), and returns (N, C)
-      where SpTr takes and returns a SparseTrTensor (query_feats; query_indices = [batch, xyz]).
-      The window indices are computed in forward (one fx node, get_indices_params); SpTr caches
-      them in the SparseTrTensor under `indice_key`, which is kept here for its signature only.
+    - forward takes SpTr's SparseTrTensor and returns one (the attended query features, the
+      indices, spatial shape and batch size carried; no cached layout, as SpTr's), and also plain
+      tensors, (feats (N, C), xyz (N, 3), batch (N,)) -> (N, C). Given a SparseTrTensor, the
+      window layout is cached in it under `indice_key` (as SpTr caches it), else computed in
+      forward (one fx node, get_indices_params).
     - pe_type="contextual" really uses its three tables. SpTr silently runs plain attention:
       its forward never passes pe_type on to sparse_self_attention, whose default is "none".
     - no float32 cast: it computes in the dtype of its projections' output (AMP reaches the ops).
@@ -365,13 +391,39 @@ class VarLengthMultiheadSA(nn.Module):
         self.proj = nn.Linear(embed_dim, embed_dim)
         self.proj_drop = nn.Dropout(dropout)
 
-    def forward(self, feats, xyz, batch):
-        N, C = feats.shape
-        query = self.q(feats).reshape(N, self.num_heads, C // self.num_heads) * self.scale
-        key = self.k(feats).reshape(N, self.num_heads, C // self.num_heads)
-        value = self.v(feats).reshape(N, self.num_heads, C // self.num_heads)
-        index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = get_indices_params(
-            xyz, batch, self.window_size, self.shift_win)
+    def forward(self, feats, xyz=None, batch=None):
+        """(feats, xyz, batch) -> (N, C) features; or SpTr's call, a SparseTrTensor -> a SparseTrTensor."""
+        if isinstance(feats, SparseTrTensor):
+            return self.forward_sparse_tr(feats)
+        layout = get_indices_params(xyz, batch, self.window_size, self.shift_win)
+        return self.attend(feats, feats, feats, xyz, layout)
+
+    def forward_sparse_tr(self, tensor: SparseTrTensor) -> SparseTrTensor:
+        indices = tensor.query_indices
+        xyz, batch = indices[:, 1:], indices[:, 0]
+        cached = tensor.find_indice_params(self.indice_key)
+        if cached is None:
+            layout = get_indices_params(xyz, batch, self.window_size, self.shift_win)
+            tensor.indice_dict[self.indice_key] = (*layout, self.window_size, self.shift_win)
+        else:
+            *layout, window_size, shift_win = cached
+            if (window_size, shift_win) != (self.window_size, self.shift_win):
+                raise ValueError(f"indice_key {self.indice_key!r}: the SparseTrTensor holds windows of size "
+                                 f"{window_size} (shift_win={shift_win}) and this layer's are {self.window_size} "
+                                 f"(shift_win={self.shift_win}); layers that share an indice_key share their windows")
+        query = tensor.query_feats
+        key = query if tensor.key_feats is None else tensor.key_feats
+        value = query if tensor.value_feats is None else tensor.value_feats
+        x = self.attend(query, key, value, xyz, layout)
+        return SparseTrTensor(x, indices, tensor.spatial_shape, tensor.batch_size)
+
+    def attend(self, query_feats, key_feats, value_feats, xyz, layout):
+        """Multi-head attention within the windows of `layout` (get_indices_params' tuple)."""
+        N, C = query_feats.shape
+        query = self.q(query_feats).reshape(N, self.num_heads, C // self.num_heads) * self.scale
+        key = self.k(key_feats).reshape(N, self.num_heads, C // self.num_heads)
+        value = self.v(value_feats).reshape(N, self.num_heads, C // self.num_heads)
+        index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = layout
         rel_pos = {}
         if self.pe_type == "contextual":
             rel_pos = dict(rel_query=self.rel_query, rel_key=self.rel_key, rel_value=self.rel_value,
