@@ -39,7 +39,7 @@ class LinearInfo:
 class AttentionInfo:
     """softmax(q k^T * scale + mask) v over q, k, v laid out (batch, heads, seq, head_dim)."""
 
-    form: str  # "sdpa" | "handwritten" | "mha" (nn.MultiheadAttention) | "window" (SpTr chain)
+    form: str  # "sdpa" | "handwritten" | "mha" (MhaInfo) | "window" (WindowInfo)
     heads: int | None = None
     kv_heads: int | None = None  # < heads for GQA/MQA
     head_dim: int | None = None
@@ -53,15 +53,26 @@ class AttentionInfo:
     # the softmax of equal scores, the mean of v (with -inf: zeros, the op's rule)
     finite_fill: bool = False
     dropout: float = 0.0
-    rel_pos: str = "none"  # window attention: "none" | "contextual" (SpTr's relative position tables)
-    # nn.MultiheadAttention only: how the module was built (the op rebuilds it from these).
+    dtype: str | None = None  # the site's parameters' dtype, where it owns some (an MHA module)
+
+
+@dataclass
+class MhaInfo(AttentionInfo):
+    """An nn.MultiheadAttention: how the module was built (the op rebuilds it from these)."""
+
     embed_dim: int | None = None
     kdim: int | None = None
     vdim: int | None = None
     bias: bool | None = None
     batch_first: bool | None = None
-    dtype: str | None = None  # its parameters' dtype
     weights_unknown: bool = False  # its caller is not traced: whether it reads the attention weights is unknown
+
+
+@dataclass
+class WindowInfo(AttentionInfo):
+    """An SpTr window-attention chain."""
+
+    rel_pos: str = "none"  # "none" | "contextual" (SpTr's relative position tables)
 
 
 @dataclass
@@ -121,12 +132,25 @@ class Site:
 
     @staticmethod
     def info_from_dict(d: dict) -> LinearInfo | AttentionInfo:
-        d = dict(d)
-        cls = INFO_TYPES[d.pop("type")]
-        return cls(**d)
+        d = legacy_info(d)
+        return INFO_TYPES[d.pop("type")](**d)
 
 
-INFO_TYPES = {"LinearInfo": LinearInfo, "AttentionInfo": AttentionInfo}
+INFO_TYPES = {"LinearInfo": LinearInfo, "AttentionInfo": AttentionInfo, "MhaInfo": MhaInfo, "WindowInfo": WindowInfo}
+FORM_INFO_TYPES = {"mha": MhaInfo, "window": WindowInfo}  # the forms with fields of their own
+
+
+def legacy_info(info: dict) -> dict:
+    """A site's info as lowconv writes it now. Older plans hold every attention form's fields in one
+    AttentionInfo record (rel_pos among them): such a record becomes its form's type (MhaInfo,
+    WindowInfo, AttentionInfo), less the fields of the other forms."""
+    info = dict(info)
+    if info.get("type") != "AttentionInfo" or "rel_pos" not in info:
+        return info
+    form = info.get("form")
+    cls = FORM_INFO_TYPES.get(form, AttentionInfo) if isinstance(form, str) else AttentionInfo
+    names = {f.name for f in fields(cls)}
+    return {"type": cls.__name__, **{key: value for key, value in info.items() if key in names}}
 
 
 def description_problem(site: dict) -> str | None:
@@ -139,6 +163,7 @@ def description_problem(site: dict) -> str | None:
     info = site["info"]
     if not isinstance(info, dict) or info.get("type") not in INFO_TYPES:
         return f"its info's type is not one of {', '.join(INFO_TYPES)}"
+    info = legacy_info(info)
     names = {f.name for f in fields(INFO_TYPES[info["type"]])}
     if set(info) - {"type"} != names:
         return f"its {info['type']} fields are {sorted(set(info) - {'type'})}, not {sorted(names)}"

@@ -194,6 +194,43 @@ def test_a_checkpoint_with_a_corrupt_plan_is_exit_2(tmp_path, capsys, edit, mess
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("example", ["examples/vit.py", "examples/point_transformer.py"])
+def test_a_plan_that_holds_attention_in_one_record_of_every_form_s_fields_loads(tmp_path, example):
+    """Older plans keep every attention site's info as one AttentionInfo record with the fields of
+    all forms (nn.MultiheadAttention's, SpTr's)."""
+    import dataclasses
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import lowconv
+    from lowconv.model_file import load_model_file
+    from lowconv.site import MhaInfo, WindowInfo
+
+    out = tmp_path / "out"
+    assert main(["convert", example, "sparse-attention-bf16", "-o", str(out), "--device", "cpu"]) == 0
+    loaded = load_model_file(example)
+    expected = lowconv.load(loaded.model, out)
+    path = out / "model.safetensors"
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    plan = json.loads(meta["lowconv.plan"])
+    every_field = {f.name: f.default for cls in (MhaInfo, WindowInfo) for f in dataclasses.fields(cls)}
+    legacy = 0
+    for decision in plan["decisions"]:
+        info = decision["site"]["info"]
+        if info["type"] in ("AttentionInfo", "MhaInfo", "WindowInfo"):
+            decision["site"]["info"] = {**every_field, **info, "type": "AttentionInfo"}
+            legacy += 1
+    assert legacy
+    meta["lowconv.plan"] = json.dumps(plan)
+    save_file(tensors, path, metadata=meta)
+    model = lowconv.load(loaded.model, out)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*loaded.inputs), expected(*loaded.inputs), rtol=0, atol=0)
+
+
 def test_compare_with_another_dtype_or_a_seed_out_of_range_is_exit_2(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["convert", "examples/vit.py", "fp16acc", "-o", str(out), "--device", "cpu", "--dtype", "float16"]) == 0

@@ -53,7 +53,7 @@ from lowconv.kernels.block_attention import check_inputs as check_attention_inpu
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.registry import Op, register
 from lowconv.ops.window_attention import SparseWindowAttention, window_site_problem
-from lowconv.site import FLOAT_DTYPES, AttentionInfo, Site
+from lowconv.site import FLOAT_DTYPES, AttentionInfo, MhaInfo, Site
 
 
 
@@ -508,7 +508,7 @@ def check(site: Site, options: SparseAttentionOptions) -> str | None:
 
 
 def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.Module:
-    info: AttentionInfo = site.info
+    info: AttentionInfo | MhaInfo = site.info
     if info.form != "mha":
         return functional_module(info, options)
     weight = params.get("in_proj_weight", params.get("q_proj_weight"))
@@ -525,7 +525,7 @@ def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.M
 
 def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
     """As from_site, uninitialized. An MHA's parameters take the site's input dtype."""
-    info: AttentionInfo = site.info
+    info: AttentionInfo | MhaInfo = site.info
     if info.form != "mha":
         return functional_module(info, options)
     dtype = getattr(torch, site.info.dtype)

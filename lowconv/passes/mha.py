@@ -1,6 +1,6 @@
 """nn.MultiheadAttention sites: module-backed sites for the MHA modules a traced graph calls
 (one per module, over all its calls) and for MHA regions traced on their own, with the
-AttentionInfo read off the module and the reasons (add_bias_kv, add_zero_attn, used attention
+MhaInfo read off the module and the reasons (add_bias_kv, add_zero_attn, used attention
 weights) one cannot be converted.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 
 from lowconv.passes.fx_nodes import call_args, is_getitem, submodule
 from lowconv.passes.trace import Region, join_fqn
-from lowconv.site import AttentionInfo, Site, class_names, dtype_name, tensor_meta, value_meta
+from lowconv.site import MhaInfo, Site, class_names, dtype_name, tensor_meta, value_meta
 
 MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
 
@@ -60,12 +60,12 @@ def lone_mha_site(region: Region) -> Site:
     )
 
 
-def mha_info(mha: nn.MultiheadAttention) -> AttentionInfo:
-    return AttentionInfo(form="mha", heads=mha.num_heads, kv_heads=mha.num_heads,
-                         head_dim=mha.head_dim, dropout=float(mha.dropout),
-                         embed_dim=mha.embed_dim, kdim=mha.kdim, vdim=mha.vdim,
-                         bias=mha.in_proj_bias is not None, batch_first=mha.batch_first,
-                         dtype=dtype_name(mha.out_proj.weight.dtype))
+def mha_info(mha: nn.MultiheadAttention) -> MhaInfo:
+    return MhaInfo(form="mha", heads=mha.num_heads, kv_heads=mha.num_heads,
+                   head_dim=mha.head_dim, dropout=float(mha.dropout),
+                   embed_dim=mha.embed_dim, kdim=mha.kdim, vdim=mha.vdim,
+                   bias=mha.in_proj_bias is not None, batch_first=mha.batch_first,
+                   dtype=dtype_name(mha.out_proj.weight.dtype))
 
 
 def mha_problem(mha: nn.MultiheadAttention) -> str | None:

@@ -54,7 +54,7 @@ from lowconv.compat.sptr_install import as_compat
 from lowconv.passes.attention import attention_site
 from lowconv.passes.fx_nodes import call_args, is_number, mutates, op_is
 from lowconv.passes.trace import Region
-from lowconv.site import AttentionInfo, Site, tensor_meta
+from lowconv.site import Site, WindowInfo, tensor_meta
 
 STEP1_ARGS = ("q", "k", "index_0", "index_0_offsets", "index_1", "index_1_offsets", "n_max")
 SOFTMAX_ARGS = ("src", "indptr", "dim")
@@ -220,7 +220,7 @@ def changed_in_place(inputs: list[fx.Node], chain: list[fx.Node], end: fx.Node) 
 def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: list[str], args, nodes,
                 names: dict[str, set[str]]) -> Site:
     q_meta = tensor_meta(q)
-    info = AttentionInfo(
+    info = WindowInfo(
         form="window",
         heads=q_meta.shape[1] if q_meta else None,
         kv_heads=q_meta.shape[1] if q_meta else None,
