@@ -8,6 +8,7 @@ checkpoint that lowconv.load reads. Rank 0 writes DIR/train_distributed.md (the 
 steps, the median step time) and DIR/checkpoint/.
 
     torchrun --nproc_per_node 2 scripts/train_distributed.py --out DIR [--recipe fp8-row|fp8-tensor|semi-sparse|none]
+        [--compile]
     torchrun --nproc_per_node 2 scripts/train_distributed.py --out DIR --device cpu --tiny   # gloo, plumbing
 
 The weights are all-gathered in their training dtype (FP8 all-gather, which halves those bytes, is
@@ -52,6 +53,8 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 10 steps (plumbing)")
+    parser.add_argument("--compile", action="store_true", help="compile the model's forward (torch.compile, after "
+                                                               "sharding; the backward through AOTAutograd)")
     args = parser.parse_args()
     cfg, steps = (TINY, min(args.steps, 10)) if args.tiny else (FULL, args.steps)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -72,6 +75,7 @@ def main():
         model = lowconv.convert(model, training_recipe(args.recipe), (batches[0][:, :-1].to(device),))
     model.train()
     blocks = shard(model, init_device_mesh(device.type, (world,)))
+    forward = torch.compile(model) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     losses, times = [], []
@@ -79,7 +83,7 @@ def main():
         start = time.perf_counter()
         tokens = tokens.chunk(world)[rank].to(device)
         with autocast:
-            logits = model(tokens[:, :-1])
+            logits = forward(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -72,7 +72,11 @@ class MarkovLanguage:
         gen = torch.Generator().manual_seed(seed)
         self.vocab = vocab
         self.next_tokens = torch.randint(0, vocab, (vocab, vocab, choices), generator=gen)
-        self.probs = torch.distributions.Dirichlet(torch.ones(choices)).sample((vocab, vocab))
+        # Dirichlet draws from the global generator: seeded here, so that every run and every rank
+        # of a distributed one has the same language
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.probs = torch.distributions.Dirichlet(torch.ones(choices)).sample((vocab, vocab))
 
     def entropy(self) -> float:
         """Mean entropy (nats) of the next token over uniformly drawn contexts: about the floor."""
