@@ -404,9 +404,10 @@ class VarLengthMultiheadSA(nn.Module):
         cached = tensor.find_indice_params(self.indice_key)
         if cached is None:
             layout = get_indices_params(xyz, batch, self.window_size, self.shift_win)
-            tensor.indice_dict[self.indice_key] = (*layout, self.window_size, self.shift_win)
+            # the layout kept whole, not unpacked: tracing would guard its length
+            tensor.indice_dict[self.indice_key] = (layout, self.window_size, self.shift_win)
         else:
-            *layout, window_size, shift_win = cached
+            layout, window_size, shift_win = cached
             if (window_size, shift_win) != (self.window_size, self.shift_win):
                 raise ValueError(f"indice_key {self.indice_key!r}: the SparseTrTensor holds windows of size "
                                  f"{window_size} (shift_win={shift_win}) and this layer's are {self.window_size} "
