@@ -95,6 +95,16 @@ def test_conversion_leaves_no_sptr_op_and_matches_float64(pe_type, tmp_path):
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("pe_type", ["none", "contextual"])
+def test_no_points_give_no_points_before_and_after_conversion(pe_type):
+    """An empty scene (a sweep with nothing in range): the block and its conversion return (0, C)."""
+    model = Block(pe_type).eval()
+    converted = lowconv.convert(model, FLOAT32, scene())
+    feats, xyz, batch = (t[:0] for t in scene())
+    with torch.no_grad():
+        assert model(feats, xyz, batch).shape == converted(feats, xyz, batch).shape == (0, 32)
+
+
 def test_rel_idx_rewritten_by_a_split_function_is_kept_with_why():
     class Split(Block):
         def forward(self, feats, xyz, batch):

@@ -154,7 +154,8 @@ def quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift
     xyz = coordinates(xyz)
     size = xyz.new_tensor(to_3d(window_size))
     shift = size / 2 if shift_win else torch.zeros_like(size)
-    in_window = torch.remainder(xyz - xyz.amin(0) + shift, size)
+    least = xyz.amin(0) if len(xyz) else torch.zeros_like(size)  # no points: nothing to quantize
+    in_window = torch.remainder(xyz - least + shift, size)
     # SpTr's floor division: floor(a / q) of the rounded quotient differs where a / q rounds up to
     # a whole number. Rounding can put a point a hair past the last quant cell; SpTr then fails its
     # L > rel_idx assert.
