@@ -24,7 +24,10 @@ for part in $PARTS; do
       # Whole training steps (BENCHMARKS.md, "Training steps"); TRAINING_BENCH_ARGS picks, e.g. "--models llama-4096"
       python3 scripts/bench_training.py --out "$OUT" ${TRAINING_BENCH_ARGS:-} > "$OUT/bench_training.txt" 2>&1 || status=1 ;;
     tests)
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt"
+      # test_hf_output.py has no GPU test and fails (on purpose) where compressed-tensors, a test
+      # extra, is missing, as on the lent machine: it would stop the collection of every other test.
+      skip_hf=$(python3 -c "import compressed_tensors" 2>/dev/null || echo "--ignore=tests/test_hf_output.py")
+      python3 -m pytest -m gpu -q -p no:cacheprovider $skip_hf tests 2>&1 | tee "$OUT/pytest_gpu.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       # The kernels' CPU-suite tests, compiled on CUDA this time (they run in the interpreter in CI).
       python3 -m pytest -q -p no:cacheprovider tests/test_window_attention.py tests/test_fp16acc_kernel.py \

@@ -27,7 +27,7 @@ from torch import nn
 from lowconv.kernels.fp8 import ACTIVATIONS
 from lowconv.ops.registry import TakesActivation
 from lowconv.passes.rewrite import keep_buffers_out_of_state_dict, swap_module
-from lowconv.passes.trace import recompile, release_graph
+from lowconv.passes.trace import recompile, release_graph, stand_ins
 
 MULTIPLIES = (operator.mul, torch.mul)
 NAMES = {"silu": "SiLU", "gelu": "GELU"}
@@ -104,11 +104,14 @@ def caller_graph(model: nn.Module, fqn: str, modules: dict[str, nn.Module], trac
 
 def traced_alone(parent: nn.Module, modules: dict[str, nn.Module]) -> fx.GraphModule | None:
     """`parent`'s forward as a GraphModule, the converted modules kept as calls; None where it does not trace."""
+    tracer = LeafTracer({id(m) for m in modules.values()})
     try:
-        graph = LeafTracer({id(m) for m in modules.values()}).trace(parent)
+        graph = tracer.trace(parent)
     except Exception as error:  # noqa: BLE001 - a parent that does not trace keeps its forward
         traceback.clear_frames(error.__traceback__)  # their locals would hold tensors in reference cycles
         return None
+    finally:
+        vars(tracer).clear()  # fx leaves its tracer in a reference cycle, holding the module (trace.py trace_module)
     gm = fx.GraphModule(parent, graph, class_name=type(parent).__name__)
     gm.train(parent.training)
     keep_buffers_out_of_state_dict(gm, parent)
@@ -121,6 +124,10 @@ class LeafTracer(fx.Tracer):
     def __init__(self, leaves: set[int]):
         super().__init__()
         self.leaves = leaves
+
+    def trace(self, root, concrete_args=None):
+        with stand_ins():  # fx's Proxy.__iter__ would keep its frames, and the model, in a reference cycle
+            return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return id(m) in self.leaves or super().is_leaf_module(m, qualname)

@@ -37,6 +37,7 @@ import io
 import operator
 import sys
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,6 +108,19 @@ def recompile(gm: fx.GraphModule) -> None:
 # What stands in for these while tracing: functions that reject a Proxy (the same value on a
 # tensor), and fx's Proxy.__iter__ (the same, without a reference cycle).
 STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy}
+
+
+@contextmanager
+def stand_ins():
+    """STAND_INS in place of what they stand in for, while a trace runs (process-wide, as fx's own patches)."""
+    originals = {(module, name): getattr(module, name) for module, name in STAND_INS}
+    for (module, name), stand_in in STAND_INS.items():
+        setattr(module, name, stand_in)
+    try:
+        yield
+    finally:
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
 
 # torch.nn modules whose forward, in inference, may skip their submodules' forward and read their
 # weights directly (torch's "fast path": a fused C++ encoder layer, nested tensors). fx keeps
@@ -307,15 +321,11 @@ class SiteTracer(fx.Tracer):
         hidden = {key: frame for key, frame in table.items() if qualified_name(frame.get(key[1])) in self.traced_into}
         for key in hidden:
             del table[key]
-        originals = {(module, name): getattr(module, name) for module, name in STAND_INS}
-        for (module, name), stand_in in STAND_INS.items():
-            setattr(module, name, stand_in)
         try:
-            return super().trace(root, concrete_args)
+            with stand_ins():
+                return super().trace(root, concrete_args)
         finally:
             table.update(hidden)
-            for (module, name), original in originals.items():
-                setattr(module, name, original)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         # fx keeps torch.nn's modules as calls; these hold linears and attention to convert
