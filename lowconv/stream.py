@@ -23,10 +23,13 @@ checkpoint's own (no renaming on load); no comparison (the report says so).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 import zlib
 from contextlib import contextmanager
@@ -50,6 +53,8 @@ from lowconv.plan import Decision, Plan
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.site import Site
 
+LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
 JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
 PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint._checksum's width
 
@@ -240,6 +245,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         raise LowconvError(f"model {spec!r}: {directory / 'config.json'} does not exist")
     recipe = load_recipe(recipe)
     files = input_index(directory, spec)
+    large_blocks_unmapped()
     progress("building the model on the meta device, tracing and planning on stand-ins of its weights")
     model, inputs, built = stand_in_model(directory, spec, seed, dtype)
     analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
@@ -446,6 +452,15 @@ def checkpoint_names(model: nn.Module, files: dict[str, Path]) -> dict[str, str]
         names.setdefault(id(t), []).append(name)
     return {name: held for group in names.values() for held in [next((n for n in group if n in files), None)]
             if held is not None for name in group}
+
+def large_blocks_unmapped() -> None:
+    """Make glibc map every block of MMAP_THRESHOLD bytes or more on its own, so that freeing it
+    gives it back to the system (elsewhere nothing). By default glibc raises its threshold each time
+    such a block is freed (up to 32 MB), and serves later ones from the heap, which keeps them: each
+    traced layer's and each converted tensor's freed memory would stay in the process."""
+    if LIBC is not None:
+        LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
 
 def moved_from(staged: Path) -> Callable[[Path], None]:
     """A writer for checkpoint.install: the staged file renamed into the temporary it installs."""
