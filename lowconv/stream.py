@@ -276,10 +276,13 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         items = work_items(planned, sources, stored, {s.fqn: s for s in analysis.sites})
         written = write_items(items, sources, layout, staging, original_reader(files, model, built), sums, progress)
         progress(f"checksums into the headers; installing {out}")
-        headers = layout.headers(sums)
-        for file, (header, _) in headers.items():
+        placeholders = layout.headers(dict.fromkeys(stored, PLACEHOLDER))
+        for file, (header, _) in layout.headers(sums).items():
+            if len(header) != len(placeholders[file][0]):  # fixed-width checksums: the data stays where it is
+                raise LowconvError(f"{file}: its header with checksums is not as long as the one written first "
+                                   f"(a bug in lowconv); nothing in {out} was changed")
             with open(staging / file, "r+b") as f:
-                f.write(header)  # same length as the placeholders' (fixed-width checksums)
+                f.write(header)
         writes = {out / file: moved_from(staging / file) for file in layout.shards}
         path = checkpoint.install(out, writes, layout.files, layout.shards)
     shutil.rmtree(staging)
