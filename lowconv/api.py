@@ -58,11 +58,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     slower = slower_sites(measured, groups)
     for fqn in slower:
         del modules[fqn]
-    mark_shared_inputs(modules, groups)
-    served = {site.fqn for site in served_sites(analysis.trace, analysis.sites, modules)}
-    converted = rewrite(analysis.model, analysis.trace, analysis.sites, modules)
-    converted, fused = fuse_activations(converted, modules)
-    release_graphs(analysis.trace, converted)
+    converted, served, fused = rewritten(analysis, modules, groups)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
         check_runs(converted, example_inputs)
@@ -70,10 +66,28 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     if seen:
         calibrated = (f"{seen} batch{'es' if seen > 1 else ''} of {calibration_name}" if calibration is not None
                       else "the example inputs (1 batch)")
-    decisions = [carried_out(d, modules.get(d.fqn), measured.get(d.fqn), d.fqn in served, fused.get(d.fqn))
-                 if d.converted else d for d in planned.decisions]
+    decisions = carried_out_all(planned, modules, measured, served, fused)
     attach_plan(converted, plan_for(model, analysis, recipe, decisions, example_inputs, calibrated))
     return converted
+
+
+def rewritten(analysis: Analysis, modules: dict[str, nn.Module], groups: dict[str, tuple]
+              ) -> tuple[nn.Module, set[str], dict[str, str]]:
+    """The analysed model with its sites' op modules in place and activations fused into them;
+    the sites served through the model's attention interface, and what was fused where."""
+    mark_shared_inputs(modules, groups)
+    served = {site.fqn for site in served_sites(analysis.trace, analysis.sites, modules)}
+    converted = rewrite(analysis.model, analysis.trace, analysis.sites, modules)
+    converted, fused = fuse_activations(converted, modules)
+    release_graphs(analysis.trace, converted)
+    return converted, served, fused
+
+
+def carried_out_all(planned: Plan, modules: dict[str, nn.Module], measured: dict[str, SiteTiming | None],
+                    served: set[str], fused: dict[str, str]) -> list[Decision]:
+    """The plan's decisions as convert carried them out (carried_out)."""
+    return [carried_out(d, modules.get(d.fqn), measured.get(d.fqn), d.fqn in served, fused.get(d.fqn))
+            if d.converted else d for d in planned.decisions]
 
 
 def carried_out(decision: Decision, module: nn.Module | None, timing: SiteTiming | None, served: bool,
@@ -238,22 +252,30 @@ def save(converted: nn.Module, directory: str | Path, text_files: dict[str, str]
     whole tensors are gathered (torch.distributed.checkpoint's full state dict) and rank 0 writes
     the same checkpoint an unsharded model would, which lowconv.load reads."""
     plan = plan_of(converted)
-    metadata = {
-        "lowconv.version": __version__,
-        "lowconv.plan": plan.to_json(),
-        "lowconv.model": plan.model.get("signature", ""),
-    }
     state = converted.state_dict()
 
     def write(state: dict[str, torch.Tensor]) -> Path:
-        floating = floating_dtypes(state.values())
-        dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else None
-        files = {**hf.folder_files(plan, dtype), **(text_files or {})}
-        return checkpoint.save_checkpoint(directory, state, metadata, files, max_shard_bytes)
+        return checkpoint.save_checkpoint(directory, state, checkpoint_metadata(plan),
+                                          saved_files(plan, state, text_files), max_shard_bytes)
     if distributed.is_sharded(state):
         whole = distributed.full_state_dict(converted)
         return distributed.on_rank0(lambda: write(whole))
     return write(state)
+
+
+def checkpoint_metadata(plan: Plan) -> dict[str, str]:
+    """What a converted checkpoint's metadata says of it: lowconv's version, the plan, the
+    original model's signature."""
+    return {"lowconv.version": __version__, "lowconv.plan": plan.to_json(),
+            "lowconv.model": plan.model.get("signature", "")}
+
+
+def saved_files(plan: Plan, state: dict[str, torch.Tensor], text_files: dict[str, str] | None) -> dict[str, str | bytes]:
+    """The files save writes beside the weights of `state` (meta tensors do): the Hugging Face
+    folder's, in the one floating dtype of the weights where they have one, and `text_files`."""
+    floating = floating_dtypes(state.values())
+    dtype = str(floating.pop()).removeprefix("torch.") if len(floating) == 1 else None
+    return {**hf.folder_files(plan, dtype), **(text_files or {})}
 
 
 def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Module:

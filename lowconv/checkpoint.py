@@ -51,36 +51,64 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     only by a complete one, and never next to reports of another run; then the files of the other
     layout (a single file where shards were written, stale shards) are removed. Returns the path of
     the file or the index."""
+    stored, aliases = _store_shared_once(tensors)
+    stored = {name: t.cpu() for name, t in stored.items()}  # once: checksummed, then written
+    files = encoded(files)
+    metadata = full_metadata(metadata, aliases, files, {name: _checksum(t) for name, t in stored.items()})
+    directory = Path(directory)
+    shards = shard_files(stored, max_shard_bytes)
+    writes = {directory / name: _tensor_writer(shard, metadata) for name, shard in shards.items()}
+    return install(directory, writes, files, shards)
+
+
+def encoded(files: dict[str, str | bytes] | None) -> dict[str, bytes]:
+    """The files written beside the weights ({file name: text or bytes}) as bytes."""
+    return {name: content.encode() if isinstance(content, str) else content for name, content in (files or {}).items()}
+
+
+def full_metadata(metadata: dict[str, str], aliases: dict[str, str], files: dict[str, bytes],
+                  checksums: dict[str, str]) -> dict[str, str]:
+    """Every shard's metadata: the caller's (REQUIRED_KEYS) and what this file keeps (aliases,
+    format, the files beside the weights with their hashes, each stored tensor's checksum)."""
     missing = [key for key in REQUIRED_KEYS if key not in metadata]
     if missing:
         raise ValueError(f"checkpoint metadata lacks {missing}")
     not_text = [key for key, value in metadata.items() if not isinstance(value, str)]
     if not_text:
         raise ValueError(f"checkpoint metadata values must be strings: {not_text}")
-    stored, aliases = _store_shared_once(tensors)
-    stored = {name: t.cpu() for name, t in stored.items()}  # once: checksummed, then written
     metadata = {key: value for key, value in metadata.items() if key != ALIASES_KEY}
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     metadata[FORMAT_KEY] = "pt"  # torch tensors, for other readers: transformers 4.x refuses a file without it
-    files = {name: content.encode() if isinstance(content, str) else content for name, content in (files or {}).items()}
     metadata[FILES_KEY] = json.dumps({name: hashlib.sha256(content).hexdigest() for name, content in files.items()},
                                      sort_keys=True)
-    metadata[CHECKSUMS_KEY] = json.dumps({name: _checksum(t) for name, t in stored.items()}, sort_keys=True)
-    directory = Path(directory)
+    metadata[CHECKSUMS_KEY] = json.dumps(checksums, sort_keys=True)
+    return metadata
+
+
+def shard_files(stored: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, dict[str, torch.Tensor]]:
+    """{file name: its tensors}: model.safetensors alone, or Hugging Face's numbered shards of at
+    most max_shard_bytes each (the tensors' sizes are all it reads: meta tensors do)."""
+    shards = _shards(stored, max_shard_bytes)
+    if len(shards) == 1:
+        return {CHECKPOINT_FILE: shards[0]}
+    return {f"model-{i:05d}-of-{len(shards):05d}.safetensors": shard for i, shard in enumerate(shards, 1)}
+
+
+def install(directory: Path, writes: dict[Path, Callable[[Path], None]], files: dict[str, bytes],
+            shards: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """Put the weights' files (`writes`, one per shard file) in `directory`, with the files beside
+    them and the index where there are shards, all or none, and remove the previous checkpoint's
+    other files. Returns the path of the file or the index."""
     # The files beside the weights go in first, the weights (their index) last: a save stopped
     # between renames leaves the old weights, whose list of files and hashes then tells the new
     # files from theirs (read_checkpoint refuses the mix).
-    writes = {directory / name: _file_writer(content) for name, content in files.items()}
-    shards = _shards(stored, max_shard_bytes)
+    writes = {**{directory / name: _file_writer(content) for name, content in files.items()}, **writes}
     if len(shards) == 1:
         path = directory / CHECKPOINT_FILE
-        writes[path] = _tensor_writer(stored, metadata)
     else:
-        names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-        writes |= {directory / name: _tensor_writer(shard, metadata) for name, shard in zip(names, shards)}
-        index = {"metadata": {"total_size": sum(_nbytes(t) for t in stored.values())},
-                 "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
+        index = {"metadata": {"total_size": sum(_nbytes(t) for shard in shards.values() for t in shard.values())},
+                 "weight_map": {tensor: name for name, shard in shards.items() for tensor in shard}}
         path = directory / INDEX_FILE
         writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
     with _locked(directory):  # one save at a time into a directory: no report of another run beside the weights
@@ -203,6 +231,16 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     bytes, the tensors' bytes in header order), with every key sorted: the same tensors and
     metadata give the same bytes. (safetensors' own writer orders the metadata differently in
     each process.) Tensors go widest dtype first, as safetensors places them, so each is aligned."""
+    header, names = safetensors_header(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(header)
+        for name in names:
+            f.write(_bytes_of(tensors[name]))
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
+    """write_safetensors' file up to the tensors' bytes (the size, the header), and the names in
+    the order their bytes follow. It reads only names, dtypes and shapes: meta tensors do."""
     unknown = sorted({str(t.dtype) for t in tensors.values() if t.dtype not in SAFETENSORS_DTYPES})
     if unknown:
         raise ValueError(f"safetensors has no dtype for {unknown}")
@@ -216,11 +254,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     header["__metadata__"] = metadata
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for name in names:
-            f.write(_bytes_of(tensors[name]))
+    return struct.pack("<Q", len(text)) + text, names
 
 
 def _file_writer(content: str | bytes) -> Callable[[Path], None]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from lowconv import api, report as reports
+from lowconv import api, checkpoint, report as reports
 from lowconv.analysis import plan_conversion
 from lowconv.compare import compare
 from lowconv.replay import read_plan
@@ -20,6 +20,7 @@ from lowconv.errors import LowconvError
 from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
+from lowconv.stream import stream_convert
 from lowconv.site import FLOAT_DTYPES
 
 DESCRIPTION = ("Convert a PyTorch model's linear and attention layers to faster, smaller ops "
@@ -141,6 +142,8 @@ def cmd_convert(args) -> int:
     if out.exists() and not out.is_dir():
         raise LowconvError(f"the output directory {out} is a file; give a directory (-o)")
     check_writable(out)
+    if args.stream:
+        return stream(args, out)
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
@@ -168,11 +171,54 @@ def cmd_convert(args) -> int:
     progress(f"writing {out / 'model.safetensors'}")
     api.save(converted, out, text_files={
         "plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report),
-        "report.json": json.dumps(reports.report_to_dict(report), indent=1)})
+        "report.json": json.dumps(reports.report_to_dict(report), indent=1)}, max_shard_bytes=args.max_shard_size)
     print()
     status = print_report(report)
     progress(f"wrote {out}/model.safetensors, report.md, report.json, plan.json")
     return status
+
+
+NOT_COMPARED = ("no comparison was run: the model was converted with --stream, which never holds it (nor its "
+                "converted copy) in memory, and a comparison runs both on the example inputs")
+
+
+def stream(args, out: Path) -> int:
+    """convert --stream: the checkpoint written tensor by tensor (stream.py), no comparison."""
+    refused = [flag for flag, given in [("--calibration", args.calibration), ("--calibration-text", args.calibration_text),
+                                        ("--device cuda", args.device == "cuda"),
+                                        ("--sparse-format dense", args.sparse_format == "dense")] if given]
+    if refused:
+        raise LowconvError(f"--stream does not take {', '.join(refused)}: it converts on the CPU, with ops that need "
+                           f"no calibration and no 2:4 layers; convert without --stream (in memory) for those")
+
+    def text_files(plan: Plan) -> dict[str, str]:
+        command = f"lowconv compare {args.model} {out}"
+        return {"plan.json": plan.to_json(),
+                "report.md": f"# lowconv report\n\n{NOT_COMPARED[0].upper()}{NOT_COMPARED[1:]}.\nTo measure what the conversion "
+                             f"costs, run `{command}` on a machine that holds both models.\n",
+                "report.json": json.dumps({"compared": False, "reason": NOT_COMPARED, "compare_with": command},
+                                          indent=1)}
+    streamed = stream_convert(args.model, args.recipe, out, seed=args.seed, dtype=args.dtype, text_files=text_files,
+                              max_shard_bytes=args.max_shard_size, progress=progress,
+                              recorded={"file": recorded_path(args.model), "seed": args.seed, "dtype": args.dtype})
+    print(plan_table(streamed.plan))
+    print(plan_notes(streamed.plan))
+    resumed = f" ({streamed.skipped} tensors kept from an interrupted run)" if streamed.skipped else ""
+    progress(f"wrote {streamed.path}{resumed}, plan.json, report.md ({NOT_COMPARED})")
+    return 0
+
+
+def shard_size(text: str) -> int:
+    """argparse type: bytes, as a whole number with an optional unit (KB, MB, GB: powers of 1000,
+    as transformers' max_shard_size)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    number, unit = text.strip().upper(), 1
+    for suffix, size in units.items():
+        if number.endswith(suffix):
+            number, unit = number[:-len(suffix)].strip(), size
+    if not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"must be a size such as 5GB, 500MB or a number of bytes (got {text!r})")
+    return int(number) * unit
 
 
 def check_writable(out: Path) -> None:
@@ -274,6 +320,12 @@ def parser() -> argparse.ArgumentParser:
                    help="how 2:4 layers are written: bitmask (kept values and a bit mask: 2:4 speed, read by "
                         "lowconv alone) or dense (plain weights with their zeros, as lowconv.revert makes them: "
                         "transformers and vLLM load them; the speed-up goes)")
+    c.add_argument("--stream", action="store_true",
+                   help="hf:DIR with safetensors weights: convert tensor by tensor, never holding the model (a model "
+                        "larger than memory); linear sites with ops that need no calibration (fp8 dynamic, fp16acc), "
+                        "on the CPU, no comparison (README: Streamed conversion)")
+    c.add_argument("--max-shard-size", type=shard_size, default=checkpoint.MAX_SHARD_BYTES, metavar="SIZE",
+                   help="cut the checkpoint into shards of at most SIZE (5GB, 500MB, bytes; default 5GB)")
     c.add_argument("--calibration-text", metavar="FILE",
                    help="hf: text models: calibrate on this UTF-8 text, tokenized by the model directory's "
                         "tokenizer into rows of up to 512 tokens, 2 rows a batch")

@@ -14,6 +14,8 @@ The model passed in is changed: callers pass their own copy.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -68,14 +70,19 @@ def delete_attr(root: nn.Module, target: str) -> None:
 def site_params(site: Site, model: nn.Module) -> dict[str, torch.Tensor]:
     """The site's original tensors, as `Op.from_site` takes them (weights laid out (out, in))."""
     if site.kind == "linear":
-        weight = model.get_parameter(site.info.weight).detach()
-        params = {"weight": weight if site.info.weight_layout == "out_in" else weight.t().contiguous()}
-        if site.info.bias_name:
-            params["bias"] = model.get_parameter(site.info.bias_name).detach()
-        return params
+        return linear_site_params(site, lambda name: model.get_parameter(name).detach())
     if site.module_backed:
         return {k: v.detach() for k, v in model.get_submodule(site.fqn).state_dict().items()}
     return {}
+
+
+def linear_site_params(site: Site, tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A linear site's {"weight": (out, in), "bias"}, each read by `tensor(parameter name)`."""
+    weight = tensor(site.info.weight)
+    params = {"weight": weight if site.info.weight_layout == "out_in" else weight.t().contiguous()}
+    if site.info.bias_name:
+        params["bias"] = tensor(site.info.bias_name)
+    return params
 
 
 def freeze_named(module: nn.Module, frozen: list[str]) -> nn.Module:

@@ -1,0 +1,476 @@
+"""Streamed conversion: an hf:DIR model converted tensor by tensor, never held whole.
+
+The model is built from config.json with its parameters on the meta device (its buffers, small,
+are real), then each parameter is made a stand-in: a zero of its dtype expanded to its shape,
+which takes no memory. Tracing, shape propagation and the plan run on the stand-ins as
+`lowconv convert` runs them on the loaded model (they read shapes and dtypes, never weight
+values), so the plan is the in-memory path's. The converted structure is then built with each
+op's `empty` on meta (as lowconv.load does): its state dict gives every output tensor's name,
+dtype and shape, so every output shard's header is known before any data. Then, site by site,
+the weights are read from their input shard (safetensors, one tensor at a time), converted by the
+op's `from_site`, written at their offsets in the output shards and freed; kept tensors pass
+through, cast as from_pretrained and --dtype cast them. Last, the CRC-32 checksums (fixed-width
+hex, written as zeros first) are patched into each header, and the files are installed as
+checkpoint.save_checkpoint installs them: the same bytes, in one atomic swap.
+
+The shards are written in a staging directory beside the output (`.NAME.stream/`), with a
+journal of each tensor written and its checksum; a run started again after an interruption keeps
+the tensors whose bytes still have their journalled checksum and converts the rest.
+
+Limits of this slice: linear sites only, with ops that need no calibration and measure nothing
+when built (fp8 dynamic, fp16acc); CPU only (no never-slower timing); parameter names must be the
+checkpoint's own (no renaming on load); no comparison (the report says so).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from lowconv import api, checkpoint
+from lowconv.analysis import Analysis, plan_conversion, plan_for
+from lowconv.errors import LowconvError
+from lowconv.model_file import checked_cast, to_device
+from lowconv.model_sources import hf_inputs, library
+from lowconv.ops import OPS
+from lowconv.ops.registry import Calibrated, NotesThePlan
+from lowconv.passes.rewrite import freeze_named, linear_site_params
+from lowconv.plan import Decision, Plan
+from lowconv.recipe import Recipe, load_recipe
+from lowconv.site import Site
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
+JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
+PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint._checksum's width
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an output tensor's bytes come from: a parameter or buffer of the original, or the op
+    module of a converted site."""
+    name: str  # the original tensor's name, or the op module's tensor name
+    site: str | None = None  # the converted site's fqn; None: the original tensor passes through
+
+
+@dataclass(frozen=True)
+class Item:
+    """One step of the stream: a converted site, or a tensor kept as it is."""
+    label: str  # for the progress line
+    outputs: list[str]  # the stored tensors it writes
+    nbytes: int
+    decision: Decision | None = None  # the site's, where it converts one
+    site: Site | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every output file, known before any data: the shards' tensors (meta), the metadata with
+    placeholder checksums, the files beside the weights."""
+    shards: dict[str, dict[str, torch.Tensor]]
+    aliases: dict[str, str]
+    metadata: dict[str, str]  # without the checkpoint's own keys (checkpoint.full_metadata adds them)
+    files: dict[str, bytes]
+
+    def headers(self, checksums: dict[str, str]) -> dict[str, tuple[bytes, list[str]]]:
+        metadata = checkpoint.full_metadata(self.metadata, self.aliases, self.files, checksums)
+        return {name: checkpoint.safetensors_header(shard, metadata) for name, shard in self.shards.items()}
+
+    def offsets(self) -> dict[str, tuple[str, int]]:
+        """stored tensor -> (its shard file, the offset of its bytes)."""
+        found = {}
+        for file, (header, names) in self.headers(dict.fromkeys(self.stored(), PLACEHOLDER)).items():
+            offset = len(header)
+            for name in names:
+                found[name] = (file, offset)
+                offset += checkpoint._nbytes(self.shards[file][name])
+        return found
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        return {name: t for shard in self.shards.values() for name, t in shard.items()}
+
+    def fingerprint(self) -> str:
+        headers = self.headers(dict.fromkeys(self.stored(), PLACEHOLDER))
+        return hashlib.sha256(b"".join(name.encode() + header for name, (header, _) in sorted(headers.items())))\
+            .hexdigest()
+
+
+# ---- the model, from config.json alone ----
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built inside register their parameters on the meta device and keep their buffers
+    real (accelerate's init_empty_weights(include_buffers=False)): the model costs no memory, and
+    buffers computed at build time (rotary frequencies) keep their values."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:  # one on meta already stays itself: a tied weight
+            param = nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None) -> tuple[nn.Module, dict, dict[int, torch.dtype]]:
+    """The model of DIR's config.json with zero stand-ins for its parameters (tied ones stay tied),
+    its example inputs as model_sources.hf_model makes them, and each parameter's dtype as built
+    (before a --dtype cast), by id of its stand-in."""
+    transformers = library("transformers", spec, "pip install transformers")
+    cast = checked_cast(dtype, seed)
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise LowconvError(f"model {spec!r}: transformers cannot read {directory / 'config.json'}: {err}") from None
+    named = [getattr(transformers, name) for name in config.architectures or [] if hasattr(transformers, name)]
+    # from_pretrained's dtype="auto": the config's dtype, else torch's default
+    built = getattr(config, "dtype", None) or torch.get_default_dtype()
+    built = getattr(torch, built) if isinstance(built, str) else built
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(built)
+    try:
+        with parameters_on_meta():
+            model = named[0](config) if named else transformers.AutoModel.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    stand_ins, built_dtypes = {}, {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in stand_ins:
+                final = cast if cast and param.dtype.is_floating_point else param.dtype
+                stand_ins[id(param)] = nn.Parameter(torch.zeros((), dtype=final).expand(param.shape), param.requires_grad)
+                built_dtypes[id(stand_ins[id(param)])] = param.dtype
+            module._parameters[name] = stand_ins[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and cast and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(cast)
+    model.eval()
+    return model, to_device(hf_inputs(model, config, spec), torch.device("cpu"), cast), built_dtypes
+
+
+def input_index(directory: Path, spec: str) -> dict[str, Path]:
+    """{tensor name: its file} of DIR's safetensors weights (sharded with an index, or one file)."""
+    index = directory / checkpoint.INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return {name: directory / file for name, file in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise LowconvError(f"model {spec!r}: {index} is not a safetensors index ({err})") from None
+    single = directory / checkpoint.CHECKPOINT_FILE
+    if not single.is_file():
+        raise LowconvError(f"model {spec!r}: --stream reads safetensors weights, and {directory} has neither "
+                           f"{checkpoint.INDEX_FILE} nor {checkpoint.CHECKPOINT_FILE}")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    """One tensor of the input checkpoint; its file is opened for this read alone, so that the
+    pages of the memory map go with the tensor."""
+    try:
+        with safe_open(files[name], framework="pt") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError) as err:
+        raise LowconvError(f"{files[name]}: cannot read {name}: {err}") from None
+
+
+# ---- what the stream can convert ----
+
+def stream_problem(decision: Decision, module: nn.Module) -> str | None:
+    """Why the stream cannot carry out a converted decision (None: it can)."""
+    if decision.site["kind"] != "linear":
+        return f"it converts a {decision.site['kind']} site, and the stream converts linear sites only"
+    if isinstance(module, Calibrated) and module.needs_calibration:
+        return "its scales are calibrated on inputs run through the whole model, which the stream never holds"
+    if isinstance(module, NotesThePlan):
+        return f"{decision.op} measures and chooses its kernels as it is built, which the stream does not"
+    return None
+
+
+def check_streamable(plan: Plan, modules: dict[str, nn.Module], recipe: Recipe) -> None:
+    for decision in plan.converted():
+        problem = stream_problem(decision, modules[decision.fqn])
+        if problem:
+            raise LowconvError(f"--stream cannot carry out recipe {recipe.name!r}, rule {decision.rule} "
+                               f"(op {decision.op}, options {decision.options}) on {decision.fqn}: {problem}; "
+                               f"convert without --stream (in memory), or leave those sites to a rule with another op")
+
+
+# ---- the stream ----
+
+@dataclass
+class Streamed:
+    """What a streamed conversion found and wrote."""
+    plan: Plan
+    path: Path  # the weights' file or index
+    skipped: int  # tensors a previous run had written already
+    written: int
+
+
+def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, seed: int = 0, dtype: str | None = None,
+                   text_files: Callable[[Plan], dict[str, str]] | None = None,
+                   max_shard_bytes: int = checkpoint.MAX_SHARD_BYTES, recorded: dict | None = None,
+                   progress: Callable[[str], None] = api.no_progress) -> Streamed:
+    """Convert the hf:DIR model `spec` into `out` without holding it (module doc), writing what
+    lowconv.save of the in-memory conversion writes. `text_files(plan)` gives the files written
+    beside the weights (the CLI's plan.json and reports); `recorded` is added to Plan.model (the
+    CLI records the model's path, seed and dtype)."""
+    prefix, _, name = spec.partition(":")
+    if prefix != "hf":
+        raise LowconvError(f"--stream converts hf:DIR models (a directory with config.json and safetensors "
+                           f"weights); {spec} is not one")
+    directory, out = Path(name), Path(out)
+    if not (directory / "config.json").is_file():
+        raise LowconvError(f"model {spec!r}: {directory / 'config.json'} does not exist")
+    recipe = load_recipe(recipe)
+    files = input_index(directory, spec)
+    large_blocks_unmapped()
+    progress("building the model on the meta device, tracing and planning on stand-ins of its weights")
+    model, inputs, built = stand_in_model(directory, spec, seed, dtype)
+    analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
+    modules = op_modules(planned, analysis)
+    check_streamable(planned, modules, recipe)
+    converted, served, fused = api.rewritten(analysis, modules, api.decision_groups(planned.converted(),
+                                                                                  {s.fqn: s for s in analysis.sites}))
+    decisions = api.carried_out_all(planned, modules, {}, served, fused)
+    plan = plan_for(model, analysis, recipe, decisions, inputs)
+    plan.model.update(recorded or {})
+    sources = tensor_sources(converted, model, modules)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    read = {s.name for s in sources.values() if s.site is None} | {
+        name for site in analysis.sites if site.fqn in modules for name in (site.info.weight, site.info.bias_name) if name}
+    stored_as = checkpoint_names(model, files)
+    missing = sorted(name for name in read if name in parameters and name not in stored_as)
+    if missing:
+        raise LowconvError(f"model {spec!r}: its checkpoint lacks {', '.join(missing[:5])} (the in-memory path "
+                           f"would draw them at random, or rename them as it loads): convert without --stream")
+    state = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in converted.state_dict(keep_vars=True).items()}
+    aliases = tied(converted)
+    stored = {name: t for name, t in state.items() if name not in aliases}
+    layout = Layout(checkpoint.shard_files(stored, max_shard_bytes), aliases, api.checkpoint_metadata(plan),
+                    checkpoint.encoded(api.saved_files(plan, state, text_files(plan) if text_files else None)))
+    staging = out.parent / f".{out.name}.stream"
+    with checkpoint._locked(staging):  # one stream at a time into this staging directory
+        sums, skipped = resume(staging, layout)
+        items = work_items(planned, sources, stored, {s.fqn: s for s in analysis.sites})
+        written = write_items(items, sources, layout, staging, original_reader(files, model, built), sums, progress)
+        progress(f"checksums into the headers; installing {out}")
+        placeholders = layout.headers(dict.fromkeys(stored, PLACEHOLDER))
+        for file, (header, _) in layout.headers(sums).items():
+            if len(header) != len(placeholders[file][0]):  # fixed-width checksums: the data stays where it is
+                raise LowconvError(f"{file}: its header with checksums is not as long as the one written first "
+                                   f"(a bug in lowconv); nothing in {out} was changed")
+            with open(staging / file, "r+b") as f:
+                f.write(header)
+        writes = {out / file: moved_from(staging / file) for file in layout.shards}
+        path = checkpoint.install(out, writes, layout.files, layout.shards)
+    shutil.rmtree(staging)
+    return Streamed(plan, path, skipped, written)
+
+
+def op_modules(plan: Plan, analysis: Analysis) -> dict[str, nn.Module]:
+    """Each converted site's op module, empty on meta: the converted structure without its data."""
+    sites = {s.fqn: s for s in analysis.sites}
+    modules = {}
+    with torch.device("meta"):
+        for decision in plan.converted():
+            op, site = OPS[decision.op], sites[decision.fqn]
+            modules[site.fqn] = freeze_named(op.empty(site, op.options(**decision.options)), site.frozen)
+    return modules
+
+
+def tensor_sources(converted: nn.Module, model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, Source]:
+    """Each output tensor's Source, found by identity: a stand-in is a tensor of the original."""
+    original = {}
+    for name, t in named_tensors(model):
+        original.setdefault(id(t), name)
+    in_sites = {id(t): (fqn, name) for fqn, m in modules.items() for name, t in m.state_dict(keep_vars=True).items()}
+    sources = {}
+    for name, t in converted.state_dict(keep_vars=True).items():
+        if id(t) in in_sites:
+            fqn, local = in_sites[id(t)]
+            sources[name] = Source(local, fqn)
+        else:
+            sources[name] = Source(original[id(t)])
+    return sources
+
+
+def tied(converted: nn.Module) -> dict[str, str]:
+    """{name: the first name of the same tensor}: checkpoint._store_shared_once's aliases, found by
+    identity (stand-ins and meta tensors have no storage to compare)."""
+    first, aliases = {}, {}
+    for name, t in converted.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return aliases
+
+
+def work_items(plan: Plan, sources: dict[str, Source], stored: dict[str, torch.Tensor],
+               sites: dict[str, Site]) -> list[Item]:
+    """The stream's steps in the model's order: a site with its op module's tensors, or a kept tensor."""
+    by_site: dict[str, list[str]] = {}
+    items = []
+    for name in stored:
+        site = sources[name].site
+        if site is None:
+            items.append(Item(name, [name], checkpoint._nbytes(stored[name])))
+        elif site not in by_site:
+            by_site[site] = [n for n in stored if sources[n].site == site]
+            decision = next(d for d in plan.converted() if d.fqn == site)
+            items.append(Item(f"{site} -> {decision.op}", by_site[site],
+                              sum(checkpoint._nbytes(stored[n]) for n in by_site[site]), decision, sites[site]))
+    return items
+
+
+def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
+    """The checksums of the tensors a previous run wrote in `staging` whose bytes still have them,
+    and how many; the staging directory set up for this layout (emptied where it was another's)."""
+    offsets, stored = layout.offsets(), layout.stored()
+    journal = staging / JOURNAL
+    lines = journal.read_text(encoding="utf-8").splitlines() if journal.is_file() else []
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:  # a line the interruption cut short
+            break
+    if not entries or entries[0].get("layout") != layout.fingerprint() or \
+            not all((staging / file).is_file() for file in layout.shards):
+        for leftover in staging.iterdir():
+            leftover.unlink()
+        for file, (header, names) in layout.headers(dict.fromkeys(stored, PLACEHOLDER)).items():
+            with open(staging / file, "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + sum(checkpoint._nbytes(stored[n]) for n in names))
+        journal.write_text(json.dumps({"layout": layout.fingerprint()}) + "\n", encoding="utf-8")
+        return {}, 0
+    sums = {}
+    for entry in entries[1:]:
+        name, crc = entry.get("tensor"), entry.get("crc")
+        if name in offsets:
+            file, offset = offsets[name]
+            with open(staging / file, "rb") as f:
+                f.seek(offset)
+                if f"{zlib.crc32(f.read(checkpoint._nbytes(stored[name]))):08x}" == crc:
+                    sums[name] = crc
+    return sums, len(sums)
+
+
+def write_items(items: list[Item], sources: dict[str, Source], layout: Layout, staging: Path,
+                original: Callable[[str], torch.Tensor], sums: dict[str, str],
+                progress: Callable[[str], None]) -> int:
+    """Convert and write every item not yet written; each tensor's checksum goes into `sums` and
+    the journal once its bytes are on disk. How many tensors were written."""
+    offsets, stored = layout.offsets(), layout.stored()
+    todo = [item for item in items if not all(name in sums for name in item.outputs)]
+    total, done, written, start = sum(item.nbytes for item in todo), 0, 0, time.monotonic()
+    if len(todo) < len(items):
+        progress(f"resuming: {len(items) - len(todo)} of {len(items)} steps were written by a previous run")
+    with open(staging / JOURNAL, "a", encoding="utf-8") as journal:
+        for i, item in enumerate(todo, 1):
+            elapsed = time.monotonic() - start
+            eta = f", ETA {format_seconds(elapsed / done * (total - done))}" if done else ""
+            progress(f"[{i}/{len(todo)}] {item.label} ({item.nbytes / 1e6:.1f} MB){eta}")
+            tensors = item_tensors(item, sources, original)
+            for name in item.outputs:
+                file, offset = offsets[name]
+                tensor = tensors[name]
+                if tensor.dtype != stored[name].dtype or tuple(tensor.shape) != tuple(stored[name].shape):
+                    raise LowconvError(f"{name}: converted as {tensor.dtype} {list(tensor.shape)}, but the converted "
+                                       f"structure has {stored[name].dtype} {list(stored[name].shape)} (a bug in lowconv)")
+                data = checkpoint._bytes_of(tensor)
+                with open(staging / file, "r+b") as f:
+                    f.seek(offset)
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                sums[name] = f"{zlib.crc32(data):08x}"
+                journal.write(json.dumps({"tensor": name, "crc": sums[name]}) + "\n")
+                journal.flush()
+                written += 1
+            del tensors
+            done += item.nbytes
+    return written
+
+
+def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str], torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """The item's output tensors, computed from the input checkpoint."""
+    if item.decision is None:
+        return {item.outputs[0]: original(sources[item.outputs[0]].name)}
+    site, op = item.site, OPS[item.decision.op]
+    params = linear_site_params(site, original)
+    module = freeze_named(op.from_site(site, op.options(**item.decision.options), params), site.frozen)
+    state = module.state_dict()
+    return {name: state[sources[name].name] for name in item.outputs}
+
+
+def original_reader(files: dict[str, Path], model: nn.Module, built: dict[int, torch.dtype]
+                    ) -> Callable[[str], torch.Tensor]:
+    """name -> the original's tensor as the in-memory path holds it: read from the checkpoint, cast
+    to the dtype the model builds it in (as from_pretrained loads it), then to its stand-in's
+    (--dtype); a buffer the checkpoint lacks is the model's own (computed when it was built)."""
+    held = dict(named_tensors(model))
+    stored_as = checkpoint_names(model, files)
+
+    def original(name: str) -> torch.Tensor:
+        if name not in stored_as:
+            return held[name].detach()
+        return read_tensor(files, stored_as[name]).to(built.get(id(held[name]), held[name].dtype)).to(held[name].dtype)
+    return original
+
+
+def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def checkpoint_names(model: nn.Module, files: dict[str, Path]) -> dict[str, str]:
+    """{name of a parameter or buffer: the name the checkpoint holds it under}: its own, or that
+    of a tensor tied to it (a checkpoint stores tied tensors once)."""
+    names: dict[int, list[str]] = {}
+    for name, t in named_tensors(model):
+        names.setdefault(id(t), []).append(name)
+    return {name: held for group in names.values() for held in [next((n for n in group if n in files), None)]
+            if held is not None for name in group}
+
+def large_blocks_unmapped() -> None:
+    """Make glibc map every block of MMAP_THRESHOLD bytes or more on its own, so that freeing it
+    gives it back to the system (elsewhere nothing). By default glibc raises its threshold each time
+    such a block is freed (up to 32 MB), and serves later ones from the heap, which keeps them: each
+    traced layer's and each converted tensor's freed memory would stay in the process."""
+    if LIBC is not None:
+        LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+def moved_from(staged: Path) -> Callable[[Path], None]:
+    """A writer for checkpoint.install: the staged file renamed into the temporary it installs."""
+    return lambda temporary: os.replace(staged, temporary)
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"

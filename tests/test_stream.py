@@ -1,0 +1,159 @@
+"""convert --stream (lowconv/stream.py): a sharded hf:DIR checkpoint converted tensor by tensor
+gives the bytes of the in-memory conversion, resumes after an interruption, stays within a memory
+bound far below the model's size, and refuses what it cannot do, by name."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lowconv import api, checkpoint  # noqa: E402
+from lowconv.cli import main  # noqa: E402
+from lowconv.errors import LowconvError  # noqa: E402
+from lowconv.model_sources import load_model  # noqa: E402
+from lowconv.stream import JOURNAL, stream_convert  # noqa: E402
+
+SHARD = 100_000  # output shards of at most 100 kB: several
+
+
+def llama(directory: Path, tied: bool = False, hidden: int = 64, intermediate: int = 128, layers: int = 2,
+          shard: str = "60KB") -> Path:
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory, max_shard_size=shard)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    path = llama(tmp_path_factory.mktemp("llama") / "llama")
+    assert (path / checkpoint.INDEX_FILE).is_file()  # several input shards
+    return path
+
+
+def plan_files(plan) -> dict[str, str]:
+    return {"plan.json": plan.to_json()}
+
+
+def in_memory(directory: Path, recipe: str, out: Path) -> None:
+    loaded = load_model(f"hf:{directory}", device="cpu")
+    converted = api.convert(loaded.model, recipe, loaded.inputs, share_weights=True)
+    api.save(converted, out, text_files=plan_files(api.plan_of(converted)), max_shard_bytes=SHARD)
+
+
+def same_files(a: Path, b: Path) -> None:
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for path in a.iterdir():
+        assert path.read_bytes() == (b / path.name).read_bytes(), path.name
+
+
+@pytest.mark.parametrize("recipe, tied", [("fp8-dynamic", False), ("fp8-row", True)])
+def test_streamed_bytes_are_the_in_memory_conversions(tmp_path, sharded, recipe, tied):
+    source = llama(tmp_path / "tied") if tied else sharded
+    in_memory(source, recipe, tmp_path / "memory")
+    streamed = stream_convert(f"hf:{source}", recipe, tmp_path / "stream", text_files=plan_files,
+                              max_shard_bytes=SHARD)
+    assert streamed.path.name == checkpoint.INDEX_FILE and len(list((tmp_path / "stream").glob("model-*"))) > 1
+    same_files(tmp_path / "memory", tmp_path / "stream")
+    assert not (tmp_path / ".stream.stream").exists()  # the staging directory goes once installed
+
+
+def test_resumes_after_an_interruption(tmp_path, sharded):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.txt").write_text("a previous run's")
+    steps = []
+
+    def interrupted(message):
+        steps.append(message)
+        if message.startswith("[12/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        stream_convert(f"hf:{sharded}", "fp8-dynamic", out, text_files=plan_files, max_shard_bytes=SHARD,
+                       progress=interrupted)
+    assert [p.name for p in out.iterdir()] == ["kept.txt"]  # out/ as it was
+    assert (tmp_path / ".out.stream" / JOURNAL).is_file()
+    messages = []
+    streamed = stream_convert(f"hf:{sharded}", "fp8-dynamic", out, text_files=plan_files, max_shard_bytes=SHARD,
+                              progress=messages.append)
+    assert streamed.skipped > 0 and any(m.startswith("resuming: 11 of 21 steps") for m in messages), messages
+    assert not any("embed_tokens" in m for m in messages if m.startswith("["))  # written before: not redone
+    in_memory(sharded, "fp8-dynamic", tmp_path / "memory")
+    (out / "kept.txt").unlink()
+    same_files(tmp_path / "memory", out)
+
+
+def test_cli_stream(tmp_path, sharded, capsys):
+    args = [f"hf:{sharded}", "fp8-dynamic", "--device", "cpu", "--max-shard-size", "100KB"]
+    assert main(["convert", *args, "-o", str(tmp_path / "memory")]) == 0
+    assert main(["convert", *args, "--stream", "-o", str(tmp_path / "stream")]) == 0
+    assert "ETA" in capsys.readouterr().err
+    memory, stream = tmp_path / "memory", tmp_path / "stream"
+    for name in ["config.json", "plan.json", checkpoint.INDEX_FILE, "generation_config.json"]:
+        assert (memory / name).read_bytes() == (stream / name).read_bytes(), name
+    assert "No comparison was run" in (stream / "report.md").read_text()
+    assert json.loads((stream / "report.json").read_text())["compared"] is False
+    # The shards hold the same tensors; their metadata differs only in the reports' hashes.
+    theirs, their_meta = checkpoint.read_checkpoint(memory)
+    ours, our_meta = checkpoint.read_checkpoint(stream)
+    assert their_meta == our_meta and theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[n].view(torch.uint8), ours[n].view(torch.uint8)) if theirs[n].dtype.itemsize == 1
+               else torch.equal(theirs[n], ours[n]) for n in theirs)
+    assert main(["compare", f"hf:{sharded}", str(stream), "--device", "cpu"]) == 0
+
+
+def test_memory_stays_far_below_the_models_size(tmp_path):
+    """A 100 MB model streamed in a child process whose peak RSS (ru_maxrss) grows by less than
+    40 MB over its state after a warm-up conversion (the code's one-time costs): 27 MB measured; the
+    in-memory path, which holds the model and its converted copy, grows it by 160 MB."""
+    small = llama(tmp_path / "small")
+    big = llama(tmp_path / "big", hidden=512, intermediate=1536, layers=8, shard="10MB")
+    model_bytes = sum((big / p).stat().st_size for p in os.listdir(big) if p.endswith(".safetensors"))
+    assert model_bytes > 100e6
+    child = textwrap.dedent(f"""
+        import json, resource
+        from lowconv.stream import stream_convert
+        def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        stream_convert("hf:{small}", "fp8-dynamic", "{tmp_path / 'warm'}")
+        base = peak()
+        stream_convert("hf:{big}", "fp8-dynamic", "{tmp_path / 'out'}", max_shard_bytes=10_000_000)
+        print(json.dumps({{"grew": peak() - base}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    grew = json.loads(done.stdout.strip().splitlines()[-1])["grew"]
+    assert grew < 40e6 < model_bytes / 2, f"peak RSS grew by {grew / 1e6:.1f} MB streaming a {model_bytes / 1e6:.0f} MB model"
+
+
+@pytest.mark.parametrize("recipe, says", [
+    ("sparse-attention-bf16", "converts a attention site, and the stream converts linear sites only"),
+    ("fp8-static", "its scales are calibrated on inputs"),
+    ("semi-sparse", "measures and chooses its kernels as it is built"),
+])
+def test_refuses_what_it_cannot_stream(tmp_path, sharded, recipe, says):
+    with pytest.raises(LowconvError, match=f"--stream cannot carry out recipe '{recipe}', rule \\d") as err:
+        stream_convert(f"hf:{sharded}", recipe, tmp_path / "out")
+    assert says in str(err.value) and "convert without --stream" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_other_sources_and_flags(tmp_path, sharded, capsys):
+    with pytest.raises(LowconvError, match="--stream converts hf:DIR models"):
+        stream_convert("nn:transformer-encoder", "fp8-dynamic", tmp_path / "out")
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_bytes((sharded / "config.json").read_bytes())
+    with pytest.raises(LowconvError, match="--stream reads safetensors weights"):
+        stream_convert(f"hf:{tmp_path / 'config_only'}", "fp8-dynamic", tmp_path / "out")
+    assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "--calibration", "4",
+                 "-o", str(tmp_path / "out")]) == 2
+    assert "--stream does not take --calibration" in capsys.readouterr().err
