@@ -107,11 +107,11 @@ def install(directory: Path, writes: dict[Path, Callable[[Path], None]], files: 
     if len(shards) == 1:
         path = directory / CHECKPOINT_FILE
     else:
-        index = {"metadata": {"total_size": sum(_nbytes(t) for shard in shards.values() for t in shard.values())},
+        index = {"metadata": {"total_size": sum(nbytes(t) for shard in shards.values() for t in shard.values())},
                  "weight_map": {tensor: name for name, shard in shards.items() for tensor in shard}}
         path = directory / INDEX_FILE
         writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
-    with _locked(directory):  # one save at a time into a directory: no report of another run beside the weights
+    with locked(directory):  # one save at a time into a directory: no report of another run beside the weights
         stale = _stale_files(directory, writes)
         _replace_atomically(writes)
         _remove_stale(stale, path)
@@ -129,7 +129,7 @@ def _stale_files(directory: Path, writes: dict) -> list[Path]:
 
 
 @contextmanager
-def _locked(directory: Path):
+def locked(directory: Path):
     """An exclusive lock on the directory itself for the duration (flock on POSIX; elsewhere none):
     a second save into it waits."""
     try:
@@ -204,15 +204,15 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
-        if shards[-1] and size + _nbytes(tensor) > max_bytes:
+        if shards[-1] and size + nbytes(tensor) > max_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor
-        size += _nbytes(tensor)
+        size += nbytes(tensor)
     return shards
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
@@ -235,7 +235,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     with open(path, "wb") as f:
         f.write(header)
         for name in names:
-            f.write(_bytes_of(tensors[name]))
+            f.write(bytes_of(tensors[name]))
 
 
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
@@ -247,7 +247,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header, offset = {}, 0
     for name in names:
-        size = _nbytes(tensors[name])
+        size = nbytes(tensors[name])
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensors[name].dtype], "shape": list(tensors[name].shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
@@ -466,13 +466,13 @@ def _reason(err: Exception) -> str:
     return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     """A tensor's bytes in memory order, as the file holds them (any dtype, 0-d and empty ones too)."""
     return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _checksum(tensor: torch.Tensor) -> str:
-    return f"{zlib.crc32(_bytes_of(tensor)):08x}"
+    return f"{zlib.crc32(bytes_of(tensor)):08x}"
 
 
 def _check_sums(text: str | None, tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -97,7 +97,7 @@ class Layout:
             offset = len(header)
             for name in names:
                 found[name] = (file, offset)
-                offset += checkpoint._nbytes(self.shards[file][name])
+                offset += checkpoint.nbytes(self.shards[file][name])
         return found
 
     def stored(self) -> dict[str, torch.Tensor]:
@@ -271,7 +271,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     layout = Layout(checkpoint.shard_files(stored, max_shard_bytes), aliases, api.checkpoint_metadata(plan),
                     checkpoint.encoded(api.saved_files(plan, state, text_files(plan) if text_files else None)))
     staging = out.parent / f".{out.name}.stream"
-    with checkpoint._locked(staging):  # one stream at a time into this staging directory
+    with checkpoint.locked(staging):  # one stream at a time into this staging directory
         sums, skipped = resume(staging, layout)
         items = work_items(planned, sources, stored, {s.fqn: s for s in analysis.sites})
         written = write_items(items, sources, layout, staging, original_reader(files, model, built), sums, progress)
@@ -336,12 +336,12 @@ def work_items(plan: Plan, sources: dict[str, Source], stored: dict[str, torch.T
     for name in stored:
         site = sources[name].site
         if site is None:
-            items.append(Item(name, [name], checkpoint._nbytes(stored[name])))
+            items.append(Item(name, [name], checkpoint.nbytes(stored[name])))
         elif site not in by_site:
             by_site[site] = [n for n in stored if sources[n].site == site]
             decision = next(d for d in plan.converted() if d.fqn == site)
             items.append(Item(f"{site} -> {decision.op}", by_site[site],
-                              sum(checkpoint._nbytes(stored[n]) for n in by_site[site]), decision, sites[site]))
+                              sum(checkpoint.nbytes(stored[n]) for n in by_site[site]), decision, sites[site]))
     return items
 
 
@@ -364,7 +364,7 @@ def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
         for file, (header, names) in layout.headers(dict.fromkeys(stored, PLACEHOLDER)).items():
             with open(staging / file, "wb") as f:
                 f.write(header)
-                f.truncate(len(header) + sum(checkpoint._nbytes(stored[n]) for n in names))
+                f.truncate(len(header) + sum(checkpoint.nbytes(stored[n]) for n in names))
         journal.write_text(json.dumps({"layout": layout.fingerprint()}) + "\n", encoding="utf-8")
         return {}, 0
     sums = {}
@@ -374,7 +374,7 @@ def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
             file, offset = offsets[name]
             with open(staging / file, "rb") as f:
                 f.seek(offset)
-                if f"{zlib.crc32(f.read(checkpoint._nbytes(stored[name]))):08x}" == crc:
+                if f"{zlib.crc32(f.read(checkpoint.nbytes(stored[name]))):08x}" == crc:
                     sums[name] = crc
     return sums, len(sums)
 
@@ -401,7 +401,7 @@ def write_items(items: list[Item], sources: dict[str, Source], layout: Layout, s
                 if tensor.dtype != stored[name].dtype or tuple(tensor.shape) != tuple(stored[name].shape):
                     raise LowconvError(f"{name}: converted as {tensor.dtype} {list(tensor.shape)}, but the converted "
                                        f"structure has {stored[name].dtype} {list(stored[name].shape)} (a bug in lowconv)")
-                data = checkpoint._bytes_of(tensor)
+                data = checkpoint.bytes_of(tensor)
                 with open(staging / file, "r+b") as f:
                     f.seek(offset)
                     f.write(data)
