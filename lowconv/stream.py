@@ -200,7 +200,7 @@ def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
 def stream_problem(decision: Decision, module: nn.Module) -> str | None:
     """Why the stream cannot carry out a converted decision (None: it can)."""
     if decision.site["kind"] != "linear":
-        return f"it converts a {decision.site['kind']} site, and the stream converts linear sites only"
+        return f"its site is of kind {decision.site['kind']!r}, and the stream converts linear sites only"
     if isinstance(module, Calibrated) and module.needs_calibration:
         return "its scales are calibrated on inputs run through the whole model, which the stream never holds"
     if isinstance(module, NotesThePlan):
@@ -413,6 +413,10 @@ def write_items(items: list[Item], sources: dict[str, Source], layout: Layout, s
                 written += 1
             del tensors
             done += item.nbytes
+    if todo:
+        elapsed = time.monotonic() - start
+        progress(f"converted and wrote {done / 1e6:.0f} MB in {format_seconds(elapsed)} "
+                 f"({done / 1e6 / max(elapsed, 1e-3):.0f} MB/s)")
     return written
 
 

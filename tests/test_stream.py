@@ -136,7 +136,7 @@ def test_memory_stays_far_below_the_models_size(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, says", [
-    ("sparse-attention-bf16", "converts a attention site, and the stream converts linear sites only"),
+    ("sparse-attention-bf16", "of kind 'attention', and the stream converts linear sites only"),
     ("fp8-static", "its scales are calibrated on inputs"),
     ("semi-sparse", "measures and chooses its kernels as it is built"),
 ])
