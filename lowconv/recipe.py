@@ -283,7 +283,7 @@ def decide(site: Site, rules: list[Rule]) -> Decision:
         options = dataclasses.asdict(rule.options)
         if rule.op == "keep":
             return Decision(site.describe(), "keep", options, rule.index, f"{rule.label()} says keep")
-        why_not = OPS[rule.op].check(site, rule.options)
+        why_not = OPS[rule.op].site_problem(site, rule.options)
         if why_not:
             return Decision(site.describe(), "keep", keep_options, rule.index,
                             f"{rule.label()} chose {rule.op}, but {why_not}")

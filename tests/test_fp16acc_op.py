@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lowconv.kernels.fp16acc import auto_splits, error_ratio, fp16acc_matmul
-from lowconv.ops.fp16acc import Fp16AccOptions, check, empty, from_site
+from lowconv.ops.fp16acc import Fp16AccOptions, empty, from_site, site_problem
 from tests.compiled import (assert_same_run, compile_recording, fallbacks, inductor_with_cuda_graphs, lowconv_ops,
                             run_with_grads)
 from tests.sites import linear_site
@@ -174,8 +174,8 @@ def test_from_site_equals_empty_plus_load(options):
 
 
 def test_check_reasons():
-    assert check(linear_site(64, 32), Fp16AccOptions()) is None
-    assert check(linear_site(64, 32, dtype="float32"), Fp16AccOptions()) == (
+    assert site_problem(linear_site(64, 32), Fp16AccOptions()) is None
+    assert site_problem(linear_site(64, 32, dtype="float32"), Fp16AccOptions()) == (
         "fp16acc runs fp16 models only (site dtype is float32; cast the model and its inputs "
         "first, as `lowconv convert --dtype float16` does)")
     with pytest.raises(ValueError, match="at least 1"):

@@ -8,7 +8,7 @@ from lowconv.kernels.fp8 import (
     BLOCK, E4M3, E5M2, FP8_MAX, dequantize, fp8_linear_reference, quantize, quantize_rowwise, quantize_tensorwise,
     quantize_weight, quantize_with_scale,
 )
-from lowconv.ops.fp8 import Fp8Options, check, empty, from_site
+from lowconv.ops.fp8 import Fp8Options, empty, from_site, site_problem
 from tests import sites
 
 # (mantissa bits, exponent of the smallest normal) of each format
@@ -152,8 +152,8 @@ def test_block_quantizers_scale_a_partial_last_block_by_its_own_values():
 def test_block_granularity_is_for_inference_on_whole_tiles():
     with pytest.raises(ValueError, match='"block" is for inference'):
         Fp8Options(granularity="block", training=True)
-    assert "divisible by 128" in check(linear_site(192, 256), Fp8Options(granularity="block"))
-    assert check(linear_site(256, 384), Fp8Options(granularity="block")) is None
+    assert "divisible by 128" in site_problem(linear_site(192, 256), Fp8Options(granularity="block"))
+    assert site_problem(linear_site(256, 384), Fp8Options(granularity="block")) is None
 
 
 @pytest.mark.parametrize("granularity", ["token", "block"])
@@ -337,10 +337,10 @@ def test_training_reduces_loss():
 
 
 def test_check_reasons():
-    assert check(linear_site(64, 32), Fp8Options()) is None
-    assert check(linear_site(60, 32), Fp8Options()) == (
+    assert site_problem(linear_site(64, 32), Fp8Options()) is None
+    assert site_problem(linear_site(60, 32), Fp8Options()) == (
         "fp8 GEMM needs in_features and out_features divisible by 16 (got K=60, N=32)")
-    assert "N=40" in check(linear_site(64, 40), Fp8Options())
+    assert "N=40" in site_problem(linear_site(64, 40), Fp8Options())
     with pytest.raises(ValueError, match=r"must be in \[1, 1024\]"):
         Fp8Options(scaling="delayed", amax_history_len=0)
 

@@ -10,7 +10,7 @@ from lowconv.kernels.fp8 import E4M3
 from lowconv.kernels.fp8_sparse24 import scale_product, scale_product_reference
 from lowconv.kernels.sparse24 import prune_24
 from lowconv.ops import fp8
-from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseOptions, check, empty, from_site
+from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseOptions, empty, from_site, site_problem
 from lowconv.plan import Decision, Plan
 from lowconv.recipe import decide, load_recipe, parse_recipe
 from tests.compiled import compile_recording, lowconv_ops
@@ -64,10 +64,10 @@ def test_the_2_4_recipes_find_mlps_by_their_common_names_but_not_routers(recipe)
 
 def test_check_names_the_shapes_it_cannot_take():
     options = Fp8SemiSparseOptions()
-    assert "divisible by 4" in check(linear_site(66, 48), options)
-    assert check(linear_site(64, 48), options) is None
+    assert "divisible by 4" in site_problem(linear_site(66, 48), options)
+    assert site_problem(linear_site(64, 48), options) is None
     # cuSPARSELt's e4m3 GEMM takes multiples of 32; "auto" would run the dense FP8 GEMM there
-    assert "multiples of 32" in check(linear_site(64, 48), Fp8SemiSparseOptions(backend="cusparselt"))
+    assert "multiples of 32" in site_problem(linear_site(64, 48), Fp8SemiSparseOptions(backend="cusparselt"))
 
 
 def test_a_loaded_weight_that_is_not_2_4_is_named():

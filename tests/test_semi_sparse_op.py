@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from lowconv.kernels.sparse24 import compress_bitmask, decompress_bitmask, mask_24, prune_24
 from lowconv.ops.semi_sparse import (
-    CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparseOptions, check, empty,
-    from_site,
+    CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparseOptions, empty,
+    from_site, site_problem,
 )
 from tests.compiled import assert_same_run, compile_recording, run_with_grads
 from tests.sites import linear_site
@@ -174,8 +174,8 @@ def test_activation_target():
 
 
 def test_check_reasons():
-    assert check(linear_site(64, 30), SemiSparseOptions()) is None
-    assert check(linear_site(30, 64), SemiSparseOptions()) == (
+    assert site_problem(linear_site(64, 30), SemiSparseOptions()) is None
+    assert site_problem(linear_site(30, 64), SemiSparseOptions()) == (
         "2:4 sparsity needs in_features divisible by 4 (weight is (64, 30))")
 
 
@@ -213,7 +213,7 @@ def test_transposable_option_prunes_both_ways(training):
 def test_transposable_needs_a_fixed_weight_mask_and_out_features_by_4():
     with pytest.raises(ValueError, match="fixed weight mask only"):
         SemiSparseOptions(transposable=True, mask="runtime")
-    assert check(linear_site(32, 30), SemiSparseOptions(transposable=True)) == (
+    assert site_problem(linear_site(32, 30), SemiSparseOptions(transposable=True)) == (
         "transposable 2:4 sparsity needs out_features divisible by 4 too (weight is (30, 32))")
 
 

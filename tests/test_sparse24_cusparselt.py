@@ -11,7 +11,7 @@ from lowconv.kernels.cusparselt import SparseGemm, dense_operand, shape_problem
 from lowconv.kernels.sparse24 import (GemmCase, choose_backend, compress_bitmask, compressed_linear,
                                       fixed_mask_linear, mask_24_transposable, prune_24)
 from tests.compiled import lowconv_ops
-from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, SemiSparseOptions, check, from_site
+from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, SemiSparseOptions, from_site, site_problem
 from tests.sites import linear_site
 
 
@@ -75,15 +75,15 @@ def test_cusparselt_backend_is_for_fixed_weight_masks():
 
 def test_check_keeps_sites_cusparselt_cannot_take():
     options = SemiSparseOptions(backend="cusparselt")
-    assert check(linear_site(64, 32), options) is None
-    assert check(linear_site(64, 24), options) == (
+    assert site_problem(linear_site(64, 32), options) is None
+    assert site_problem(linear_site(64, 24), options) == (
         "cuSPARSELt needs out_features and in_features multiples of 16 (weight is (24, 64))")
-    assert check(linear_site(64, 32, dtype="float32"), options) == (
+    assert site_problem(linear_site(64, 32, dtype="float32"), options) == (
         "cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is float32)")
     transposed = SemiSparseOptions(backend="cusparselt", training=True, transposable=True)
-    assert check(linear_site(40, 32), transposed) == (
+    assert site_problem(linear_site(40, 32), transposed) == (
         "cuSPARSELt needs out_features and in_features multiples of 16 (weight is (32, 40))")
-    assert check(linear_site(40, 32), SemiSparseOptions()) is None  # auto: masked-dense where it cannot
+    assert site_problem(linear_site(40, 32), SemiSparseOptions()) is None  # auto: masked-dense where it cannot
 
 
 def test_compressed_module_on_the_cpu_keeps_no_choice_and_one_dense_copy():

@@ -294,9 +294,9 @@ def test_multihead_from_site_equals_empty_then_load(option):
 
 def test_check_needs_what_rebuilds_an_mha():
     site = mha_site(nn.MultiheadAttention(E, HEADS))
-    assert sa.check(site, sa.SparseAttentionOptions()) is None
+    assert sa.site_problem(site, sa.SparseAttentionOptions()) is None
     site.info.batch_first = None
-    assert "batch_first" in sa.check(site, sa.SparseAttentionOptions())
+    assert "batch_first" in sa.site_problem(site, sa.SparseAttentionOptions())
 
 
 def test_window_module_names_tables_shorter_than_rel_idx_needs():
@@ -351,14 +351,14 @@ def test_bad_layout_options_name_the_option_and_the_choices(options, message):
 
 def test_check_keeps_sites_whose_semantics_a_layout_cannot_keep():
     def reason(layout, **info):
-        return sa.check(functional_site(**info), sa.SparseAttentionOptions(layout=layout))
+        return sa.site_problem(functional_site(**info), sa.SparseAttentionOptions(layout=layout))
 
     assert "attend to later keys" in reason("dense", causal=True)
     assert "needs a site that takes a mask" in reason("mask", causal=True)
     assert reason("mask", mask="keep") is None and reason("dense", mask="additive") is None
     assert reason("causal") is None  # made causal on purpose, as "local" makes it local
     window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
-    assert "SpTr window chain" in sa.check(window, sa.SparseAttentionOptions(layout="causal"))
+    assert "SpTr window chain" in sa.site_problem(window, sa.SparseAttentionOptions(layout="causal"))
     with pytest.raises(ValueError, match="attend to later keys"):
         sa.SparseAttention(causal=True, layout="dense")
 
@@ -660,7 +660,7 @@ def test_backend_options_parse_and_bad_ones_name_the_choices():
     with pytest.raises(ValueError, match="SparseAttention: backend must be one of 'auto', 'sdpa', 'triton'"):
         sa.SparseAttention(backend="flash")
     window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
-    assert 'backend "sdpa" is for ordinary attention sites' in sa.check(window, sa.SparseAttentionOptions(backend="sdpa"))
+    assert 'backend "sdpa" is for ordinary attention sites' in sa.site_problem(window, sa.SparseAttentionOptions(backend="sdpa"))
 
 
 # ---- layouts through lowconv.convert ----

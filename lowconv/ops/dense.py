@@ -44,7 +44,7 @@ DENSE = register(Op(
     kind="linear",
     description="a plain nn.Linear with the site's weights (what lowconv.revert makes of converted linears)",
     options=DenseOptions,
-    check=lambda site, options: None,
+    site_problem=lambda site, options: None,
     from_site=from_site,
     empty=empty,
 ))

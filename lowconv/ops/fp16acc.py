@@ -62,7 +62,7 @@ class Fp16AccLinear(nn.Module):
                 f"splits={self.options.splits}, combine={self.options.combine}, backend={self.options.backend}")
 
 
-def check(site, options: Fp16AccOptions) -> str | None:
+def site_problem(site, options: Fp16AccOptions) -> str | None:
     dtype = site.compute_dtype()
     if dtype != "float16":
         return (f"fp16acc runs fp16 models only (site dtype is {dtype}; cast the model and its inputs "
@@ -84,7 +84,7 @@ FP16ACC = register(Op(
     kind="linear",
     description="fp16 linear with fp16 accumulation, split along K (fp32 or fp16 combine) to bound the error",
     options=Fp16AccOptions,
-    check=check,
+    site_problem=site_problem,
     from_site=from_site,
     empty=empty,
 ))

@@ -252,7 +252,7 @@ class Fp8Linear(nn.Module):
                    if o.scaling == "delayed" else ""))
 
 
-def check(site, options: Fp8Options) -> str | None:
+def site_problem(site, options: Fp8Options) -> str | None:
     info = linear_info(site)
     if info.in_features % 16 or info.out_features % 16:
         return (f"fp8 GEMM needs in_features and out_features divisible by 16 "
@@ -277,7 +277,7 @@ FP8 = register(Op(
     kind="linear",
     description="FP8 linear: e4m3 weights and activations (tensor or per-row scales), e5m2 gradients",
     options=Fp8Options,
-    check=check,
+    site_problem=site_problem,
     from_site=from_site,
     empty=empty,
     timed=True,

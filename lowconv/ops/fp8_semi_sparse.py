@@ -28,7 +28,7 @@ from lowconv.kernels.fp8_sparse24 import GemmCase, choose_backend, fp8_sparse24_
 from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.sparse24 import BackendChoice, prune_24
 from lowconv.ops.fp8 import Fp8Linear
-from lowconv.ops.fp8 import check as fp8_check
+from lowconv.ops.fp8 import site_problem as fp8_site_problem
 from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype, site_rows
 from lowconv.ops.registry import Op, register
 
@@ -153,13 +153,13 @@ def recompress_loaded_weight(module: Fp8SemiSparseLinear, incompatible_keys=None
     module.cusparselt_weight.copy_(module.gemm.compress(module.weight))
 
 
-def check(site, options: Fp8SemiSparseOptions) -> str | None:
+def site_problem(site, options: Fp8SemiSparseOptions) -> str | None:
     info = linear_info(site)
     if info.in_features % 4:
         return f"2:4 sparsity needs in_features divisible by 4 (weight is ({info.out_features}, {info.in_features}))"
     if options.backend == "cusparselt":
-        return cusparselt.shape_problem(info.out_features, info.in_features, E4M3) or fp8_check(site, options)
-    return fp8_check(site, options)
+        return cusparselt.shape_problem(info.out_features, info.in_features, E4M3) or fp8_site_problem(site, options)
+    return fp8_site_problem(site, options)
 
 
 def empty(site, options: Fp8SemiSparseOptions) -> Fp8SemiSparseLinear:
@@ -177,7 +177,7 @@ FP8_SEMI_SPARSE = register(Op(
     kind="linear",
     description="FP8 linear with a 2:4 sparse e4m3 weight (inference, dynamic scaling): cuSPARSELt's e4m3 2:4 GEMM",
     options=Fp8SemiSparseOptions,
-    check=check,
+    site_problem=site_problem,
     from_site=from_site,
     empty=empty,
     timed=True,

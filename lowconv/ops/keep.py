@@ -14,7 +14,7 @@ KEEP = register(Op(
     kind=None,
     description="leave the site unchanged",
     options=KeepOptions,
-    check=lambda site, options: None,
+    site_problem=lambda site, options: None,
     from_site=None,
     empty=None,
 ))

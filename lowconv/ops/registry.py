@@ -25,7 +25,7 @@ class Op:
     description: str
     options: type  # a dataclass; its fields are the recipe's `options` keys
     # Why this op cannot take this site (shape, dtype, ...), or None when it can.
-    check: Callable[[Site, Any], str | None]
+    site_problem: Callable[[Site, Any], str | None]
     # (site, options, params) -> module. params: the site's original tensors; for linears
     # {"weight": (out, in), "bias": (out,) or absent}; for nn.MultiheadAttention its state_dict;
     # for functional attention {}.

@@ -335,7 +335,7 @@ def module_class(options: SemiSparseOptions) -> type[nn.Module]:
     return MaskedSemiSparseLinear if options.training else CompressedSemiSparseLinear
 
 
-def check(site, options: SemiSparseOptions) -> str | None:
+def site_problem(site, options: SemiSparseOptions) -> str | None:
     if site.reads_parameter_device and issubclass(module_class(options), CompressedSemiSparseLinear):
         return ("other code of the model reads this layer's weight (its device), and the compressed 2:4 "
                 "layer keeps no weight tensor (training = true keeps one)")
@@ -372,7 +372,7 @@ SEMI_SPARSE = register(Op(
     kind="linear",
     description="2:4 semi-structured sparse linear (weight or activation pruned along in_features)",
     options=SemiSparseOptions,
-    check=check,
+    site_problem=site_problem,
     from_site=from_site,
     empty=empty,
 ))

@@ -496,7 +496,7 @@ def mha_kernel_masks(attn_mask, key_padding_mask, n, heads, seq_q, seq_k, dtype)
     return attn_mask + padding, None
 
 
-def check(site: Site, options: SparseAttentionOptions) -> str | None:
+def site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
     info = site.info
     if info.form == "mha" and None in (info.embed_dim, info.heads, info.batch_first):
         return "nn.MultiheadAttention site without embed_dim/heads/batch_first to rebuild it from"
@@ -553,7 +553,7 @@ SPARSE_ATTENTION = register(Op(
                 "causal, local, mask); on CUDA through SDPA, or lowconv's block-attention kernels where they "
                 "skip tiles of the scores that SDPA computes",
     options=SparseAttentionOptions,
-    check=check,
+    site_problem=site_problem,
     from_site=from_site,
     empty=empty,
 ))
