@@ -472,7 +472,12 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def _checksum(tensor: torch.Tensor) -> str:
-    return f"{zlib.crc32(bytes_of(tensor)):08x}"
+    return crc_hex(bytes_of(tensor))
+
+
+def crc_hex(data) -> str:
+    """The CRC-32 of bytes as the metadata stores it: 8 hex digits, always that wide."""
+    return f"{zlib.crc32(data):08x}"
 
 
 def _check_sums(text: str | None, tensors: dict[str, torch.Tensor], path: Path) -> None:

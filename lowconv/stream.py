@@ -31,7 +31,6 @@ import os
 import shutil
 import sys
 import time
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +55,7 @@ from lowconv.site import Site
 LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
 JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
-PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint._checksum's width
+PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint.crc_hex's width
 
 
 @dataclass(frozen=True)
@@ -90,10 +89,14 @@ class Layout:
         metadata = checkpoint.full_metadata(self.metadata, self.aliases, self.files, checksums)
         return {name: checkpoint.safetensors_header(shard, metadata) for name, shard in self.shards.items()}
 
+    def blank_headers(self) -> dict[str, tuple[bytes, list[str]]]:
+        """The headers with every checksum a placeholder: as long as the final ones."""
+        return self.headers(dict.fromkeys(self.stored(), PLACEHOLDER))
+
     def offsets(self) -> dict[str, tuple[str, int]]:
         """stored tensor -> (its shard file, the offset of its bytes)."""
         found = {}
-        for file, (header, names) in self.headers(dict.fromkeys(self.stored(), PLACEHOLDER)).items():
+        for file, (header, names) in self.blank_headers().items():
             offset = len(header)
             for name in names:
                 found[name] = (file, offset)
@@ -104,7 +107,7 @@ class Layout:
         return {name: t for shard in self.shards.values() for name, t in shard.items()}
 
     def fingerprint(self) -> str:
-        headers = self.headers(dict.fromkeys(self.stored(), PLACEHOLDER))
+        headers = self.blank_headers()
         return hashlib.sha256(b"".join(name.encode() + header for name, (header, _) in sorted(headers.items())))\
             .hexdigest()
 
@@ -276,7 +279,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         items = work_items(planned, sources, stored, {s.fqn: s for s in analysis.sites})
         written = write_items(items, sources, layout, staging, original_reader(files, model, built), sums, progress)
         progress(f"checksums into the headers; installing {out}")
-        placeholders = layout.headers(dict.fromkeys(stored, PLACEHOLDER))
+        placeholders = layout.blank_headers()
         for file, (header, _) in layout.headers(sums).items():
             if len(header) != len(placeholders[file][0]):  # fixed-width checksums: the data stays where it is
                 raise LowconvError(f"{file}: its header with checksums is not as long as the one written first "
@@ -361,7 +364,7 @@ def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
             not all((staging / file).is_file() for file in layout.shards):
         for leftover in staging.iterdir():
             leftover.unlink()
-        for file, (header, names) in layout.headers(dict.fromkeys(stored, PLACEHOLDER)).items():
+        for file, (header, names) in layout.blank_headers().items():
             with open(staging / file, "wb") as f:
                 f.write(header)
                 f.truncate(len(header) + sum(checkpoint.nbytes(stored[n]) for n in names))
@@ -374,7 +377,7 @@ def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
             file, offset = offsets[name]
             with open(staging / file, "rb") as f:
                 f.seek(offset)
-                if f"{zlib.crc32(f.read(checkpoint.nbytes(stored[name]))):08x}" == crc:
+                if checkpoint.crc_hex(f.read(checkpoint.nbytes(stored[name]))) == crc:
                     sums[name] = crc
     return sums, len(sums)
 
@@ -407,7 +410,7 @@ def write_items(items: list[Item], sources: dict[str, Source], layout: Layout, s
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                sums[name] = f"{zlib.crc32(data):08x}"
+                sums[name] = checkpoint.crc_hex(data)
                 journal.write(json.dumps({"tensor": name, "crc": sums[name]}) + "\n")
                 journal.flush()
                 written += 1
