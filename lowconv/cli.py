@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LowconvError, OSError) as err:
         print(f"lowconv: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("lowconv: interrupted", file=sys.stderr)
+        return 130
     except Exception:  # a bug in lowconv, not the user's input: say so, with the traceback
         traceback.print_exc()
         print("lowconv: internal error: this is a bug in lowconv; please report it with the traceback above",

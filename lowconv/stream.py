@@ -132,7 +132,8 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None) -> tuple[nn.Module, dict, dict[int, torch.dtype]]:
+def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None, source: InputCheckpoint
+                   ) -> tuple[nn.Module, dict, dict[int, torch.dtype]]:
     """The model of DIR's config.json with zero stand-ins for its parameters (tied ones stay tied),
     its example inputs as model_sources.hf_model makes them, and each parameter's dtype as built
     (before a --dtype cast), by id of its stand-in."""
@@ -143,8 +144,9 @@ def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None) -> 
     except (OSError, ValueError, KeyError) as err:
         raise LowconvError(f"model {spec!r}: transformers cannot read {directory / 'config.json'}: {err}") from None
     named = [getattr(transformers, name) for name in config.architectures or [] if hasattr(transformers, name)]
-    # from_pretrained's dtype="auto": the config's dtype, else torch's default
-    built = getattr(config, "dtype", None) or torch.get_default_dtype()
+    if getattr(config, "dtype", None) is None:  # from_pretrained's dtype="auto" records what it chose
+        config.dtype = source.load_dtype()
+    built = config.dtype
     built = getattr(torch, built) if isinstance(built, str) else built
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -171,21 +173,69 @@ def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None) -> 
     return model, to_device(hf_inputs(model, config, spec), torch.device("cpu"), cast), built_dtypes
 
 
-def input_index(directory: Path, spec: str) -> dict[str, Path]:
-    """{tensor name: its file} of DIR's safetensors weights (sharded with an index, or one file)."""
+@dataclass(frozen=True)
+class InputCheckpoint:
+    """DIR's safetensors weights as their headers describe them; no data read."""
+    files: dict[str, Path]  # tensor name -> its file
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype | None]  # None: a dtype torch has no name for here
+    index_dtype: str | None  # the sharded index's metadata "dtype", where it has one
+
+    def load_dtype(self) -> torch.dtype:
+        """The dtype from_pretrained(dtype="auto") builds a model whose config names none in: the
+        index's, else the first floating tensor's (by name) of the first file, not counting FP8 and
+        FP4, else torch's default (transformers' _get_dtype)."""
+        if self.index_dtype and hasattr(torch, self.index_dtype):
+            return getattr(torch, self.index_dtype)
+        first = min(self.files.values(), key=lambda path: path.name, default=None)
+        for name in sorted(n for n, path in self.files.items() if path == first):
+            dtype = self.dtypes[name]
+            if dtype is not None and dtype.is_floating_point and dtype.itemsize > 1:
+                return dtype
+        return torch.get_default_dtype()
+
+    def fingerprint(self) -> str:
+        """Changes when an input file does (its size or modification time): a run resumed on
+        other weights starts over."""
+        stats = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in set(self.files.values()))
+        return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+TORCH_DTYPES = {name: dtype for dtype, name in checkpoint.SAFETENSORS_DTYPES.items()}
+
+
+def input_checkpoint(directory: Path, spec: str) -> InputCheckpoint:
+    """DIR's safetensors weights (sharded with an index, or one file), every file's header read."""
     index = directory / checkpoint.INDEX_FILE
+    index_dtype = None
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return {name: directory / file for name, file in weight_map.items()}
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            read = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = {name: directory / file for name, file in read["weight_map"].items()}
+            index_dtype = (read.get("metadata") or {}).get("dtype")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise LowconvError(f"model {spec!r}: {index} is not a safetensors index ({err})") from None
-    single = directory / checkpoint.CHECKPOINT_FILE
-    if not single.is_file():
+    elif (directory / checkpoint.CHECKPOINT_FILE).is_file():
+        weight_map = None
+    else:
         raise LowconvError(f"model {spec!r}: --stream reads safetensors weights, and {directory} has neither "
                            f"{checkpoint.INDEX_FILE} nor {checkpoint.CHECKPOINT_FILE}")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    files, shapes, dtypes = {}, {}, {}
+    for path in sorted(set(weight_map.values())) if weight_map else [directory / checkpoint.CHECKPOINT_FILE]:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    files[name], shapes[name] = path, tuple(tensor.get_shape())
+                    dtypes[name] = TORCH_DTYPES.get(tensor.get_dtype())
+        except (SafetensorError, OSError) as err:
+            raise LowconvError(f"model {spec!r}: {path} is not a readable safetensors file ({err})") from None
+    if weight_map:
+        absent = sorted(name for name, path in weight_map.items() if files.get(name) != path)
+        if absent:
+            raise LowconvError(f"model {spec!r}: {index} maps {', '.join(absent[:5])} to files that do not hold "
+                               f"{'it' if len(absent) == 1 else 'them'}")
+    return InputCheckpoint(files, shapes, dtypes, index_dtype)
 
 
 def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
@@ -196,6 +246,19 @@ def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
             return f.get_tensor(name)
     except (SafetensorError, OSError) as err:
         raise LowconvError(f"{files[name]}: cannot read {name}: {err}") from None
+
+
+def check_shapes(model: nn.Module, read: set[str], stored_as: dict[str, str], source: InputCheckpoint,
+                 spec: str) -> None:
+    """Refuse a checkpoint whose tensors have other shapes than config.json's model gives them
+    (from_pretrained refuses it too), before anything is written."""
+    held = dict(named_tensors(model))
+    for name in sorted(read):
+        if name in stored_as and source.shapes[stored_as[name]] != tuple(held[name].shape):
+            tied_to = f" (tied to {name})" if stored_as[name] != name else ""
+            raise LowconvError(f"model {spec!r}: {source.files[stored_as[name]]} holds {stored_as[name]}{tied_to} with "
+                               f"shape {list(source.shapes[stored_as[name]])}, but config.json's model has "
+                               f"{list(held[name].shape)}: the config and the weights do not match")
 
 
 # ---- what the stream can convert ----
@@ -247,10 +310,10 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     if not (directory / "config.json").is_file():
         raise LowconvError(f"model {spec!r}: {directory / 'config.json'} does not exist")
     recipe = load_recipe(recipe)
-    files = input_index(directory, spec)
+    source = input_checkpoint(directory, spec)
     large_blocks_unmapped()
     progress("building the model on the meta device, tracing and planning on stand-ins of its weights")
-    model, inputs, built = stand_in_model(directory, spec, seed, dtype)
+    model, inputs, built = stand_in_model(directory, spec, seed, dtype, source)
     analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
     modules = op_modules(planned, analysis)
     check_streamable(planned, modules, recipe)
@@ -263,11 +326,12 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     parameters = dict(model.named_parameters(remove_duplicate=False))
     read = {s.name for s in sources.values() if s.site is None} | {
         name for site in analysis.sites if site.fqn in modules for name in (site.info.weight, site.info.bias_name) if name}
-    stored_as = checkpoint_names(model, files)
+    stored_as = checkpoint_names(model, source.files)
     missing = sorted(name for name in read if name in parameters and name not in stored_as)
     if missing:
         raise LowconvError(f"model {spec!r}: its checkpoint lacks {', '.join(missing[:5])} (the in-memory path "
                            f"would draw them at random, or rename them as it loads): convert without --stream")
+    check_shapes(model, read, stored_as, source, spec)
     state = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in converted.state_dict(keep_vars=True).items()}
     aliases = tied(converted)
     stored = {name: t for name, t in state.items() if name not in aliases}
@@ -275,9 +339,18 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
                     checkpoint.encoded(api.saved_files(plan, state, text_files(plan) if text_files else None)))
     staging = out.parent / f".{out.name}.stream"
     with checkpoint.locked(staging):  # one stream at a time into this staging directory
-        sums, skipped = resume(staging, layout)
+        sums, skipped = resume(staging, layout, source.fingerprint())
         items = work_items(planned, sources, stored, {s.fqn: s for s in analysis.sites})
-        written = write_items(items, sources, layout, staging, original_reader(files, model, built), sums, progress)
+        try:
+            written = write_items(items, sources, layout, staging, original_reader(source.files, model, built), sums,
+                                  progress)
+        except (KeyboardInterrupt, LowconvError, OSError) as err:
+            kept = (f"the {len(sums)} of {len(stored)} tensors written are kept in {staging}, where the same command "
+                    f"resumes (delete it to start over); nothing in {out} was changed")
+            if isinstance(err, KeyboardInterrupt):
+                progress(f"interrupted: {kept}")
+                raise
+            raise LowconvError(f"{err}; {kept}") from None
         progress(f"checksums into the headers; installing {out}")
         placeholders = layout.blank_headers()
         for file, (header, _) in layout.headers(sums).items():
@@ -348,10 +421,12 @@ def work_items(plan: Plan, sources: dict[str, Source], stored: dict[str, torch.T
     return items
 
 
-def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
+def resume(staging: Path, layout: Layout, inputs: str) -> tuple[dict[str, str], int]:
     """The checksums of the tensors a previous run wrote in `staging` whose bytes still have them,
-    and how many; the staging directory set up for this layout (emptied where it was another's)."""
+    and how many; the staging directory set up for this layout and these inputs (their
+    fingerprint), emptied where it was another's."""
     offsets, stored = layout.offsets(), layout.stored()
+    first = {"layout": layout.fingerprint(), "inputs": inputs}
     journal = staging / JOURNAL
     lines = journal.read_text(encoding="utf-8").splitlines() if journal.is_file() else []
     entries = []
@@ -360,15 +435,14 @@ def resume(staging: Path, layout: Layout) -> tuple[dict[str, str], int]:
             entries.append(json.loads(line))
         except ValueError:  # a line the interruption cut short
             break
-    if not entries or entries[0].get("layout") != layout.fingerprint() or \
-            not all((staging / file).is_file() for file in layout.shards):
+    if not entries or entries[0] != first or not all((staging / file).is_file() for file in layout.shards):
         for leftover in staging.iterdir():
-            leftover.unlink()
+            shutil.rmtree(leftover) if leftover.is_dir() and not leftover.is_symlink() else leftover.unlink()
         for file, (header, names) in layout.blank_headers().items():
             with open(staging / file, "wb") as f:
                 f.write(header)
                 f.truncate(len(header) + sum(checkpoint.nbytes(stored[n]) for n in names))
-        journal.write_text(json.dumps({"layout": layout.fingerprint()}) + "\n", encoding="utf-8")
+        journal.write_text(json.dumps(first) + "\n", encoding="utf-8")
         return {}, 0
     sums = {}
     for entry in entries[1:]:

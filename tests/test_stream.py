@@ -157,3 +157,64 @@ def test_refuses_other_sources_and_flags(tmp_path, sharded, capsys):
     assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "--calibration", "4",
                  "-o", str(tmp_path / "out")]) == 2
     assert "--stream does not take --calibration" in capsys.readouterr().err
+
+
+def test_a_config_without_dtype_streams_in_the_checkpoints_dtype(tmp_path):
+    """from_pretrained builds such a model in its first floating tensor's dtype, not in float32."""
+    source = llama(tmp_path / "bf16")
+    transformers.LlamaForCausalLM.from_pretrained(source).to(torch.bfloat16).save_pretrained(source, max_shard_size="60KB")
+    config = json.loads((source / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (source / "config.json").write_text(json.dumps(config))
+    in_memory(source, "fp8-dynamic", tmp_path / "memory")
+    stream_convert(f"hf:{source}", "fp8-dynamic", tmp_path / "stream", text_files=plan_files, max_shard_bytes=SHARD)
+    same_files(tmp_path / "memory", tmp_path / "stream")
+    assert checkpoint.read_checkpoint(tmp_path / "stream")[0]["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_a_resumed_run_on_changed_weights_starts_over(tmp_path):
+    source, out = llama(tmp_path / "llama"), tmp_path / "out"
+
+    def interrupted(message):
+        if message.startswith("[12/"):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        stream_convert(f"hf:{source}", "fp8-dynamic", out, text_files=plan_files, max_shard_bytes=SHARD,
+                       progress=interrupted)
+    (tmp_path / ".out.stream" / "left").mkdir()  # whatever else is in the staging directory goes too
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    model.save_pretrained(source, max_shard_size="60KB")  # the same shapes, other weights
+    messages = []
+    streamed = stream_convert(f"hf:{source}", "fp8-dynamic", out, text_files=plan_files, max_shard_bytes=SHARD,
+                              progress=messages.append)
+    assert streamed.skipped == 0 and not any(m.startswith("resuming") for m in messages)
+    in_memory(source, "fp8-dynamic", tmp_path / "memory")
+    same_files(tmp_path / "memory", out)
+
+
+def test_refuses_broken_or_mismatched_inputs_before_writing(tmp_path, sharded):
+    single = tmp_path / "single"
+    transformers.LlamaForCausalLM.from_pretrained(sharded).save_pretrained(single)  # one model.safetensors
+    weights = (single / checkpoint.CHECKPOINT_FILE).read_bytes()
+    (single / checkpoint.CHECKPOINT_FILE).write_bytes(weights[:len(weights) // 2])
+    with pytest.raises(LowconvError, match="model.safetensors is not a readable safetensors file"):
+        stream_convert(f"hf:{single}", "fp8-dynamic", tmp_path / "out")
+    (single / checkpoint.CHECKPOINT_FILE).write_bytes(weights)
+    config = json.loads((single / "config.json").read_text())
+    (single / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(LowconvError, match=r"model.safetensors holds model.layers.0.mlp.down_proj.weight with shape "
+                                           r"\[64, 128\], but config.json's model has \[64, 96\]: the config and"):
+        stream_convert(f"hf:{single}", "fp8-dynamic", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["single"]  # no output, no staging directory
+
+
+def test_cli_says_interrupted(tmp_path, sharded, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("lowconv.cli.stream_convert", interrupt)
+    assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "-o", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip().endswith("lowconv: interrupted")
