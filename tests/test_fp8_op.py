@@ -5,8 +5,8 @@ from torch import nn
 
 import lowconv
 from lowconv.kernels.fp8 import (
-    BLOCK, E4M3, E5M2, FP8_MAX, dequantize, fp8_linear_reference, quantize, quantize_rowwise, quantize_tensorwise,
-    quantize_weight, quantize_with_scale,
+    BLOCK, E4M3, E5M2, FP8_MAX, cast_with_scale, dequantize, expand_blocks, fp8_linear_reference, quantize,
+    quantize_rowwise, quantize_tensorwise, quantize_weight, quantize_with_scale, weight_rows,
 )
 from lowconv.ops.fp8 import Fp8Options, empty, from_site, site_problem
 from tests import sites
@@ -79,6 +79,23 @@ def test_weight_scale_rounded_up_to_storage_dtype():
         assert scale.dtype == dtype and scale.shape == (32, 1)
         assert (scale.float() * FP8_MAX[E4M3] >= w.abs().amax(-1, keepdim=True)).all()  # nothing saturates
         assert_rounded(w, w_fp8, scale.float(), E4M3)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "token", "block"])
+def test_weight_quantized_in_chunks_of_rows_is_quantized_whole(granularity):
+    """On the CPU quantize_weight reads W 128 rows at a time here (1100 values a row); its numbers are
+    those of quantize's one pass over W: the scales of the whole, the last chunk and tile partial."""
+    torch.manual_seed(0)
+    w = (torch.randn(300, 1100) * torch.logspace(-3, 1, 300).unsqueeze(1)).to(torch.bfloat16)
+    w[5, 7], w[200, 3] = float("nan"), 1e4
+    assert len(weight_rows(w)) == 3
+    w_fp8, stored = quantize_weight(w, granularity, torch.bfloat16)
+    scale = quantize(w, {"tensor": "tensor", "row": "row", "token": "tensor", "block": "block"}[granularity])[1]
+    rounded = scale.to(torch.bfloat16)
+    rounded = torch.where(rounded.float() < scale, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)), rounded)
+    assert torch.equal(stored, rounded)
+    whole, _ = cast_with_scale(w, expand_blocks(stored, w.shape), E4M3)
+    assert torch.equal(w_fp8.view(torch.uint8), whole.view(torch.uint8))
 
 
 def test_linear_sqnr_vs_float64():
