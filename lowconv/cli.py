@@ -178,12 +178,9 @@ def cmd_convert(args) -> int:
     return status
 
 
-NOT_COMPARED = ("no comparison was run: the model was converted with --stream, which never holds it (nor its "
-                "converted copy) in memory, and a comparison runs both on the example inputs")
-
-
 def stream(args, out: Path) -> int:
-    """convert --stream: the checkpoint written tensor by tensor (stream.py), no comparison."""
+    """convert --stream: the checkpoint written tensor by tensor (stream.py), each converted site
+    measured alone (stream_pass.py)."""
     refused = [flag for flag, given in [("--calibration", args.calibration), ("--calibration-text", args.calibration_text),
                                         ("--device cuda", args.device == "cuda"),
                                         ("--sparse-format dense", args.sparse_format == "dense")] if given]
@@ -191,21 +188,20 @@ def stream(args, out: Path) -> int:
         raise LowconvError(f"--stream does not take {', '.join(refused)}: it converts on the CPU, with ops that need "
                            f"no calibration and no 2:4 layers; convert without --stream (in memory) for those")
 
-    def text_files(plan: Plan) -> dict[str, str]:
-        command = f"lowconv compare {args.model} {out}"
-        return {"plan.json": plan.to_json(),
-                "report.md": f"# lowconv report\n\n{NOT_COMPARED[0].upper()}{NOT_COMPARED[1:]}.\nTo measure what the conversion "
-                             f"costs, run `{command}` on a machine that holds both models.\n",
-                "report.json": json.dumps({"compared": False, "reason": NOT_COMPARED, "compare_with": command},
-                                          indent=1)}
+    def text_files(plan: Plan, report: reports.Report | None) -> dict[str, str]:
+        return {"plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report) if report else "",
+                "report.json": json.dumps(reports.report_to_dict(report), indent=1) if report else ""}
     streamed = stream_convert(args.model, args.recipe, out, seed=args.seed, dtype=args.dtype, text_files=text_files,
                               max_shard_bytes=args.max_shard_size, progress=progress,
                               recorded={"file": recorded_path(args.model), "seed": args.seed, "dtype": args.dtype})
     print(plan_table(streamed.plan))
     print(plan_notes(streamed.plan))
+    print()
+    status = print_report(streamed.report)
     resumed = f" ({streamed.skipped} tensors kept from an interrupted run)" if streamed.skipped else ""
-    progress(f"wrote {streamed.path}{resumed}, plan.json, report.md ({NOT_COMPARED})")
-    return 0
+    progress(f"wrote {streamed.path}{resumed}, plan.json, report.md, report.json; the model's outputs were not "
+             f"compared (`lowconv compare {args.model} {out}` compares them where both models fit)")
+    return status
 
 
 def shard_size(text: str) -> int:

@@ -81,6 +81,7 @@ class Report:
     recipe: str = ""  # the recipe's name
     calibration: str = ""  # what calibrated static and delayed FP8 scales, where some were
     gate_min_site_sqnr_db: float | None = None  # every converted site alone (on the original's inputs)
+    scope: str = ""  # what was compared, where not everything was (a streamed conversion's report)
 
     @property
     def passed(self) -> bool:
@@ -188,6 +189,7 @@ def build_report(
     recipe: str = "",
     site_notes: dict[str, str] | None = None,
     calibration: str = "",
+    scope: str = "",
 ) -> Report:
     """site_pairs: fqn -> (original, converted) output of each site in the model; site_alone: the
     same with the op run on the original's inputs; site_ops: fqn -> op name, in plan order;
@@ -205,7 +207,8 @@ def build_report(
         stats = {name: float(value) for name, value in site_stats.get(fqn, {}).items()}
         alone = tensor_metrics(*site_alone[fqn]) if fqn in site_alone else None
         if fqn not in site_pairs:
-            sites.append(SiteRow(fqn, op, None, alone, stats, note="not reached by the inputs"))
+            note = site_notes.get(fqn) or ("" if alone else "not reached by the inputs")
+            sites.append(SiteRow(fqn, op, None, alone, stats, note=note))
         elif site_pairs[fqn][0].shape != site_pairs[fqn][1].shape:  # data-dependent shapes (routing)
             ref, test = site_pairs[fqn]
             note = f"output shapes differ: original {tuple(ref.shape)}, converted {tuple(test.shape)}"
@@ -217,7 +220,7 @@ def build_report(
     for name, ref, test in output_pairs:
         logit_row = logit_metrics(ref, test) if _wants_logit_metrics(name, ref, logits) else None
         outputs.append(OutputRow(name, tensor_metrics(ref, test), logit_row))
-    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe, calibration, gate_min_site_sqnr_db)
+    return Report(sites, outputs, gate_min_sqnr_db, perf, title, recipe, calibration, gate_min_site_sqnr_db, scope)
 
 
 def _wants_logit_metrics(name: str, ref: torch.Tensor, logits: bool | None) -> bool:
@@ -252,6 +255,8 @@ def gate_failures(report: Report) -> list[str]:
 def report_to_table(report: Report) -> str:
     """The terminal rendering."""
     parts = [" ".join(filter(None, [report.title or "lowconv report", f"(recipe {report.recipe})" if report.recipe else ""]))]
+    if report.scope:
+        parts.append(f"compared: {report.scope}")
     for heading, headers, rows in _tables(report):
         parts.append(f"\n{heading}\n" + tabulate(rows, headers, tablefmt="simple", disable_numparse=True))
     parts.append("\n" + _verdict(report))
@@ -265,6 +270,8 @@ def report_to_markdown(report: Report) -> str:
         parts.append(f"Recipe: `{report.recipe}`")
     if report.calibration:
         parts.append(f"Scales calibrated on {report.calibration}.")
+    if report.scope:
+        parts.append(f"Compared: {report.scope}.")
     parts.append(_verdict(report))
     for heading, headers, rows in _tables(report):
         parts.append(f"## {heading}\n\n" + tabulate(rows, headers, tablefmt="github", disable_numparse=True))
@@ -321,6 +328,7 @@ def report_from_dict(d: dict) -> Report:
         title=d["title"],
         recipe=d["recipe"],
         calibration=d.get("calibration", ""),
+        scope=d.get("scope", ""),
     )
 
 
@@ -395,7 +403,7 @@ def _float64_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, 
 def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
     """(heading, headers, rows) of every table, shared by the terminal and markdown renderings."""
     metric_headers = ["SQNR dB", "cosine", "rel L2", "max abs", "NaN/Inf"]
-    tables = [(
+    tables = [] if report.scope and not report.outputs else [(
         "Model outputs",
         ["output", *metric_headers, "KL", "top-1"],
         [[row.name, *_metric_cells(row.metrics), *_logit_cells(row.logits)] for row in report.outputs],

@@ -6,11 +6,14 @@ which takes no memory. Tracing, shape propagation and the plan run on the stand-
 `lowconv convert` runs them on the loaded model (they read shapes and dtypes, never weight
 values), so the plan is the in-memory path's. The converted structure is then built with each
 op's `empty` on meta (as lowconv.load does): its state dict gives every output tensor's name,
-dtype and shape, so every output shard's header is known before any data. Then, site by site,
-the weights are read from their input shard (safetensors, one tensor at a time), converted by the
-op's `from_site`, written at their offsets in the output shards and freed; kept tensors pass
-through, cast as from_pretrained and --dtype cast them. Last, the CRC-32 checksums (fixed-width
-hex, written as zeros first) are patched into each header, and the files are installed as
+dtype and shape, so every output shard's header is known before any data. Then the model runs
+on its example inputs module by module (stream_pass.py): each module's parameters are read from
+their input shard (safetensors, one tensor at a time) as it runs, kept tensors written as they are
+read (cast as from_pretrained and --dtype cast them), and each converted site's op module built by
+the op's `from_site` from the weights its module holds, written at its offsets in the output shards
+and run on that module's inputs: the site's accuracy alone, for the report. What the run does not
+reach is written after, the same way. Last, the CRC-32 checksums (fixed-width hex, written as zeros
+first) and the report's hashes are patched into each header, and the files are installed as
 checkpoint.save_checkpoint installs them: the same bytes, in one atomic swap.
 
 The shards are written in a staging directory beside the output (`.NAME.stream/`), with a
@@ -19,7 +22,7 @@ the tensors whose bytes still have their journalled checksum and converts the re
 
 Limits of this slice: linear sites only, with ops that need no calibration and measure nothing
 when built (fp8 dynamic, fp16acc); CPU only (no never-slower timing); parameter names must be the
-checkpoint's own (no renaming on load); no comparison (the report says so).
+checkpoint's own (no renaming on load); the report has each site alone, not the model's outputs.
 """
 from __future__ import annotations
 
@@ -31,14 +34,17 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lowconv import api, checkpoint
 from lowconv.analysis import Analysis, plan_conversion, plan_for
@@ -50,10 +56,13 @@ from lowconv.ops.registry import Calibrated, NotesThePlan
 from lowconv.passes.rewrite import freeze_named, linear_site_params
 from lowconv.plan import Decision, Plan
 from lowconv.recipe import Recipe, load_recipe
+from lowconv.report import Report
 from lowconv.site import Site
+from lowconv.stream_pass import Reader, streamed_pass
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
+IN_FLIGHT = 2  # items the disk thread may hold: their converted tensors are the memory it costs
 JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
 PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint.crc_hex's width
 
@@ -204,6 +213,27 @@ class InputCheckpoint:
 TORCH_DTYPES = {name: dtype for dtype, name in checkpoint.SAFETENSORS_DTYPES.items()}
 
 
+class StandInLinears(TorchFunctionMode):
+    """F.linear with a stand-in weight (zeros) gives its bias broadcast, computed without the
+    weight: planning runs every linear of the model three times (trace, shape propagation, plan),
+    and a stand-in, a zero expanded, would be copied whole for each product (half of a 48-layer
+    13B model's planning time)."""
+
+    def __init__(self, stand_ins: set[int]):
+        super().__init__()
+        self.stand_ins = stand_ins  # their ids
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = (*args, *[None] * 3)[:3]
+            weight, bias = kwargs.get("weight", weight), kwargs.get("bias", bias)
+            if id(weight) in self.stand_ins and isinstance(x, torch.Tensor):
+                out = x.new_zeros(*x.shape[:-1], weight.shape[0])
+                return out if bias is None else out + bias
+        return func(*args, **kwargs)
+
+
 def input_checkpoint(directory: Path, spec: str) -> InputCheckpoint:
     """DIR's safetensors weights (sharded with an index, or one file), every file's header read."""
     index = directory / checkpoint.INDEX_FILE
@@ -289,19 +319,21 @@ def check_streamable(plan: Plan, modules: dict[str, nn.Module], recipe: Recipe) 
 class Streamed:
     """What a streamed conversion found and wrote."""
     plan: Plan
+    report: Report  # each converted site alone (stream_pass.py)
     path: Path  # the weights' file or index
     skipped: int  # tensors a previous run had written already
     written: int
 
 
 def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, seed: int = 0, dtype: str | None = None,
-                   text_files: Callable[[Plan], dict[str, str]] | None = None,
+                   text_files: Callable[[Plan, Report | None], dict[str, str]] | None = None,
                    max_shard_bytes: int = checkpoint.MAX_SHARD_BYTES, recorded: dict | None = None,
                    progress: Callable[[str], None] = api.no_progress) -> Streamed:
     """Convert the hf:DIR model `spec` into `out` without holding it (module doc), writing what
-    lowconv.save of the in-memory conversion writes. `text_files(plan)` gives the files written
-    beside the weights (the CLI's plan.json and reports); `recorded` is added to Plan.model (the
-    CLI records the model's path, seed and dtype)."""
+    lowconv.save of the in-memory conversion writes. `text_files(plan, report)` gives the files
+    written beside the weights (the CLI's plan.json and reports): with report None for the layout
+    (their names), then with the streamed report (stream_pass.py); `recorded` is added to
+    Plan.model (the CLI records the model's path, seed and dtype)."""
     prefix, _, name = spec.partition(":")
     if prefix != "hf":
         raise LowconvError(f"--stream converts hf:DIR models (a directory with config.json and safetensors "
@@ -314,11 +346,12 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     large_blocks_unmapped()
     progress("building the model on the meta device, tracing and planning on stand-ins of its weights")
     model, inputs, built = stand_in_model(directory, spec, seed, dtype, source)
-    analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
+    with StandInLinears(set(built)):
+        analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
     modules = op_modules(planned, analysis)
     check_streamable(planned, modules, recipe)
-    converted, served, fused = api.rewritten(analysis, modules, api.decision_groups(planned.converted(),
-                                                                                  {s.fqn: s for s in analysis.sites}))
+    sites = {s.fqn: s for s in analysis.sites}
+    converted, served, fused = api.rewritten(analysis, modules, api.decision_groups(planned.converted(), sites))
     decisions = api.carried_out_all(planned, modules, {}, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, inputs)
     plan.model.update(recorded or {})
@@ -335,15 +368,24 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     state = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in converted.state_dict(keep_vars=True).items()}
     aliases = tied(converted)
     stored = {name: t for name, t in state.items() if name not in aliases}
-    layout = Layout(checkpoint.shard_files(stored, max_shard_bytes), aliases, api.checkpoint_metadata(plan),
-                    checkpoint.encoded(api.saved_files(plan, state, text_files(plan) if text_files else None)))
+    def files(report: Report | None) -> dict[str, bytes]:
+        return checkpoint.encoded(api.saved_files(plan, state, text_files(plan, report) if text_files else None))
+    layout = Layout(checkpoint.shard_files(stored, max_shard_bytes), aliases, api.checkpoint_metadata(plan), files(None))
     staging = out.parent / f".{out.name}.stream"
     with checkpoint.locked(staging):  # one stream at a time into this staging directory
         sums, skipped = resume(staging, layout, source.fingerprint())
-        items = work_items(planned, sources, stored, {s.fqn: s for s in analysis.sites})
+        items = work_items(planned, sources, stored, sites)
+        original = original_reader(source.files, model, built)
         try:
-            written = write_items(items, sources, layout, staging, original_reader(source.files, model, built), sums,
-                                  progress)
+            with Writer(items, layout, staging, sums, progress) as writer:
+                progress("converting each site, measured alone on the example inputs: the model run module by module")
+                report = streamed_pass(model, plan, sites, inputs, original,
+                                       *pass_writers(items, sources, writer, model))
+                for item in items:  # what the run did not reach
+                    if writer.wants(item):
+                        writer.write(item, item_tensors(item, sources, original))
+            if writer.written:
+                progress(writer.summary())
         except (KeyboardInterrupt, LowconvError, OSError) as err:
             kept = (f"the {len(sums)} of {len(stored)} tensors written are kept in {staging}, where the same command "
                     f"resumes (delete it to start over); nothing in {out} was changed")
@@ -351,8 +393,8 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
                 progress(f"interrupted: {kept}")
                 raise
             raise LowconvError(f"{err}; {kept}") from None
+        placeholders, layout = layout.blank_headers(), replace(layout, files=files(report))
         progress(f"checksums into the headers; installing {out}")
-        placeholders = layout.blank_headers()
         for file, (header, _) in layout.headers(sums).items():
             if len(header) != len(placeholders[file][0]):  # fixed-width checksums: the data stays where it is
                 raise LowconvError(f"{file}: its header with checksums is not as long as the one written first "
@@ -362,7 +404,28 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         writes = {out / file: moved_from(staging / file) for file in layout.shards}
         path = checkpoint.install(out, writes, layout.files, layout.shards)
     shutil.rmtree(staging)
-    return Streamed(plan, path, skipped, written)
+    return Streamed(plan, report, path, skipped, writer.written)
+
+
+def pass_writers(items: list[Item], sources: dict[str, Source], writer: Writer, model: nn.Module
+                 ) -> tuple[Callable[[Site, Reader], nn.Module], Callable[[torch.Tensor, torch.Tensor], None]]:
+    """streamed_pass's `built` and `on_load`: each writes its item as the run reaches it (a site's
+    op module once built, a kept parameter once read)."""
+    held = dict(named_tensors(model))
+    kept = {id(held[sources[item.outputs[0]].name]): item for item in items if item.decision is None}
+    by_site = {item.site.fqn: item for item in items if item.site is not None}
+
+    def built(site: Site, read: Reader) -> nn.Module:
+        item = by_site[site.fqn]
+        module = op_module(item, read)
+        writer.write(item, module_tensors(item, sources, module))
+        return module
+
+    def on_load(stand_in: torch.Tensor, tensor: torch.Tensor) -> None:
+        if id(stand_in) in kept:
+            item = kept[id(stand_in)]
+            writer.write(item, {item.outputs[0]: tensor})
+    return built, on_load
 
 
 def op_modules(plan: Plan, analysis: Analysis) -> dict[str, nn.Module]:
@@ -456,45 +519,80 @@ def resume(staging: Path, layout: Layout, inputs: str) -> tuple[dict[str, str], 
     return sums, len(sums)
 
 
-def write_items(items: list[Item], sources: dict[str, Source], layout: Layout, staging: Path,
-                original: Callable[[str], torch.Tensor], sums: dict[str, str],
-                progress: Callable[[str], None]) -> int:
-    """Convert and write every item not yet written; each tensor's checksum goes into `sums` and
-    the journal once its bytes are on disk. How many tensors were written."""
-    offsets, stored = layout.offsets(), layout.stored()
-    todo = [item for item in items if not all(name in sums for name in item.outputs)]
-    total, done, written, start = sum(item.nbytes for item in todo), 0, 0, time.monotonic()
-    if len(todo) < len(items):
-        progress(f"resuming: {len(items) - len(todo)} of {len(items)} steps were written by a previous run")
-    with open(staging / JOURNAL, "a", encoding="utf-8") as journal:
-        for i, item in enumerate(todo, 1):
-            elapsed = time.monotonic() - start
-            eta = f", ETA {format_seconds(elapsed / done * (total - done))}" if done else ""
-            progress(f"[{i}/{len(todo)}] {item.label} ({item.nbytes / 1e6:.1f} MB){eta}")
-            tensors = item_tensors(item, sources, original)
-            for name in item.outputs:
-                file, offset = offsets[name]
-                tensor = tensors[name]
-                if tensor.dtype != stored[name].dtype or tuple(tensor.shape) != tuple(stored[name].shape):
-                    raise LowconvError(f"{name}: converted as {tensor.dtype} {list(tensor.shape)}, but the converted "
-                                       f"structure has {stored[name].dtype} {list(stored[name].shape)} (a bug in lowconv)")
-                data = checkpoint.bytes_of(tensor)
-                with open(staging / file, "r+b") as f:
-                    f.seek(offset)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                sums[name] = checkpoint.crc_hex(data)
-                journal.write(json.dumps({"tensor": name, "crc": sums[name]}) + "\n")
-                journal.flush()
-                written += 1
-            del tensors
-            done += item.nbytes
-    if todo:
-        elapsed = time.monotonic() - start
-        progress(f"converted and wrote {done / 1e6:.0f} MB in {format_seconds(elapsed)} "
-                 f"({done / 1e6 / max(elapsed, 1e-3):.0f} MB/s)")
-    return written
+class Writer:
+    """Writes each item's tensors at their offsets in the staging shards, once (not those a previous
+    run wrote): a tensor's checksum goes into `sums`, then the journal, once its bytes are on disk.
+    The disk work (write, fsync, checksum) runs on a thread of its own while the next item is
+    computed, IN_FLIGHT items at most. Progress: a line per item, with an ETA."""
+
+    def __init__(self, items: list[Item], layout: Layout, staging: Path, sums: dict[str, str],
+                 progress: Callable[[str], None]):
+        self.offsets, self.stored, self.staging, self.sums, self.progress = \
+            layout.offsets(), layout.stored(), staging, sums, progress
+        self.todo = {item.label for item in items if not all(name in sums for name in item.outputs)}
+        self.total, self.done, self.written, self.start = sum(i.nbytes for i in items if i.label in self.todo), 0, 0, 0.0
+        self.count = len(self.todo)
+        if len(self.todo) < len(items):
+            progress(f"resuming: {len(items) - len(self.todo)} of {len(items)} steps were written by a previous run")
+
+    def __enter__(self) -> Writer:
+        self.journal = open(self.staging / JOURNAL, "a", encoding="utf-8")
+        self.disk, self.pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowconv-stream"), []
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        try:
+            if kind is None:
+                self.drain(0)  # raises the disk's error, if any
+            else:  # the writes under way finish (their tensors are whole); the error in flight is the one told
+                wait(self.pending)
+        finally:
+            self.disk.shutdown()
+            self.journal.close()
+
+    def drain(self, most: int) -> None:
+        """Wait until at most `most` items are being written."""
+        while len(self.pending) > most:
+            self.pending.pop(0).result()
+
+    def wants(self, item: Item) -> bool:
+        return item.label in self.todo
+
+    def write(self, item: Item, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.wants(item):
+            return
+        elapsed = time.monotonic() - self.start
+        eta = f", ETA {format_seconds(elapsed / self.done * (self.total - self.done))}" if self.done else ""
+        self.progress(f"[{self.count - len(self.todo) + 1}/{self.count}] {item.label} ({item.nbytes / 1e6:.1f} MB){eta}")
+        for name in item.outputs:
+            tensor, stored = tensors[name], self.stored[name]
+            if tensor.dtype != stored.dtype or tuple(tensor.shape) != tuple(stored.shape):
+                raise LowconvError(f"{name}: converted as {tensor.dtype} {list(tensor.shape)}, but the converted "
+                                   f"structure has {stored.dtype} {list(stored.shape)} (a bug in lowconv)")
+        self.drain(IN_FLIGHT - 1)
+        self.pending.append(self.disk.submit(self.put, {name: (*self.offsets[name], tensors[name]) for name in item.outputs}))
+        self.todo.discard(item.label)
+        self.done += item.nbytes
+
+    def put(self, tensors: dict[str, tuple[str, int, torch.Tensor]]) -> None:
+        """On the disk thread: each tensor's bytes at its offset, synced, then its checksum journalled."""
+        for name, (file, offset, tensor) in tensors.items():
+            data = checkpoint.bytes_of(tensor)
+            with open(self.staging / file, "r+b") as f:
+                f.seek(offset)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            self.sums[name] = checkpoint.crc_hex(data)
+            self.journal.write(json.dumps({"tensor": name, "crc": self.sums[name]}) + "\n")
+            self.journal.flush()
+            self.written += 1
+
+    def summary(self) -> str:
+        elapsed = time.monotonic() - self.start
+        return (f"converted and wrote {self.done / 1e6:.0f} MB in {format_seconds(elapsed)} "
+                f"({self.done / 1e6 / max(elapsed, 1e-3):.0f} MB/s), each converted site measured on the way")
 
 
 def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str], torch.Tensor]
@@ -502,9 +600,17 @@ def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str
     """The item's output tensors, computed from the input checkpoint."""
     if item.decision is None:
         return {item.outputs[0]: original(sources[item.outputs[0]].name)}
+    return module_tensors(item, sources, op_module(item, original))
+
+
+def op_module(item: Item, original: Callable[[str], torch.Tensor]) -> nn.Module:
+    """A converted site's op module, built from the original's weights."""
     site, op = item.site, OPS[item.decision.op]
     params = linear_site_params(site, original)
-    module = freeze_named(op.from_site(site, op.options(**item.decision.options), params), site.frozen)
+    return freeze_named(op.from_site(site, op.options(**item.decision.options), params), site.frozen)
+
+
+def module_tensors(item: Item, sources: dict[str, Source], module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     return {name: state[sources[name].name] for name in item.outputs}
 

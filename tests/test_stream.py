@@ -39,7 +39,7 @@ def sharded(tmp_path_factory) -> Path:
     return path
 
 
-def plan_files(plan) -> dict[str, str]:
+def plan_files(plan, report=None) -> dict[str, str]:
     return {"plan.json": plan.to_json()}
 
 
@@ -100,8 +100,13 @@ def test_cli_stream(tmp_path, sharded, capsys):
     memory, stream = tmp_path / "memory", tmp_path / "stream"
     for name in ["config.json", "plan.json", checkpoint.INDEX_FILE, "generation_config.json"]:
         assert (memory / name).read_bytes() == (stream / name).read_bytes(), name
-    assert "No comparison was run" in (stream / "report.md").read_text()
-    assert json.loads((stream / "report.json").read_text())["compared"] is False
+    # Each site alone on the original's inputs, as compare measures it: the same numbers.
+    streamed, compared = (json.loads((d / "report.json").read_text()) for d in (stream, memory))
+    assert streamed["scope"].startswith("streamed: each converted site alone") and not streamed["outputs"]
+    assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
+        [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
+    assert len(streamed["sites"]) == 14 and all(s["metrics"] is None for s in streamed["sites"])
+    assert "Compared: streamed" in (stream / "report.md").read_text()
     # The shards hold the same tensors; their metadata differs only in the reports' hashes.
     theirs, their_meta = checkpoint.read_checkpoint(memory)
     ours, our_meta = checkpoint.read_checkpoint(stream)
@@ -218,3 +223,65 @@ def test_cli_says_interrupted(tmp_path, sharded, monkeypatch, capsys):
     monkeypatch.setattr("lowconv.cli.stream_convert", interrupt)
     assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "-o", str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err.strip().endswith("lowconv: interrupted")
+
+
+class ReadsAParameterOutsideItsModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.head(self.fc(x)) + torch.nn.functional.linear(x, self.fc.weight)
+
+
+def test_a_model_that_cannot_run_module_by_module_is_converted_but_not_measured(tmp_path):
+    """Its code computes with fc.weight outside fc (the plan keeps fc for it): the run stops there,
+    and the report says so rather than measure on stand-ins; the site is converted all the same,
+    and the model is left with its own parameters."""
+    from lowconv.analysis import plan_conversion
+    from lowconv.ops import OPS
+    from lowconv.passes.rewrite import linear_site_params
+    from lowconv.stream_pass import streamed_pass
+
+    model = ReadsAParameterOutsideItsModule()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.randn(4, 64)
+    analysis, plan = plan_conversion(model, "fp8-dynamic", (x,))
+    sites = {s.fqn: s for s in analysis.sites}
+    built, loaded = [], []
+
+    def build(site, read):
+        decision = next(d for d in plan.converted() if d.fqn == site.fqn)
+        op = OPS[decision.op]
+        built.append(site.fqn)
+        return op.from_site(site, op.options(**decision.options), linear_site_params(site, read))
+    params = dict(model.named_parameters())
+    report = streamed_pass(model, plan, sites, (x,), weights.__getitem__, build, lambda s, t: loaded.append(s))
+    assert [row.fqn for row in report.sites] == ["head"] and all(row.alone is None for row in report.sites)
+    assert report.sites[0].note == ("not measured: the model does not run module by module (linear computed with "
+                                    "fc.weight while the module that owns it was not running)")
+    assert dict(model.named_parameters()) == params  # its own parameters are back
+    assert built == ["head"] and len(loaded) == 4  # both modules ran before the outside read
+
+
+def test_a_failed_write_keeps_what_was_written_and_resumes(tmp_path, sharded, monkeypatch):
+    """A disk error on the writing thread (here the 10th fsync: a full disk) stops the stream with
+    the error, out/ untouched; the same command then resumes."""
+    import errno
+    fsync, calls = os.fsync, []
+
+    def failing(descriptor):
+        calls.append(descriptor)
+        if len(calls) == 10:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(descriptor)
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(LowconvError, match=r"No space left on device; the \d+ of 35 tensors written are kept in "
+                                           r".*\.out\.stream, where the same command resumes"):
+        stream_convert(f"hf:{sharded}", "fp8-dynamic", tmp_path / "out", text_files=plan_files, max_shard_bytes=SHARD)
+    assert not (tmp_path / "out").exists()
+    streamed = stream_convert(f"hf:{sharded}", "fp8-dynamic", tmp_path / "out", text_files=plan_files,
+                              max_shard_bytes=SHARD)
+    assert streamed.skipped >= 9
+    in_memory(sharded, "fp8-dynamic", tmp_path / "memory")
+    same_files(tmp_path / "memory", tmp_path / "out")
