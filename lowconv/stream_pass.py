@@ -2,11 +2,11 @@
 
 The model (its parameters stand-ins) runs on the example inputs with every parameter unloaded (a
 stand-in that refuses to compute) except while the module that owns it runs: then it is read from
-the input checkpoint (and
-handed to the stream, which writes the tensors it keeps), and dropped after. Where a converted
-site's module has run, the stream builds its op module from the weights that module holds (and
-writes it), and the op runs on the inputs that module saw: the pair of outputs is the site's
-"alone" measurement of compare.compare, the same numbers. Memory holds one module's weights.
+the input checkpoint (and handed to the stream, which writes the tensors it keeps), and dropped
+after. Where a converted site's module has run, the stream builds its op module from the weights
+that module holds (and writes it), and the op runs on the inputs that module saw: the pair of
+outputs is the site's "alone" measurement of compare.compare, the same numbers. Memory holds one
+module's weights.
 
 Not measured: the model's outputs and each site in the converted model (both need the converted
 model run whole, which the stream never holds), and sites that are no module's whole forward. A
@@ -144,7 +144,12 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
             alone[fqn], notes[fqn] = worst_call(*calls[fqn])
     return reports.build_report({}, {fqn: d.op for fqn, d in decisions.items()}, [], site_alone=alone,
                                 gate_min_site_sqnr_db=plan.gate_min_site_sqnr_db, recipe=plan.recipe,
-                                site_notes=notes, scope=SCOPE)
+                                site_notes=notes, scope=SCOPE + unchecked_gate(plan))
+
+
+def unchecked_gate(plan: Plan) -> str:
+    gate = plan.gate_min_sqnr_db
+    return "" if gate is None else f"; the recipe's gate on the outputs (SQNR >= {gate:.1f} dB) was not checked"
 
 
 def site_module(model: nn.Module, site: Site) -> nn.Module | None:

@@ -62,6 +62,7 @@ def test_streamed_bytes_are_the_in_memory_conversions(tmp_path, sharded, recipe,
     streamed = stream_convert(f"hf:{source}", recipe, tmp_path / "stream", text_files=plan_files,
                               max_shard_bytes=SHARD)
     assert streamed.path.name == checkpoint.INDEX_FILE and len(list((tmp_path / "stream").glob("model-*"))) > 1
+    assert streamed.report.scope.endswith("the recipe's gate on the outputs (SQNR >= 15.0 dB) was not checked")
     same_files(tmp_path / "memory", tmp_path / "stream")
     assert not (tmp_path / ".stream.stream").exists()  # the staging directory goes once installed
 
