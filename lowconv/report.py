@@ -408,7 +408,13 @@ def _tables(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         ["output", *metric_headers, "KL", "top-1"],
         [[row.name, *_metric_cells(row.metrics), *_logit_cells(row.logits)] for row in report.outputs],
     )]
-    if report.sites:
+    if report.sites and report.scope and all(row.metrics is None for row in report.sites):  # measured alone only
+        tables.append((
+            "Converted sites (alone: the op on the original's inputs)",
+            ["site", "op", "alone SQNR dB", "cosine", "rel L2", "max abs", "NaN/Inf", "notes"],
+            [[row.fqn, row.op, *_metric_cells(row.alone), _notes(row)] for row in report.sites],
+        ))
+    elif report.sites:
         tables.append((
             "Converted sites (in the model: earlier sites' errors included; alone: the op on the original's inputs)",
             ["site", "op", "alone SQNR dB", *metric_headers, "notes"],
@@ -434,7 +440,7 @@ def _verdict(report: Report) -> str:
     gates = [f"SQNR >= {_db(gate)} dB at every {where}"
              for gate, where in ((report.gate_min_sqnr_db, "output"),
                                  (report.gate_min_site_sqnr_db, "converted site alone")) if gate is not None]
-    gate = f"gate: {' and '.join(gates)}" if gates else "no SQNR gate"
+    gate = f"gate: {' and '.join(gates)}" if gates else "no SQNR gate checked" if report.scope else "no SQNR gate"
     failures = gate_failures(report)
     if not failures:
         nothing = "; nothing was converted (the plan says why for each site)" if not report.sites else ""

@@ -107,7 +107,9 @@ def test_cli_stream(tmp_path, sharded, capsys):
     assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
         [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
     assert len(streamed["sites"]) == 14 and all(s["metrics"] is None for s in streamed["sites"])
-    assert "Compared: streamed" in (stream / "report.md").read_text()
+    markdown = (stream / "report.md").read_text()
+    assert "Compared: streamed" in markdown and "## Converted sites (alone: the op on the original's inputs)" in markdown
+    assert "| model.layers.0.self_attn.q_proj | fp8  | " in markdown and "Model outputs" not in markdown
     # The shards hold the same tensors; their metadata differs only in the reports' hashes.
     theirs, their_meta = checkpoint.read_checkpoint(memory)
     ours, our_meta = checkpoint.read_checkpoint(stream)
