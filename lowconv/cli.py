@@ -141,6 +141,10 @@ def cmd_convert(args) -> int:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise LowconvError(f"the output directory {out} is a file; give a directory (-o)")
+    prefix, _, source = args.model.partition(":")
+    if prefix == "hf" and out.exists() and out.resolve() == Path(source).resolve():
+        raise LowconvError(f"-o {out} is the model's own directory: the converted checkpoint would replace the "
+                           f"weights it is made from; give another directory")
     check_writable(out)
     if args.stream:
         return stream(args, out)

@@ -39,6 +39,7 @@ class LogitMetrics:
     rows: int
 
 
+NOT_MEASURED = "not measured"  # how a site note begins where a report could not measure the site
 METRIC_CHUNK = 1 << 20  # float64 values per step of the metrics: 8 MiB a temporary
 
 
@@ -240,6 +241,9 @@ def gate_failures(report: Report) -> list[str]:
         if site_gate is not None and row.alone is not None and not row.alone.sqnr_db >= site_gate:
             failures.append(f"{row.fqn} ({row.op}) alone: SQNR {_db(row.alone.sqnr_db)} dB is below the site gate "
                             f"of {_db(site_gate)} dB")
+        elif site_gate is not None and row.alone is None and row.note.startswith(NOT_MEASURED):
+            failures.append(f"{row.fqn} ({row.op}): the site gate of {_db(site_gate)} dB cannot be checked, it was "
+                            f"{row.note}")
     for row in report.outputs:
         m = row.metrics
         if m.new_nonfinite:

@@ -14,7 +14,8 @@ the op's `from_site` from the weights its module holds, written at its offsets i
 and run on that module's inputs: the site's accuracy alone, for the report. What the run does not
 reach is written after, the same way. Last, the CRC-32 checksums (fixed-width hex, written as zeros
 first) and the report's hashes are patched into each header, and the files are installed as
-checkpoint.save_checkpoint installs them: the same bytes, in one atomic swap.
+checkpoint.save_checkpoint installs them, in one atomic swap: the in-memory conversion's tensors,
+byte for byte.
 
 The shards are written in a staging directory beside the output (`.NAME.stream/`), with a
 journal of each tensor written and its checksum; a run started again after an interruption keeps
@@ -365,6 +366,10 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         raise LowconvError(f"model {spec!r}: its checkpoint lacks {', '.join(missing[:5])} (the in-memory path "
                            f"would draw them at random, or rename them as it loads): convert without --stream")
     check_shapes(model, read, stored_as, source, spec)
+    unused = sorted(set(source.files) - set(stored_as.values()))
+    if unused:
+        progress(f"warning: the checkpoint holds {len(unused)} tensors the model of config.json does not have, "
+                 f"not written: {', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}")
     state = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in converted.state_dict(keep_vars=True).items()}
     aliases = tied(converted)
     stored = {name: t for name, t in state.items() if name not in aliases}
@@ -373,7 +378,9 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     layout = Layout(checkpoint.shard_files(stored, max_shard_bytes), aliases, api.checkpoint_metadata(plan), files(None))
     staging = out.parent / f".{out.name}.stream"
     with checkpoint.locked(staging):  # one stream at a time into this staging directory
-        sums, skipped = resume(staging, layout, source.fingerprint())
+        if not staging.is_dir():  # a stream this one waited for finished and removed it
+            staging.mkdir(parents=True)
+        sums, skipped = resume(staging, layout, source.fingerprint(), progress)
         items = work_items(planned, sources, stored, sites)
         original = original_reader(source.files, model, built)
         try:
@@ -390,7 +397,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
             kept = (f"the {len(sums)} of {len(stored)} tensors written are kept in {staging}, where the same command "
                     f"resumes (delete it to start over); nothing in {out} was changed")
             if isinstance(err, KeyboardInterrupt):
-                progress(f"interrupted: {kept}")
+                progress(f"stopped: {kept}")
                 raise
             raise LowconvError(f"{err}; {kept}") from None
         placeholders, layout = layout.blank_headers(), replace(layout, files=files(report))
@@ -484,7 +491,7 @@ def work_items(plan: Plan, sources: dict[str, Source], stored: dict[str, torch.T
     return items
 
 
-def resume(staging: Path, layout: Layout, inputs: str) -> tuple[dict[str, str], int]:
+def resume(staging: Path, layout: Layout, inputs: str, progress: Callable[[str], None]) -> tuple[dict[str, str], int]:
     """The checksums of the tensors a previous run wrote in `staging` whose bytes still have them,
     and how many; the staging directory set up for this layout and these inputs (their
     fingerprint), emptied where it was another's."""
@@ -499,6 +506,9 @@ def resume(staging: Path, layout: Layout, inputs: str) -> tuple[dict[str, str], 
         except ValueError:  # a line the interruption cut short
             break
     if not entries or entries[0] != first or not all((staging / file).is_file() for file in layout.shards):
+        if entries:
+            progress(f"{staging} held {len(entries) - 1} tensors of a run on other inputs, another recipe or "
+                     f"other shards: starting over")
         for leftover in staging.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() and not leftover.is_symlink() else leftover.unlink()
         for file, (header, names) in layout.blank_headers().items():

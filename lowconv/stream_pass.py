@@ -128,7 +128,7 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
         try:
             run_eval(model, *normalize_inputs(inputs))
         except ReadOutsideItsModule as err:
-            failed = f"not measured: the model does not run module by module ({err})"
+            failed = f"{reports.NOT_MEASURED}: the model does not run module by module ({err})"
         finally:
             for handle in handles:
                 handle.remove()
@@ -137,7 +137,7 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
         if failed:
             notes[fqn] = failed
         elif modules[fqn] is None:
-            notes[fqn] = "not measured: a streamed report measures sites that are a module's whole forward"
+            notes[fqn] = f"{reports.NOT_MEASURED}: a streamed report measures sites that are a module's whole forward"
         elif fqn not in calls:
             notes[fqn] = "not reached by the inputs"
         else:
@@ -153,11 +153,12 @@ def unchecked_gate(plan: Plan) -> str:
 
 
 def site_module(model: nn.Module, site: Site) -> nn.Module | None:
-    """The module of `model` whose forward is the site, where there is one (not in an expanded
-    nn.MultiheadAttention, which exists in the traced copy alone)."""
-    if not site.module_backed:
-        return None
+    """The module of `model` whose forward is the site, where there is one: the site's own, or a
+    Hugging Face Conv1D (GPT-2's: x @ W + b, its output the site's, reshaped). None in an expanded
+    nn.MultiheadAttention, which exists in the traced copy alone."""
     try:
-        return model.get_submodule(site.fqn)
+        module = model.get_submodule(site.fqn)
     except AttributeError:
         return None
+    conv1d = type(module).__name__ == "Conv1D" and site.info.weight == f"{site.fqn}.weight"
+    return module if site.module_backed or conv1d else None

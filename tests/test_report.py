@@ -222,6 +222,13 @@ def test_site_gate_holds_each_converted_site_alone():
     assert ("PASS (gate: SQNR >= -10.0 dB at every output and SQNR >= 5.0 dB at every converted site alone"
             in report_to_table(passing))
     assert report_from_dict(json.loads(json.dumps(report_to_dict(report)))).gate_min_site_sqnr_db == 5.0
+    # A site a report could not measure fails the site gate (one not reached by the inputs does not).
+    unmeasured = build_report({}, {"fc1": "fp8", "fc2": "fp8"}, [], site_alone={"fc1": (x, good)},
+                              gate_min_site_sqnr_db=5.0, site_notes={"fc2": "not measured: its module never ran"},
+                              scope="streamed")
+    assert gate_failures(unmeasured) == ["fc2 (fp8): the site gate of 5.0 dB cannot be checked, it was not measured: "
+                                         "its module never ran"]
+    assert build_report({}, {"fc1": "fp8"}, [], gate_min_site_sqnr_db=5.0).passed  # not reached
 
 
 def test_new_nan_fails_even_without_a_gate():

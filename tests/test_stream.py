@@ -1,8 +1,10 @@
 """convert --stream (lowconv/stream.py): a sharded hf:DIR checkpoint converted tensor by tensor
 gives the bytes of the in-memory conversion, resumes after an interruption, stays within a memory
 bound far below the model's size, and refuses what it cannot do, by name."""
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -200,6 +202,8 @@ def test_a_resumed_run_on_changed_weights_starts_over(tmp_path):
     streamed = stream_convert(f"hf:{source}", "fp8-dynamic", out, text_files=plan_files, max_shard_bytes=SHARD,
                               progress=messages.append)
     assert streamed.skipped == 0 and not any(m.startswith("resuming") for m in messages)
+    assert any(m.endswith("tensors of a run on other inputs, another recipe or other shards: starting over")
+               for m in messages), messages
     in_memory(source, "fp8-dynamic", tmp_path / "memory")
     same_files(tmp_path / "memory", out)
 
@@ -288,3 +292,46 @@ def test_a_failed_write_keeps_what_was_written_and_resumes(tmp_path, sharded, mo
     assert streamed.skipped >= 9
     in_memory(sharded, "fp8-dynamic", tmp_path / "memory")
     same_files(tmp_path / "memory", tmp_path / "out")
+
+
+def test_gpt2_conv1d_sites_are_measured_as_in_memory(tmp_path):
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2", max_shard_size="100KB")
+    loaded = load_model(f"hf:{tmp_path / 'gpt2'}", device="cpu")
+    converted = api.convert(loaded.model, "fp8-row", loaded.inputs, share_weights=True)
+    from lowconv.compare import compare
+    compared = compare(loaded.model, converted, loaded.inputs)
+    streamed = stream_convert(f"hf:{tmp_path / 'gpt2'}", "fp8-row", tmp_path / "out").report
+    assert [(s.fqn, s.alone, s.note) for s in streamed.sites] == [(s.fqn, s.alone, s.note) for s in compared.sites]
+    assert len(streamed.sites) == 8 and all(s.alone is not None for s in streamed.sites)
+
+
+def test_extra_checkpoint_tensors_are_named_and_an_output_into_the_input_is_refused(tmp_path, sharded, capsys):
+    source = tmp_path / "one_layer"
+    source.mkdir()
+    for path in sharded.iterdir():
+        (source / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    messages = []
+    stream_convert(f"hf:{source}", "fp8-dynamic", tmp_path / "out", progress=messages.append)
+    warning = next(m for m in messages if m.startswith("warning:"))
+    assert "holds 9 tensors the model of config.json does not have, not written: model.layers.1." in warning
+    assert main(["convert", f"hf:{source}", "fp8-dynamic", "--stream", "-o", str(source)]) == 2
+    assert "is the model's own directory" in capsys.readouterr().err
+
+
+def test_a_stream_that_waited_for_another_into_the_same_output_converts(tmp_path, sharded, monkeypatch):
+    """The stream it waited for removed the staging directory as it finished."""
+    locked = checkpoint.locked
+
+    @contextlib.contextmanager
+    def after_another(directory):
+        with locked(directory):
+            shutil.rmtree(directory)
+            yield
+    monkeypatch.setattr(checkpoint, "locked", after_another)
+    streamed = stream_convert(f"hf:{sharded}", "fp8-dynamic", tmp_path / "out", text_files=plan_files,
+                              max_shard_bytes=SHARD)
+    assert streamed.written == 35
