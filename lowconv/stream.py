@@ -360,7 +360,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     parameters = dict(model.named_parameters(remove_duplicate=False))
     read = {s.name for s in sources.values() if s.site is None} | {
         name for site in analysis.sites if site.fqn in modules for name in (site.info.weight, site.info.bias_name) if name}
-    stored_as = checkpoint_names(model, source.files)
+    stored_as = checkpoint_names(model, loaded_as(model, source, spec))
     missing = sorted(name for name in read if name in parameters and name not in stored_as)
     if missing:
         raise LowconvError(f"model {spec!r}: its checkpoint lacks {', '.join(missing[:5])} (the in-memory path "
@@ -382,7 +382,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
             staging.mkdir(parents=True)
         sums, skipped = resume(staging, layout, source.fingerprint(), progress)
         items = work_items(planned, sources, stored, sites)
-        original = original_reader(source.files, model, built)
+        original = original_reader(source.files, stored_as, model, built)
         try:
             with Writer(items, layout, staging, sums, progress) as writer:
                 progress("converting each site, measured alone on the example inputs: the model run module by module")
@@ -625,13 +625,13 @@ def module_tensors(item: Item, sources: dict[str, Source], module: nn.Module) ->
     return {name: state[sources[name].name] for name in item.outputs}
 
 
-def original_reader(files: dict[str, Path], model: nn.Module, built: dict[int, torch.dtype]
-                    ) -> Callable[[str], torch.Tensor]:
-    """name -> the original's tensor as the in-memory path holds it: read from the checkpoint, cast
-    to the dtype the model builds it in (as from_pretrained loads it), then to its stand-in's
-    (--dtype); a buffer the checkpoint lacks is the model's own (computed when it was built)."""
+def original_reader(files: dict[str, Path], stored_as: dict[str, str], model: nn.Module,
+                    built: dict[int, torch.dtype]) -> Callable[[str], torch.Tensor]:
+    """name -> the original's tensor as the in-memory path holds it: read from the checkpoint (under
+    its name there, stored_as), cast to the dtype the model builds it in (as from_pretrained loads
+    it), then to its stand-in's (--dtype); a buffer the checkpoint lacks is the model's own
+    (computed when it was built)."""
     held = dict(named_tensors(model))
-    stored_as = checkpoint_names(model, files)
 
     def original(name: str) -> torch.Tensor:
         if name not in stored_as:
@@ -644,14 +644,40 @@ def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
 
-def checkpoint_names(model: nn.Module, files: dict[str, Path]) -> dict[str, str]:
-    """{name of a parameter or buffer: the name the checkpoint holds it under}: its own, or that
-    of a tensor tied to it (a checkpoint stores tied tensors once)."""
+def loaded_as(model: nn.Module, source: InputCheckpoint, spec: str) -> dict[str, str]:
+    """{the name from_pretrained loads a checkpoint tensor as: its name in the checkpoint}, after
+    the renamings this transformers applies to the model's checkpoints (its conversion mapping:
+    GPT-NeoX's embed_out is lm_head; a base model's prefix added or stripped). A tensor that
+    transformers converts as it loads (experts merged, a weight split) is refused."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without conversion mappings loads checkpoints under their own names
+        return {key: key for key in source.files}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    names = dict.fromkeys((name for name, _ in named_tensors(model)), True)
+    found = {}
+    for key in source.files:
+        name, converted = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None), names)
+        if converted is not None:
+            raise LowconvError(f"model {spec!r}: transformers converts {key} of {source.files[key]} as it loads it "
+                               f"(a {type(model).__name__} checkpoint's {converted}), which --stream does not: "
+                               f"convert without --stream")
+        found[name] = key
+    return found
+
+
+def checkpoint_names(model: nn.Module, loaded: dict[str, str]) -> dict[str, str]:
+    """{name of a parameter or buffer: the name the checkpoint holds it under}, from `loaded`
+    (loaded_as): its own, or that of a tensor tied to it (a checkpoint stores tied tensors once)."""
     names: dict[int, list[str]] = {}
     for name, t in named_tensors(model):
         names.setdefault(id(t), []).append(name)
-    return {name: held for group in names.values() for held in [next((n for n in group if n in files), None)]
+    return {name: loaded[held] for group in names.values() for held in [next((n for n in group if n in loaded), None)]
             if held is not None for name in group}
+
 
 def large_blocks_unmapped() -> None:
     """Make glibc map every block of MMAP_THRESHOLD bytes or more on its own, so that freeing it

@@ -335,3 +335,18 @@ def test_a_stream_that_waited_for_another_into_the_same_output_converts(tmp_path
     streamed = stream_convert(f"hf:{sharded}", "fp8-dynamic", tmp_path / "out", text_files=plan_files,
                               max_shard_bytes=SHARD)
     assert streamed.written == 35
+
+
+def test_a_checkpoint_transformers_renames_as_it_loads_streams(tmp_path):
+    """GPT-NeoX's checkpoints hold lm_head as embed_out.weight (transformers' conversion mapping
+    renames it on load): the stream reads it under that name, and writes what the in-memory path does."""
+    config = transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox", max_shard_size="100KB")
+    with open(tmp_path / "neox" / checkpoint.INDEX_FILE) as f:
+        assert "embed_out.weight" in json.load(f)["weight_map"]
+    in_memory(tmp_path / "neox", "fp8-row", tmp_path / "memory")
+    stream_convert(f"hf:{tmp_path / 'neox'}", "fp8-row", tmp_path / "stream", text_files=plan_files,
+                   max_shard_bytes=SHARD)
+    same_files(tmp_path / "memory", tmp_path / "stream")
