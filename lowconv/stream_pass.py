@@ -118,9 +118,9 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
     with Onloaded(model, original, on_load) as onloaded:
         def measure(module, args, kwargs, output, site):
             converted = first_tensor(run_eval(built(site, onloaded.read), args, kwargs))
-            ours, theirs = calls.setdefault(site.fqn, ([], []))
-            ours.append(first_tensor(output).detach().clone())
-            theirs.append(converted)
+            originals, conversions = calls.setdefault(site.fqn, ([], []))
+            originals.append(first_tensor(output).detach().clone())
+            conversions.append(converted)
 
         handles = [module.register_forward_hook(lambda m, a, k, o, site=sites[fqn]: measure(m, a, k, o, site),
                                                 with_kwargs=True, prepend=True)
