@@ -48,7 +48,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lowconv import api, checkpoint
-from lowconv.analysis import Analysis, plan_conversion, plan_for
+from lowconv.analysis import plan_conversion, plan_for
 from lowconv.errors import LowconvError
 from lowconv.model_file import checked_cast, to_device
 from lowconv.model_sources import hf_inputs, library
@@ -349,9 +349,9 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     model, inputs, built = stand_in_model(directory, spec, seed, dtype, source)
     with StandInLinears(set(built)):
         analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
-    modules = op_modules(planned, analysis)
-    check_streamable(planned, modules, recipe)
     sites = {s.fqn: s for s in analysis.sites}
+    modules = op_modules(planned, sites)
+    check_streamable(planned, modules, recipe)
     converted, served, fused = api.rewritten(analysis, modules, api.decision_groups(planned.converted(), sites))
     decisions = api.carried_out_all(planned, modules, {}, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, inputs)
@@ -364,7 +364,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     missing = sorted(name for name in read if name in parameters and name not in stored_as)
     if missing:
         raise LowconvError(f"model {spec!r}: its checkpoint lacks {', '.join(missing[:5])} (the in-memory path "
-                           f"would draw them at random, or rename them as it loads): convert without --stream")
+                           f"would draw them at random): convert without --stream")
     check_shapes(model, read, stored_as, source, spec)
     unused = sorted(set(source.files) - set(stored_as.values()))
     if unused:
@@ -435,9 +435,8 @@ def pass_writers(items: list[Item], sources: dict[str, Source], writer: Writer, 
     return built, on_load
 
 
-def op_modules(plan: Plan, analysis: Analysis) -> dict[str, nn.Module]:
+def op_modules(plan: Plan, sites: dict[str, Site]) -> dict[str, nn.Module]:
     """Each converted site's op module, empty on meta: the converted structure without its data."""
-    sites = {s.fqn: s for s in analysis.sites}
     modules = {}
     with torch.device("meta"):
         for decision in plan.converted():
