@@ -62,13 +62,18 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
         check_runs(converted, example_inputs)
-    calibrated = None
-    if seen:
-        calibrated = (f"{seen} batch{'es' if seen > 1 else ''} of {calibration_name}" if calibration is not None
-                      else "the example inputs (1 batch)")
+    calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
     decisions = carried_out_all(planned, modules, measured, served, fused)
     attach_plan(converted, plan_for(model, analysis, recipe, decisions, example_inputs, calibrated))
     return converted
+
+
+def calibrated_on(batches: int, name: str | None) -> str:
+    """What the plan says calibrated the scales: `batches` batches of `name`, or (name None) the
+    example inputs."""
+    if name is None:
+        return "the example inputs (1 batch)"
+    return f"{batches} batch{'es' if batches > 1 else ''} of {name}"
 
 
 def rewritten(analysis: Analysis, modules: dict[str, nn.Module], groups: dict[str, tuple]

@@ -155,9 +155,7 @@ def cmd_convert(args) -> int:
     if args.calibration_text:
         loaded.calibration, calibration_name = text_calibration(loaded, args.model, args.calibration_text)
     if args.calibration and loaded.calibration is None:
-        raise LowconvError(f"--calibration: {args.model} defines no calibration_inputs() (a model file may define "
-                           "one that returns an iterable of batches, each as example_inputs() returns them; "
-                           "an hf: text model takes --calibration-text FILE)")
+        raise no_calibration_inputs(args.model)
     calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
     converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
                             calibration_name=calibration_name, share_weights=True, progress=progress)
@@ -183,19 +181,22 @@ def cmd_convert(args) -> int:
 
 
 def stream(args, out: Path) -> int:
-    """convert --stream: the checkpoint written tensor by tensor (stream.py), each converted site
-    measured alone (stream_pass.py)."""
-    refused = [flag for flag, given in [("--calibration", args.calibration), ("--calibration-text", args.calibration_text),
-                                        ("--device cuda", args.device == "cuda"),
+    """convert --stream: the checkpoint written tensor by tensor (stream.py), scales calibrated and
+    each converted site measured alone (stream_pass.py)."""
+    refused = [flag for flag, given in [("--device cuda", args.device == "cuda"),
                                         ("--sparse-format dense", args.sparse_format == "dense")] if given]
     if refused:
-        raise LowconvError(f"--stream does not take {', '.join(refused)}: it converts on the CPU, with ops that need "
-                           f"no calibration and no 2:4 layers; convert without --stream (in memory) for those")
+        raise LowconvError(f"--stream does not take {', '.join(refused)}: it converts on the CPU, with no 2:4 layers; "
+                           f"convert without --stream (in memory) for those")
+    if args.calibration and not args.calibration_text:  # an hf: model has no calibration_inputs()
+        raise no_calibration_inputs(args.model)
 
     def text_files(plan: Plan, report: reports.Report | None) -> dict[str, str]:
         return {"plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report) if report else "",
                 "report.json": json.dumps(reports.report_to_dict(report), indent=1) if report else ""}
-    streamed = stream_convert(args.model, args.recipe, out, seed=args.seed, dtype=args.dtype, text_files=text_files,
+    streamed = stream_convert(args.model, args.recipe, out, seed=args.seed, dtype=args.dtype,
+                              calibration_text=args.calibration_text,
+                              calibration_batches=args.calibration or CALIBRATION_BATCHES, text_files=text_files,
                               max_shard_bytes=args.max_shard_size, progress=progress,
                               recorded={"file": recorded_path(args.model), "seed": args.seed, "dtype": args.dtype})
     print(plan_table(streamed.plan))
@@ -206,6 +207,12 @@ def stream(args, out: Path) -> int:
     progress(f"wrote {streamed.path}{resumed}, plan.json, report.md, report.json; the model's outputs were not "
              f"compared (`lowconv compare {args.model} {out}` compares them where both models fit)")
     return status
+
+
+def no_calibration_inputs(spec: str) -> LowconvError:
+    return LowconvError(f"--calibration: {spec} defines no calibration_inputs() (a model file may define one that "
+                        "returns an iterable of batches, each as example_inputs() returns them; an hf: text model "
+                        "takes --calibration-text FILE)")
 
 
 def shard_size(text: str) -> int:
@@ -322,8 +329,8 @@ def parser() -> argparse.ArgumentParser:
                         "transformers and vLLM load them; the speed-up goes)")
     c.add_argument("--stream", action="store_true",
                    help="hf:DIR with safetensors weights: convert tensor by tensor, never holding the model (a model "
-                        "larger than memory); linear sites with ops that need no calibration (fp8 dynamic, fp16acc), "
-                        "on the CPU, no comparison (README: Streamed conversion)")
+                        "larger than memory); linear sites, on the CPU, each site measured alone, the outputs not "
+                        "compared (README: Streamed conversion)")
     c.add_argument("--max-shard-size", type=shard_size, default=checkpoint.MAX_SHARD_BYTES, metavar="SIZE",
                    help="cut the checkpoint into shards of at most SIZE (5GB, 500MB, bytes; default 5GB)")
     c.add_argument("--calibration-text", metavar="FILE",

@@ -7,12 +7,14 @@ which takes no memory. Tracing, shape propagation and the plan run on the stand-
 values), so the plan is the in-memory path's. The converted structure is then built with each
 op's `empty` on meta (as lowconv.load does): its state dict gives every output tensor's name,
 dtype and shape, so every output shard's header is known before any data. Then the model runs
-on its example inputs module by module (stream_pass.py): each module's parameters are read from
-their input shard (safetensors, one tensor at a time) as it runs, kept tensors written as they are
-read (cast as from_pretrained and --dtype cast them), and each converted site's op module built by
-the op's `from_site` from the weights its module holds, written at its offsets in the output shards
-and run on that module's inputs: the site's accuracy alone, for the report. What the run does not
-reach is written after, the same way. Last, the CRC-32 checksums (fixed-width hex, written as zeros
+on its example inputs module by module (stream_pass.py), in lockstep with a run per calibration
+batch where static or delayed scales are calibrated: each module's parameters are read from their
+input shard (safetensors, one tensor at a time) once all runs have reached it, kept tensors
+written as they are read (cast as from_pretrained and --dtype cast them), and each converted
+site's op module built by the op's `from_site` from the weights its module holds, calibrated on
+the calibration runs (the converted model's), written at its offsets in the output shards and run
+on the example inputs' at that module: the site's accuracy alone, for the report. What the runs do
+not reach is written after, the same way. Last, the CRC-32 checksums (fixed-width hex, written as zeros
 first) and the report's hashes are patched into each header, and the files are installed as
 checkpoint.save_checkpoint installs them, in one atomic swap: the in-memory conversion's tensors,
 byte for byte.
@@ -21,9 +23,10 @@ The shards are written in a staging directory beside the output (`.NAME.stream/`
 journal of each tensor written and its checksum; a run started again after an interruption keeps
 the tensors whose bytes still have their journalled checksum and converts the rest.
 
-Limits of this slice: linear sites only, with ops that need no calibration and measure nothing
-when built (fp8 dynamic, fp16acc); CPU only (no never-slower timing); parameter names must be the
-checkpoint's own (no renaming on load); the report has each site alone, not the model's outputs.
+Limits: linear sites only, with ops that measure nothing when built (fp8, fp16acc; not 2:4);
+CPU only (no never-slower timing); tensors transformers converts as it loads are refused; the
+report has each site alone, not the model's outputs. Every run's activations are held at once:
+calibrating on many batches takes memory as they do.
 """
 from __future__ import annotations
 
@@ -50,8 +53,8 @@ from torch.overrides import TorchFunctionMode
 from lowconv import api, checkpoint
 from lowconv.analysis import plan_conversion, plan_for
 from lowconv.errors import LowconvError
-from lowconv.model_file import checked_cast, to_device
-from lowconv.model_sources import hf_inputs, library
+from lowconv.model_file import ModelFile, checked_cast, to_device
+from lowconv.model_sources import hf_inputs, library, text_calibration
 from lowconv.ops import OPS
 from lowconv.ops.registry import Calibrated, NotesThePlan
 from lowconv.passes.rewrite import freeze_named, linear_site_params
@@ -59,7 +62,7 @@ from lowconv.plan import Decision, Plan
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.report import Report
 from lowconv.site import Site
-from lowconv.stream_pass import Reader, streamed_pass
+from lowconv.stream_pass import Reader, site_module, streamed_pass
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
@@ -298,8 +301,6 @@ def stream_problem(decision: Decision, module: nn.Module) -> str | None:
     """Why the stream cannot carry out a converted decision (None: it can)."""
     if decision.site["kind"] != "linear":
         return f"its site is of kind {decision.site['kind']!r}, and the stream converts linear sites only"
-    if isinstance(module, Calibrated) and module.needs_calibration:
-        return "its scales are calibrated on inputs run through the whole model, which the stream never holds"
     if isinstance(module, NotesThePlan):
         return f"{decision.op} measures and chooses its kernels as it is built, which the stream does not"
     return None
@@ -312,6 +313,22 @@ def check_streamable(plan: Plan, modules: dict[str, nn.Module], recipe: Recipe) 
             raise LowconvError(f"--stream cannot carry out recipe {recipe.name!r}, rule {decision.rule} "
                                f"(op {decision.op}, options {decision.options}) on {decision.fqn}: {problem}; "
                                f"convert without --stream (in memory), or leave those sites to a rule with another op")
+
+
+def calibration_runs(model: nn.Module, inputs, modules: dict[str, nn.Module], sites: dict[str, Site], spec: str,
+                     text: str | Path | None, count: int) -> tuple[list, str | None]:
+    """The calibration batches, and what the plan says calibrated the scales: none where no
+    converted site calibrates (lowconv.convert draws none then), else up to `count` batches of the
+    text file, or the example inputs. The text is read (and its mistakes named) either way."""
+    draw, name = text_calibration(ModelFile(spec, model, inputs, None), spec, str(text)) if text else (None, None)
+    if not any(isinstance(m, Calibrated) and m.needs_calibration for m in modules.values()):
+        return [], None
+    unmodular = next((fqn for fqn in modules if site_module(model, sites[fqn]) is None), None)
+    if unmodular:
+        raise LowconvError(f"--stream calibrates scales with the converted model run module by module, and the "
+                           f"converted site {unmodular} is no module's whole forward; convert without --stream")
+    batches = list(draw(count)) if draw else [inputs]
+    return batches, api.calibrated_on(len(batches), name)
 
 
 # ---- the stream ----
@@ -327,13 +344,16 @@ class Streamed:
 
 
 def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, seed: int = 0, dtype: str | None = None,
+                   calibration_text: str | Path | None = None, calibration_batches: int = 1,
                    text_files: Callable[[Plan, Report | None], dict[str, str]] | None = None,
                    max_shard_bytes: int = checkpoint.MAX_SHARD_BYTES, recorded: dict | None = None,
                    progress: Callable[[str], None] = api.no_progress) -> Streamed:
     """Convert the hf:DIR model `spec` into `out` without holding it (module doc), writing what
-    lowconv.save of the in-memory conversion writes. `text_files(plan, report)` gives the files
-    written beside the weights (the CLI's plan.json and reports): with report None for the layout
-    (their names), then with the streamed report (stream_pass.py); `recorded` is added to
+    lowconv.save of the in-memory conversion writes. Static and delayed scales are calibrated on
+    up to `calibration_batches` batches of `calibration_text` (a text file, as convert
+    --calibration-text takes it), else on the example inputs. `text_files(plan, report)` gives the
+    files written beside the weights (the CLI's plan.json and reports): with report None for the
+    layout (their names), then with the streamed report (stream_pass.py); `recorded` is added to
     Plan.model (the CLI records the model's path, seed and dtype)."""
     prefix, _, name = spec.partition(":")
     if prefix != "hf":
@@ -352,9 +372,10 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     sites = {s.fqn: s for s in analysis.sites}
     modules = op_modules(planned, sites)
     check_streamable(planned, modules, recipe)
+    batches, calibrated = calibration_runs(model, inputs, modules, sites, spec, calibration_text, calibration_batches)
     converted, served, fused = api.rewritten(analysis, modules, api.decision_groups(planned.converted(), sites))
     decisions = api.carried_out_all(planned, modules, {}, served, fused)
-    plan = plan_for(model, analysis, recipe, decisions, inputs)
+    plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated)
     plan.model.update(recorded or {})
     sources = tensor_sources(converted, model, modules)
     parameters = dict(model.named_parameters(remove_duplicate=False))
@@ -385,9 +406,11 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         original = original_reader(source.files, stored_as, model, built)
         try:
             with Writer(items, layout, staging, sums, progress) as writer:
-                progress("converting each site, measured alone on the example inputs: the model run module by module")
+                progress("converting each site, " + (f"its scales calibrated on {calibrated}, " if batches else "") +
+                         "measured alone on the example inputs: the model run module by module" +
+                         (f", {len(batches) + 1} runs in lockstep" if batches else ""))
                 report = streamed_pass(model, plan, sites, inputs, original,
-                                       *pass_writers(items, sources, writer, model))
+                                       *pass_writers(items, sources, writer, model), calibration=batches)
                 for item in items:  # what the run did not reach
                     if writer.wants(item):
                         writer.write(item, item_tensors(item, sources, original))
@@ -415,24 +438,26 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
 
 
 def pass_writers(items: list[Item], sources: dict[str, Source], writer: Writer, model: nn.Module
-                 ) -> tuple[Callable[[Site, Reader], nn.Module], Callable[[torch.Tensor, torch.Tensor], None]]:
-    """streamed_pass's `built` and `on_load`: each writes its item as the run reaches it (a site's
-    op module once built, a kept parameter once read)."""
+                 ) -> tuple[Callable[[Site, Reader], nn.Module], Callable[[Site, nn.Module], None],
+                            Callable[[torch.Tensor, torch.Tensor], None]]:
+    """streamed_pass's `build`, `keep` and `on_load`: a site's op module built from the weights
+    read, its item written once the pass keeps the module, a kept parameter's once read."""
     held = dict(named_tensors(model))
     kept = {id(held[sources[item.outputs[0]].name]): item for item in items if item.decision is None}
     by_site = {item.site.fqn: item for item in items if item.site is not None}
 
-    def built(site: Site, read: Reader) -> nn.Module:
+    def build(site: Site, read: Reader) -> nn.Module:
+        return op_module(by_site[site.fqn], read)
+
+    def keep(site: Site, module: nn.Module) -> None:
         item = by_site[site.fqn]
-        module = op_module(item, read)
         writer.write(item, module_tensors(item, sources, module))
-        return module
 
     def on_load(stand_in: torch.Tensor, tensor: torch.Tensor) -> None:
         if id(stand_in) in kept:
             item = kept[id(stand_in)]
             writer.write(item, {item.outputs[0]: tensor})
-    return built, on_load
+    return build, keep, on_load
 
 
 def op_modules(plan: Plan, sites: dict[str, Site]) -> dict[str, nn.Module]:

@@ -57,7 +57,7 @@ def same_files(a: Path, b: Path) -> None:
         assert path.read_bytes() == (b / path.name).read_bytes(), path.name
 
 
-@pytest.mark.parametrize("recipe, tied", [("fp8-dynamic", False), ("fp8-row", True)])
+@pytest.mark.parametrize("recipe, tied", [("fp8-dynamic", False), ("fp8-row", True), ("fp8-static", False)])
 def test_streamed_bytes_are_the_in_memory_conversions(tmp_path, sharded, recipe, tied):
     source = llama(tmp_path / "tied") if tied else sharded
     in_memory(source, recipe, tmp_path / "memory")
@@ -121,6 +121,60 @@ def test_cli_stream(tmp_path, sharded, capsys):
     assert main(["compare", f"hf:{sharded}", str(stream), "--device", "cpu"]) == 0
 
 
+STATIC_MLP = """name = "static-mlp"
+[[rules]]
+kind = "linear"
+modules = ["re:.*mlp[.].*"]
+op = "fp8"
+options = { scaling = "static", granularity = "tensor" }
+
+[[rules]]
+kind = "linear"
+modules = ["lm_head"]
+op = "keep"
+
+[[rules]]
+kind = "linear"
+op = "fp8"
+options = { granularity = "row" }
+"""
+
+
+def test_cli_stream_calibrates_on_a_text_file_as_in_memory(tmp_path, sharded, capsys):
+    """--calibration-text with --stream: the MLPs' static scales calibrated on two batches of the
+    text, run through the converted model (its attention projections dynamic FP8) in lockstep with
+    the example inputs' run: every file the in-memory conversion writes, byte for byte, and the
+    same report of each site alone."""
+    from tests.test_hf_output import word_tokenizer
+    source = tmp_path / "llama"
+    shutil.copytree(sharded, source)
+    word_tokenizer(source, 256)
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"w{i % 11}" for i in range(600)))
+    recipe = tmp_path / "static-mlp.toml"
+    recipe.write_text(STATIC_MLP)
+    args = [f"hf:{source}", str(recipe), "--device", "cpu", "--max-shard-size", "100KB", "--calibration-text",
+            str(text), "--calibration", "2"]
+    assert main(["convert", *args, "-o", str(tmp_path / "memory")]) == 0
+    capsys.readouterr()
+    assert main(["convert", *args, "--stream", "-o", str(tmp_path / "stream")]) == 0
+    assert "its scales calibrated on 2 batches of 64-token rows" in capsys.readouterr().err
+    plan = json.loads((tmp_path / "stream" / "plan.json").read_text())
+    assert plan["model"]["calibration"] == f"2 batches of 64-token rows of {text}, up to 2 a batch"
+    assert {d["options"].get("scaling") for d in plan["decisions"] if d["op"] == "fp8"} == {"static", "dynamic"}
+    streamed, compared = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("stream", "memory"))
+    assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
+        [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
+    assert streamed["calibration"] == compared["calibration"] != ""
+    for name in ["plan.json", checkpoint.INDEX_FILE, "config.json"]:
+        assert (tmp_path / "memory" / name).read_bytes() == (tmp_path / "stream" / name).read_bytes(), name
+    theirs, _ = checkpoint.read_checkpoint(tmp_path / "memory")
+    ours, _ = checkpoint.read_checkpoint(tmp_path / "stream")
+    assert theirs.keys() == ours.keys() and any(n.endswith("mlp.down_proj.input_scale") for n in ours)
+    assert all(torch.equal(theirs[n].view(torch.uint8), ours[n].view(torch.uint8)) if theirs[n].dtype.itemsize == 1
+               else torch.equal(theirs[n], ours[n]) for n in theirs)
+
+
 def test_memory_stays_far_below_the_models_size(tmp_path):
     """A 100 MB model streamed in a child process whose peak RSS (ru_maxrss) grows by less than
     40 MB over its state after a warm-up conversion (the code's one-time costs): 27 MB measured; the
@@ -147,7 +201,6 @@ def test_memory_stays_far_below_the_models_size(tmp_path):
 
 @pytest.mark.parametrize("recipe, says", [
     ("sparse-attention-bf16", "of kind 'attention', and the stream converts linear sites only"),
-    ("fp8-static", "its scales are calibrated on inputs"),
     ("semi-sparse", "measures and chooses its kernels as it is built"),
 ])
 def test_refuses_what_it_cannot_stream(tmp_path, sharded, recipe, says):
@@ -164,9 +217,13 @@ def test_refuses_other_sources_and_flags(tmp_path, sharded, capsys):
     (tmp_path / "config_only" / "config.json").write_bytes((sharded / "config.json").read_bytes())
     with pytest.raises(LowconvError, match="--stream reads safetensors weights"):
         stream_convert(f"hf:{tmp_path / 'config_only'}", "fp8-dynamic", tmp_path / "out")
-    assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "--calibration", "4",
+    assert main(["convert", f"hf:{sharded}", "fp8-static", "--stream", "--calibration", "4",
                  "-o", str(tmp_path / "out")]) == 2
-    assert "--stream does not take --calibration" in capsys.readouterr().err
+    assert f"--calibration: hf:{sharded} defines no calibration_inputs()" in capsys.readouterr().err
+    assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "--device", "cuda",
+                 "-o", str(tmp_path / "out")]) == 2
+    assert "--stream does not take --device cuda" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_config_without_dtype_streams_in_the_checkpoints_dtype(tmp_path):
@@ -263,7 +320,8 @@ def test_a_model_that_cannot_run_module_by_module_is_converted_but_not_measured(
         built.append(site.fqn)
         return op.from_site(site, op.options(**decision.options), linear_site_params(site, read))
     params = dict(model.named_parameters())
-    report = streamed_pass(model, plan, sites, (x,), weights.__getitem__, build, lambda s, t: loaded.append(s))
+    report = streamed_pass(model, plan, sites, (x,), weights.__getitem__, build, lambda site, op: None,
+                           lambda s, t: loaded.append(s))
     assert [row.fqn for row in report.sites] == ["head"] and all(row.alone is None for row in report.sites)
     assert report.sites[0].note == ("not measured: the model does not run module by module (linear computed with "
                                     "fc.weight while the module that owns it was not running)")
