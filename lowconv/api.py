@@ -123,14 +123,19 @@ def build_op_modules(to_convert: list[Decision], analysis: Analysis, progress: C
         params = site_params(site, analysis.model)
         module = freeze_named(op.from_site(site, options, params), site.frozen)
         modules[site.fqn] = module.to(site_device(site, analysis.model))
-        if op.timed and not decision.forced:  # sites of the same GEMM (a layer's repeats) are timed once
+        if op.timed and not decision.forced:
             sharers = shared_by[groups[site.fqn]]
-            key = (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape),
-                   "bias" in params, sharers)
+            key = timing_key(decision, site, params, sharers)
             if key not in timings:
                 timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
             measured[site.fqn] = timings[key]
     return modules, measured, groups
+
+
+def timing_key(decision: Decision, site: Site, params: dict[str, torch.Tensor], sharers: int) -> tuple:
+    """What one never-slower timing stands for: sites of the same GEMM (a layer's repeats) are timed once."""
+    return (decision.op, repr(decision.options), repr(site.input), tuple(params["weight"].shape), "bias" in params,
+            sharers)
 
 
 def decision_groups(decisions: list[Decision], sites: dict[str, Site]) -> dict[str, tuple]:

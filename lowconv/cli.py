@@ -183,11 +183,9 @@ def cmd_convert(args) -> int:
 def stream(args, out: Path) -> int:
     """convert --stream: the checkpoint written tensor by tensor (stream.py), scales calibrated and
     each converted site measured alone (stream_pass.py)."""
-    refused = [flag for flag, given in [("--device cuda", args.device == "cuda"),
-                                        ("--sparse-format dense", args.sparse_format == "dense")] if given]
-    if refused:
-        raise LowconvError(f"--stream does not take {', '.join(refused)}: it converts on the CPU, with no 2:4 layers; "
-                           f"convert without --stream (in memory) for those")
+    if args.sparse_format == "dense":
+        raise LowconvError("--stream does not take --sparse-format dense: it converts no 2:4 layers; convert without "
+                           "--stream (in memory) for those")
     if args.calibration and not args.calibration_text:  # an hf: model has no calibration_inputs()
         raise no_calibration_inputs(args.model)
 
@@ -195,6 +193,7 @@ def stream(args, out: Path) -> int:
         return {"plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report) if report else "",
                 "report.json": json.dumps(reports.report_to_dict(report), indent=1) if report else ""}
     streamed = stream_convert(args.model, args.recipe, out, seed=args.seed, dtype=args.dtype,
+                              device=pick_device(args.device),
                               calibration_text=args.calibration_text,
                               calibration_batches=args.calibration or CALIBRATION_BATCHES, text_files=text_files,
                               max_shard_bytes=args.max_shard_size, progress=progress,

@@ -23,8 +23,11 @@ The shards are written in a staging directory beside the output (`.NAME.stream/`
 journal of each tensor written and its checksum; a run started again after an interruption keeps
 the tensors whose bytes still have their journalled checksum and converts the rest.
 
+On CUDA, each module's weights are moved to the GPU while it runs, and never-slower times each
+timed op first on random weights of its site's shapes (the plan's choices, as in memory).
+
 Limits: linear sites only, with ops that measure nothing when built (fp8, fp16acc; not 2:4);
-CPU only (no never-slower timing); tensors transformers converts as it loads are refused; the
+tensors transformers converts as it loads are refused; the
 report has each site alone, not the model's outputs. Every run's activations are held at once:
 calibrating on many batches takes memory as they do.
 """
@@ -37,7 +40,9 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -57,16 +62,18 @@ from lowconv.model_file import ModelFile, checked_cast, to_device
 from lowconv.model_sources import hf_inputs, library, text_calibration
 from lowconv.ops import OPS
 from lowconv.ops.registry import Calibrated, NotesThePlan
-from lowconv.passes.rewrite import freeze_named, linear_site_params
+from lowconv.passes.rewrite import freeze_named, linear_site_params, site_params
 from lowconv.plan import Decision, Plan
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.report import Report
 from lowconv.site import Site
+from lowconv.site_timing import SiteTiming, slower_sites, time_linear_site
 from lowconv.stream_pass import Reader, site_module, streamed_pass
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
 IN_FLIGHT = 2  # items the disk thread may hold: their converted tensors are the memory it costs
+READ_AHEAD = 256 << 20  # bytes of the input read ahead of the tensors in use
 JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
 PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint.crc_hex's width
 
@@ -145,11 +152,11 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None, source: InputCheckpoint
-                   ) -> tuple[nn.Module, dict, dict[int, torch.dtype]]:
-    """The model of DIR's config.json with zero stand-ins for its parameters (tied ones stay tied),
-    its example inputs as model_sources.hf_model makes them, and each parameter's dtype as built
-    (before a --dtype cast), by id of its stand-in."""
+def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None, source: InputCheckpoint,
+                   device: torch.device) -> tuple[nn.Module, dict, dict[int, torch.dtype]]:
+    """The model of DIR's config.json on `device` with zero stand-ins for its parameters (tied ones
+    stay tied), its example inputs as model_sources.hf_model makes them, and each parameter's dtype
+    as built (before a --dtype cast), by id of its stand-in."""
     transformers = library("transformers", spec, "pip install transformers")
     cast = checked_cast(dtype, seed)
     try:
@@ -176,14 +183,15 @@ def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None, sou
                 continue
             if id(param) not in stand_ins:
                 final = cast if cast and param.dtype.is_floating_point else param.dtype
-                stand_ins[id(param)] = nn.Parameter(torch.zeros((), dtype=final).expand(param.shape), param.requires_grad)
+                stand_ins[id(param)] = nn.Parameter(torch.zeros((), dtype=final, device=device).expand(param.shape),
+                                                    param.requires_grad)
                 built_dtypes[id(stand_ins[id(param)])] = param.dtype
             module._parameters[name] = stand_ins[id(param)]
         for name, buffer in module._buffers.items():
-            if buffer is not None and cast and buffer.is_floating_point():
-                module._buffers[name] = buffer.to(cast)
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device, cast if cast and buffer.is_floating_point() else buffer.dtype)
     model.eval()
-    return model, to_device(hf_inputs(model, config, spec), torch.device("cpu"), cast), built_dtypes
+    return model, to_device(hf_inputs(model, config, spec), device, cast), built_dtypes
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,7 @@ class InputCheckpoint:
     files: dict[str, Path]  # tensor name -> its file
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype | None]  # None: a dtype torch has no name for here
+    spans: dict[str, tuple[int, int]]  # tensor name -> its bytes' (start, end) in its file
     index_dtype: str | None  # the sharded index's metadata "dtype", where it has one
 
     def load_dtype(self) -> torch.dtype:
@@ -254,14 +263,15 @@ def input_checkpoint(directory: Path, spec: str) -> InputCheckpoint:
     else:
         raise LowconvError(f"model {spec!r}: --stream reads safetensors weights, and {directory} has neither "
                            f"{checkpoint.INDEX_FILE} nor {checkpoint.CHECKPOINT_FILE}")
-    files, shapes, dtypes = {}, {}, {}
+    files, shapes, dtypes, spans = {}, {}, {}, {}
     for path in sorted(set(weight_map.values())) if weight_map else [directory / checkpoint.CHECKPOINT_FILE]:
         try:
-            with safe_open(path, framework="pt") as f:
+            with safe_open(path, framework="pt") as f:  # checks the header against the file
                 for name in f.keys():
                     tensor = f.get_slice(name)
                     files[name], shapes[name] = path, tuple(tensor.get_shape())
                     dtypes[name] = TORCH_DTYPES.get(tensor.get_dtype())
+            spans.update(data_spans(path))
         except (SafetensorError, OSError) as err:
             raise LowconvError(f"model {spec!r}: {path} is not a readable safetensors file ({err})") from None
     if weight_map:
@@ -269,17 +279,97 @@ def input_checkpoint(directory: Path, spec: str) -> InputCheckpoint:
         if absent:
             raise LowconvError(f"model {spec!r}: {index} maps {', '.join(absent[:5])} to files that do not hold "
                                f"{'it' if len(absent) == 1 else 'them'}")
-    return InputCheckpoint(files, shapes, dtypes, index_dtype)
+    return InputCheckpoint(files, shapes, dtypes, spans, index_dtype)
 
 
-def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
-    """One tensor of the input checkpoint; its file is opened for this read alone, so that the
-    pages of the memory map go with the tensor."""
-    try:
-        with safe_open(files[name], framework="pt") as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError) as err:
-        raise LowconvError(f"{files[name]}: cannot read {name}: {err}") from None
+def data_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's bytes in a safetensors file (safe_open has checked it): (start, end) offsets."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name: (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+class CheckpointReader:
+    """Reads the input checkpoint's tensors with plain reads into their own memory (a memory map's
+    page faults read at about half the disk's rate), ahead of their use: a thread of its own reads
+    `order` (the tensors in the order the stream will ask for them) while the model computes, up to
+    READ_AHEAD bytes beyond those handed out; a tensor asked for out of that order is read then."""
+
+    def __init__(self, source: InputCheckpoint, order: list[str]):
+        self.source, self.order = source, list(dict.fromkeys(order))
+        self.ready: dict[str, torch.Tensor] = {}  # read ahead, not yet handed out
+        self.held = 0  # their bytes
+        self.taken: set[str] = set()  # handed out or asked for: not read ahead
+        self.reading: str | None = None  # what the thread is reading now
+        self.closing = False
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self.read_ahead, name="lowconv-read-ahead", daemon=True)
+
+    def __enter__(self) -> CheckpointReader:
+        self.opened = {path: os.open(path, os.O_RDONLY) for path in set(self.source.files.values())}
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.changed:
+            self.closing = True
+            self.changed.notify_all()
+        self.thread.join()
+        for fd in self.opened.values():
+            os.close(fd)
+
+    def nbytes(self, name: str) -> int:
+        start, end = self.source.spans[name]
+        return end - start
+
+    def read(self, name: str) -> torch.Tensor:
+        with self.changed:
+            self.changed.wait_for(lambda: self.reading != name)
+            self.taken.add(name)
+            if name in self.ready:
+                self.held -= self.nbytes(name)
+                self.changed.notify_all()
+                return self.ready.pop(name)
+        return self.read_now(name)
+
+    def read_ahead(self) -> None:
+        for name in self.order:
+            with self.changed:
+                self.changed.wait_for(lambda: self.closing or not self.ready or
+                                      self.held + self.nbytes(name) <= READ_AHEAD)
+                if self.closing:
+                    return
+                if name in self.taken:
+                    continue
+                self.reading = name
+            try:
+                tensor = self.read_now(name)
+            except LowconvError:  # the stream reads it again, and says why
+                tensor = None
+            with self.changed:
+                self.reading = None
+                if tensor is not None:
+                    self.ready[name] = tensor
+                    self.held += self.nbytes(name)
+                self.changed.notify_all()
+
+    def read_now(self, name: str) -> torch.Tensor:
+        path, (start, end), dtype = self.source.files[name], self.source.spans[name], self.source.dtypes[name]
+        if dtype is None:
+            raise LowconvError(f"{path}: {name} has a dtype torch does not have")
+        data = torch.empty(end - start, dtype=torch.uint8)
+        view, done = memoryview(data.numpy()), 0
+        try:
+            while done < len(view):
+                got = os.preadv(self.opened[path], [view[done:]], start + done)
+                if got == 0:
+                    raise OSError(f"the file ends {end - start - done} bytes short of it")
+                done += got
+        except OSError as err:
+            raise LowconvError(f"{path}: cannot read {name}: {err}") from None
+        return data.view(dtype).reshape(self.source.shapes[name])
 
 
 def check_shapes(model: nn.Module, read: set[str], stored_as: dict[str, str], source: InputCheckpoint,
@@ -315,6 +405,29 @@ def check_streamable(plan: Plan, modules: dict[str, nn.Module], recipe: Recipe) 
                                f"convert without --stream (in memory), or leave those sites to a rule with another op")
 
 
+def site_timings(plan: Plan, sites: dict[str, Site], groups: dict[str, tuple], model: nn.Module,
+                 progress: Callable[[str], None]) -> dict[str, SiteTiming | None]:
+    """never-slower's timing of each timed site against its original (api.build_op_modules'), on
+    CUDA: the op module built from random weights of the site's shapes (a GEMM's time reads no
+    values), once per timing_key; none elsewhere."""
+    shared_by = Counter(groups.values())
+    timings, measured = {}, {}
+    for decision in plan.converted():
+        op, site = OPS[decision.op], sites[decision.fqn]
+        stand_ins = site_params(site, model)
+        if not op.timed or decision.forced or not stand_ins["weight"].is_cuda:
+            continue
+        key = api.timing_key(decision, site, stand_ins, shared_by[groups[site.fqn]])
+        if key not in timings:
+            progress(f"timing {decision.op} against the original at the shapes of {site.fqn}")
+            params = {name: torch.randn(t.shape, dtype=t.dtype, device=t.device) for name, t in stand_ins.items()}
+            module = freeze_named(op.from_site(site, op.options(**decision.options), params), site.frozen)
+            module = module.to(params["weight"].device)
+            timings[key] = time_linear_site(site, module, params, key[-1])
+        measured[site.fqn] = timings[key]
+    return measured
+
+
 def calibration_runs(model: nn.Module, inputs, modules: dict[str, nn.Module], sites: dict[str, Site], spec: str,
                      text: str | Path | None, count: int) -> tuple[list, str | None]:
     """The calibration batches, and what the plan says calibrated the scales: none where no
@@ -344,12 +457,13 @@ class Streamed:
 
 
 def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, seed: int = 0, dtype: str | None = None,
-                   calibration_text: str | Path | None = None, calibration_batches: int = 1,
+                   device: str = "cpu", calibration_text: str | Path | None = None, calibration_batches: int = 1,
                    text_files: Callable[[Plan, Report | None], dict[str, str]] | None = None,
                    max_shard_bytes: int = checkpoint.MAX_SHARD_BYTES, recorded: dict | None = None,
                    progress: Callable[[str], None] = api.no_progress) -> Streamed:
     """Convert the hf:DIR model `spec` into `out` without holding it (module doc), writing what
-    lowconv.save of the in-memory conversion writes. Static and delayed scales are calibrated on
+    lowconv.save of the in-memory conversion writes. Each module computes on `device` while it
+    runs (on CUDA, never-slower times the ops first, as in memory). Static and delayed scales are calibrated on
     up to `calibration_batches` batches of `calibration_text` (a text file, as convert
     --calibration-text takes it), else on the example inputs. `text_files(plan, report)` gives the
     files written beside the weights (the CLI's plan.json and reports): with report None for the
@@ -366,15 +480,20 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     source = input_checkpoint(directory, spec)
     large_blocks_unmapped()
     progress("building the model on the meta device, tracing and planning on stand-ins of its weights")
-    model, inputs, built = stand_in_model(directory, spec, seed, dtype, source)
+    device = torch.device(device)
+    model, inputs, built = stand_in_model(directory, spec, seed, dtype, source, device)
     with StandInLinears(set(built)):
         analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
     sites = {s.fqn: s for s in analysis.sites}
     modules = op_modules(planned, sites)
     check_streamable(planned, modules, recipe)
+    groups = api.decision_groups(planned.converted(), sites)
+    measured = site_timings(planned, sites, groups, model, progress)
+    for fqn in slower_sites(measured, groups):
+        del modules[fqn]
     batches, calibrated = calibration_runs(model, inputs, modules, sites, spec, calibration_text, calibration_batches)
-    converted, served, fused = api.rewritten(analysis, modules, api.decision_groups(planned.converted(), sites))
-    decisions = api.carried_out_all(planned, modules, {}, served, fused)
+    converted, served, fused = api.rewritten(analysis, modules, groups)
+    decisions = api.carried_out_all(planned, modules, measured, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated)
     plan.model.update(recorded or {})
     sources = tensor_sources(converted, model, modules)
@@ -403,9 +522,10 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
             staging.mkdir(parents=True)
         sums, skipped = resume(staging, layout, source.fingerprint(), progress)
         items = work_items(planned, sources, stored, sites)
-        original = original_reader(source.files, stored_as, model, built)
         try:
-            with Writer(items, layout, staging, sums, progress) as writer:
+            order = [stored_as[name] for name, _ in named_tensors(model) if name in stored_as]  # as the model runs
+            with CheckpointReader(source, order) as reader, Writer(items, layout, staging, sums, progress) as writer:
+                original = original_reader(reader.read, stored_as, model, built, device)
                 progress("converting each site, " + (f"its scales calibrated on {calibrated}, " if batches else "") +
                          "measured alone on the example inputs: the model run module by module" +
                          (f", {len(batches) + 1} runs in lockstep" if batches else ""))
@@ -555,9 +675,11 @@ def resume(staging: Path, layout: Layout, inputs: str, progress: Callable[[str],
 
 class Writer:
     """Writes each item's tensors at their offsets in the staging shards, once (not those a previous
-    run wrote): a tensor's checksum goes into `sums`, then the journal, once its bytes are on disk.
-    The disk work (write, fsync, checksum) runs on a thread of its own while the next item is
-    computed, IN_FLIGHT items at most. Progress: a line per item, with an ETA."""
+    run wrote): a tensor's checksum goes into `sums`, then the journal, once its bytes are written.
+    Nothing is synced per tensor (a sync each held the disk's writes back): a resumed run checks
+    every journalled tensor's bytes against its checksum, and installing syncs each file. The disk
+    work (write, checksum) runs on a thread of its own while the next item is computed, IN_FLIGHT
+    items at most. Progress: a line per item, with an ETA."""
 
     def __init__(self, items: list[Item], layout: Layout, staging: Path, sums: dict[str, str],
                  progress: Callable[[str], None]):
@@ -571,6 +693,7 @@ class Writer:
 
     def __enter__(self) -> Writer:
         self.journal = open(self.staging / JOURNAL, "a", encoding="utf-8")
+        self.shards = {file: os.open(self.staging / file, os.O_WRONLY) for file in {f for f, _ in self.offsets.values()}}
         self.disk, self.pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowconv-stream"), []
         self.start = time.monotonic()
         return self
@@ -584,6 +707,8 @@ class Writer:
         finally:
             self.disk.shutdown()
             self.journal.close()
+            for fd in self.shards.values():
+                os.close(fd)
 
     def drain(self, most: int) -> None:
         """Wait until at most `most` items are being written."""
@@ -610,14 +735,11 @@ class Writer:
         self.done += item.nbytes
 
     def put(self, tensors: dict[str, tuple[str, int, torch.Tensor]]) -> None:
-        """On the disk thread: each tensor's bytes at its offset, synced, then its checksum journalled."""
+        """On the disk thread: each tensor's bytes at its offset, then its checksum journalled."""
         for name, (file, offset, tensor) in tensors.items():
-            data = checkpoint.bytes_of(tensor)
-            with open(self.staging / file, "r+b") as f:
-                f.seek(offset)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            data, done = checkpoint.bytes_of(tensor), 0
+            while done < len(data):
+                done += os.pwrite(self.shards[file], data[done:], offset + done)
             self.sums[name] = checkpoint.crc_hex(data)
             self.journal.write(json.dumps({"tensor": name, "crc": self.sums[name]}) + "\n")
             self.journal.flush()
@@ -641,7 +763,8 @@ def op_module(item: Item, original: Callable[[str], torch.Tensor]) -> nn.Module:
     """A converted site's op module, built from the original's weights."""
     site, op = item.site, OPS[item.decision.op]
     params = linear_site_params(site, original)
-    return freeze_named(op.from_site(site, op.options(**item.decision.options), params), site.frozen)
+    module = freeze_named(op.from_site(site, op.options(**item.decision.options), params), site.frozen)
+    return module.to(params["weight"].device)  # its own buffers too (api.site_device)
 
 
 def module_tensors(item: Item, sources: dict[str, Source], module: nn.Module) -> dict[str, torch.Tensor]:
@@ -649,18 +772,19 @@ def module_tensors(item: Item, sources: dict[str, Source], module: nn.Module) ->
     return {name: state[sources[name].name] for name in item.outputs}
 
 
-def original_reader(files: dict[str, Path], stored_as: dict[str, str], model: nn.Module,
-                    built: dict[int, torch.dtype]) -> Callable[[str], torch.Tensor]:
-    """name -> the original's tensor as the in-memory path holds it: read from the checkpoint (under
-    its name there, stored_as), cast to the dtype the model builds it in (as from_pretrained loads
-    it), then to its stand-in's (--dtype); a buffer the checkpoint lacks is the model's own
-    (computed when it was built)."""
+def original_reader(read: Reader, stored_as: dict[str, str], model: nn.Module, built: dict[int, torch.dtype],
+                    device: torch.device) -> Reader:
+    """name -> the original's tensor as the in-memory path holds it: read(its name in the
+    checkpoint, stored_as), cast to the dtype the model builds it in (as from_pretrained loads
+    it), then to its stand-in's (--dtype), on `device`; a buffer the checkpoint lacks is the
+    model's own (computed when it was built)."""
     held = dict(named_tensors(model))
 
     def original(name: str) -> torch.Tensor:
         if name not in stored_as:
             return held[name].detach()
-        return read_tensor(files, stored_as[name]).to(built.get(id(held[name]), held[name].dtype)).to(held[name].dtype)
+        tensor = read(stored_as[name]).to(built.get(id(held[name]), held[name].dtype))
+        return tensor.to(device, held[name].dtype)
     return original
 
 

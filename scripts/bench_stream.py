@@ -3,11 +3,13 @@
 Makes a Llama-architecture bf16 checkpoint from a config, one tensor at a time (random weights,
 never held whole, never committed), then runs `lowconv convert hf:DIR RECIPE -o OUT --stream` in a
 child process and reports its peak RSS against the model's largest decoder layer, and its time
-against the disk's own rates, measured in the same run: reading the input once (more than the
-page cache holds) and writing as many bytes as the output has.
+against the disk's own rates, measured in the same run: reading the input once and writing as many
+bytes as the output has. The input's pages are dropped from the page cache before the stream and
+before the read (posix_fadvise), so both read from the disk where the checkpoint fits in memory too.
 
     python scripts/bench_stream.py --dir /tmp/stream-bench            # 31 GB: 48 layers of Llama-2-13B's shape
     python scripts/bench_stream.py --dir /tmp/stream-bench --layers 2  # a smoke run
+    python scripts/bench_stream.py --dir /tmp/stream-bench --device cuda  # each layer computed on the GPU
 """
 import argparse
 import json
@@ -78,6 +80,13 @@ def largest_layer_bytes(config: transformers.LlamaConfig) -> tuple[int, int]:
     return max(layers.values()), max(checkpoint.nbytes(t) for t in model.state_dict().values())
 
 
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (written and synced: clean pages go)."""
+    for path in files:
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def read_rate(files: list[Path]) -> float:
     """Bytes per second reading `files` once, in order, as the stream reads them."""
     buffer, start, read = bytearray(CHUNK), time.monotonic(), 0
@@ -108,6 +117,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=48, help="decoder layers (48: 31 GB of bf16)")
     p.add_argument("--recipe", default="fp8-row")
     p.add_argument("--shard-size", type=shard_size, default="5GB", help="the input checkpoint's shards")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each layer is computed")
     args = p.parse_args()
     config = llama_config(args.layers)
     model_dir, out = args.dir / "model", args.dir / "out"
@@ -122,22 +132,27 @@ def main() -> None:
           f"{layer / 1e9:.2f} GB, largest tensor {tensor / 1e9:.2f} GB", flush=True)
 
     command = [sys.executable, "-m", "lowconv.cli", "convert", f"hf:{model_dir}", args.recipe, "-o", str(out),
-               "--stream"]
+               "--stream", "--device", args.device]
+    evict(inputs)
     start = time.monotonic()
-    run = subprocess.run(command, capture_output=True, text=True)
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = [f"{time.monotonic() - start:7.1f} s  {line}" for line in child.stderr]  # when each step began
+    returncode = child.wait()
     seconds = time.monotonic() - start
-    (args.dir / "stream.log").write_text(run.stderr)
-    if run.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    log = "".join(lines)
+    (args.dir / "stream.log").write_text(log)
+    if returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({returncode}):\n{log[-3000:]}")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     out_bytes = sum(path.stat().st_size for path in out.glob("*.safetensors"))
-    streamed = re.search(r"converted and wrote (\d+) MB in (\S+) \((\d+) MB/s\)", run.stderr)
+    streamed = re.search(r"converted and wrote (\d+) MB in (\S+) \((\d+) MB/s\)", log)
 
+    evict(inputs)
     reading = read_rate(inputs)
     writing = write_rate(args.dir / "write-rate.tmp", out_bytes)
     disk_seconds = in_bytes / reading + out_bytes / writing
     result = {
-        "command": " ".join(command), "recipe": args.recipe, "layers": args.layers,
+        "command": " ".join(command), "recipe": args.recipe, "layers": args.layers, "device": args.device,
         "checkpoint_GB": round(in_bytes / 1e9, 2), "output_GB": round(out_bytes / 1e9, 2),
         "host_memory_GB": round(ram / 1e9, 1), "largest_layer_GB": round(layer / 1e9, 3),
         "peak_rss_GB": round(peak / 1e9, 3), "rss_bound_GB": round((layer + 1.5e9) / 1e9, 3),

@@ -175,6 +175,35 @@ def test_cli_stream_calibrates_on_a_text_file_as_in_memory(tmp_path, sharded, ca
                else torch.equal(theirs[n], ours[n]) for n in theirs)
 
 
+def test_the_reader_hands_out_each_tensor_in_any_order_within_its_read_ahead(tmp_path, monkeypatch):
+    """CheckpointReader: tensors read ahead in the order given, handed out in whatever order they are
+    asked for (the same values as safetensors reads), never more than READ_AHEAD bytes held ahead
+    (one tensor larger than that alone); a file cut short is named."""
+    from safetensors.torch import save_file
+
+    from lowconv import stream
+    from lowconv.stream import CheckpointReader, input_checkpoint
+    tensors = {f"t{i}": torch.randn(1000 + i, dtype=torch.bfloat16) for i in range(8)}
+    tensors["big"] = torch.arange(6000, dtype=torch.int32).reshape(60, 100)
+    save_file(tensors, tmp_path / "model.safetensors")
+    source = input_checkpoint(tmp_path, "hf:x")
+    monkeypatch.setattr(stream, "READ_AHEAD", 5000)  # two or so bf16 tensors
+    held = []
+    with CheckpointReader(source, [*tensors, "t3"]) as reader:
+        for name in ["t0", "t1", "big", "t5", "t2", "t7", "t3", "t3", "t4", "t6"]:
+            held.append(reader.held)
+            got = reader.read(name)
+            assert got.dtype == tensors[name].dtype and torch.equal(got, tensors[name]), name
+    assert max(held) <= 24000 and held.count(0) < len(held)  # "big" (24000 bytes) alone; others 2 KB each
+    path = tmp_path / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 10)
+    last = max(source.spans, key=lambda name: source.spans[name][1])
+    with CheckpointReader(source, []) as reader, pytest.raises(LowconvError, match=f"cannot read {last}: the file "
+                                                                                   r"ends 10 bytes short of it"):
+        reader.read(last)
+
+
 def test_memory_stays_far_below_the_models_size(tmp_path):
     """A 100 MB model streamed in a child process whose peak RSS (ru_maxrss) grows by less than
     40 MB over its state after a warm-up conversion (the code's one-time costs): 27 MB measured; the
@@ -220,9 +249,9 @@ def test_refuses_other_sources_and_flags(tmp_path, sharded, capsys):
     assert main(["convert", f"hf:{sharded}", "fp8-static", "--stream", "--calibration", "4",
                  "-o", str(tmp_path / "out")]) == 2
     assert f"--calibration: hf:{sharded} defines no calibration_inputs()" in capsys.readouterr().err
-    assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "--device", "cuda",
+    assert main(["convert", f"hf:{sharded}", "fp8-dynamic", "--stream", "--sparse-format", "dense",
                  "-o", str(tmp_path / "out")]) == 2
-    assert "--stream does not take --device cuda" in capsys.readouterr().err
+    assert "--stream does not take --sparse-format dense" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -330,17 +359,17 @@ def test_a_model_that_cannot_run_module_by_module_is_converted_but_not_measured(
 
 
 def test_a_failed_write_keeps_what_was_written_and_resumes(tmp_path, sharded, monkeypatch):
-    """A disk error on the writing thread (here the 10th fsync: a full disk) stops the stream with
+    """A disk error on the writing thread (here the 10th write: a full disk) stops the stream with
     the error, out/ untouched; the same command then resumes."""
     import errno
-    fsync, calls = os.fsync, []
+    pwrite, calls = os.pwrite, []
 
-    def failing(descriptor):
+    def failing(descriptor, data, offset):
         calls.append(descriptor)
         if len(calls) == 10:
             raise OSError(errno.ENOSPC, "No space left on device")
-        fsync(descriptor)
-    monkeypatch.setattr(os, "fsync", failing)
+        return pwrite(descriptor, data, offset)
+    monkeypatch.setattr(os, "pwrite", failing)
     with pytest.raises(LowconvError, match=r"No space left on device; the \d+ of 35 tensors written are kept in "
                                            r".*\.out\.stream, where the same command resumes"):
         stream_convert(f"hf:{sharded}", "fp8-dynamic", tmp_path / "out", text_files=plan_files, max_shard_bytes=SHARD)
