@@ -328,8 +328,8 @@ def parser() -> argparse.ArgumentParser:
                         "transformers and vLLM load them; the speed-up goes)")
     c.add_argument("--stream", action="store_true",
                    help="hf:DIR with safetensors weights: convert tensor by tensor, never holding the model (a model "
-                        "larger than memory); linear sites, on the CPU, each site measured alone, the outputs not "
-                        "compared (README: Streamed conversion)")
+                        "larger than memory); linear sites, each measured alone, the outputs not compared (README: "
+                        "Streamed conversion)")
     c.add_argument("--max-shard-size", type=shard_size, default=checkpoint.MAX_SHARD_BYTES, metavar="SIZE",
                    help="cut the checkpoint into shards of at most SIZE (5GB, 500MB, bytes; default 5GB)")
     c.add_argument("--calibration-text", metavar="FILE",

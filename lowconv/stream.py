@@ -27,9 +27,9 @@ On CUDA, each module's weights are moved to the GPU while it runs, and never-slo
 timed op first on random weights of its site's shapes (the plan's choices, as in memory).
 
 Limits: linear sites only, with ops that measure nothing when built (fp8, fp16acc; not 2:4);
-tensors transformers converts as it loads are refused; the
-report has each site alone, not the model's outputs. Every run's activations are held at once:
-calibrating on many batches takes memory as they do.
+tensors transformers converts as it loads are refused; the report has each site alone, not the
+model's outputs. Every run's activations are held at once: calibrating on many batches takes
+memory as they do.
 """
 from __future__ import annotations
 
@@ -463,9 +463,9 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
                    progress: Callable[[str], None] = api.no_progress) -> Streamed:
     """Convert the hf:DIR model `spec` into `out` without holding it (module doc), writing what
     lowconv.save of the in-memory conversion writes. Each module computes on `device` while it
-    runs (on CUDA, never-slower times the ops first, as in memory). Static and delayed scales are calibrated on
-    up to `calibration_batches` batches of `calibration_text` (a text file, as convert
-    --calibration-text takes it), else on the example inputs. `text_files(plan, report)` gives the
+    runs (on CUDA, never-slower times the ops first, as in memory). Static and delayed scales are
+    calibrated on up to `calibration_batches` batches of `calibration_text` (a text file, as
+    convert --calibration-text takes it), else on the example inputs. `text_files(plan, report)` gives the
     files written beside the weights (the CLI's plan.json and reports): with report None for the
     layout (their names), then with the streamed report (stream_pass.py); `recorded` is added to
     Plan.model (the CLI records the model's path, seed and dtype)."""
@@ -693,7 +693,8 @@ class Writer:
 
     def __enter__(self) -> Writer:
         self.journal = open(self.staging / JOURNAL, "a", encoding="utf-8")
-        self.shards = {file: os.open(self.staging / file, os.O_WRONLY) for file in {f for f, _ in self.offsets.values()}}
+        files = {file for file, _ in self.offsets.values()}
+        self.shards = {file: os.open(self.staging / file, os.O_WRONLY) for file in files}
         self.disk, self.pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowconv-stream"), []
         self.start = time.monotonic()
         return self

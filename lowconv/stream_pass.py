@@ -118,7 +118,8 @@ class Lockstep:
             if any(p is not None for p in module._parameters.values()):
                 self.held[module] = (f"{fqn}." if fqn else "", dict(module._parameters))
                 self.unload(module)
-                self.handles += [module.register_forward_pre_hook(self.arrive), module.register_forward_hook(self.leave)]
+                self.handles += [module.register_forward_pre_hook(self.arrive),
+                                 module.register_forward_hook(self.leave)]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -57,6 +57,23 @@ def same_files(a: Path, b: Path) -> None:
         assert path.read_bytes() == (b / path.name).read_bytes(), path.name
 
 
+def same_conversion(memory: Path, stream: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A conversion written by `lowconv convert` (memory) and by `--stream`: plan.json, the index and
+    the files beside byte for byte, the same tensors (the shards' metadata differs only in the
+    reports' hashes), each site alone measured alike. The streamed tensors and report."""
+    for name in ["plan.json", checkpoint.INDEX_FILE, "config.json", "generation_config.json"]:
+        assert (memory / name).read_bytes() == (stream / name).read_bytes(), name
+    theirs, their_meta = checkpoint.read_checkpoint(memory)
+    ours, our_meta = checkpoint.read_checkpoint(stream)
+    assert their_meta == our_meta and theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[n].view(torch.uint8), ours[n].view(torch.uint8)) if theirs[n].dtype.itemsize == 1
+               else torch.equal(theirs[n], ours[n]) for n in theirs)
+    streamed, compared = (json.loads((d / "report.json").read_text()) for d in (stream, memory))
+    assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
+        [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
+    return ours, streamed
+
+
 @pytest.mark.parametrize("recipe, tied", [("fp8-dynamic", False), ("fp8-row", True), ("fp8-static", False)])
 def test_streamed_bytes_are_the_in_memory_conversions(tmp_path, sharded, recipe, tied):
     source = llama(tmp_path / "tied") if tied else sharded
@@ -101,23 +118,13 @@ def test_cli_stream(tmp_path, sharded, capsys):
     assert main(["convert", *args, "--stream", "-o", str(tmp_path / "stream")]) == 0
     assert "ETA" in capsys.readouterr().err
     memory, stream = tmp_path / "memory", tmp_path / "stream"
-    for name in ["config.json", "plan.json", checkpoint.INDEX_FILE, "generation_config.json"]:
-        assert (memory / name).read_bytes() == (stream / name).read_bytes(), name
-    # Each site alone on the original's inputs, as compare measures it: the same numbers.
-    streamed, compared = (json.loads((d / "report.json").read_text()) for d in (stream, memory))
+    # The same tensors, and each site alone on the original's inputs as compare measures it.
+    _, streamed = same_conversion(memory, stream)
     assert streamed["scope"].startswith("streamed: each converted site alone") and not streamed["outputs"]
-    assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
-        [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
     assert len(streamed["sites"]) == 14 and all(s["metrics"] is None for s in streamed["sites"])
     markdown = (stream / "report.md").read_text()
     assert "Compared: streamed" in markdown and "## Converted sites (alone: the op on the original's inputs)" in markdown
     assert "| model.layers.0.self_attn.q_proj | fp8  | " in markdown and "Model outputs" not in markdown
-    # The shards hold the same tensors; their metadata differs only in the reports' hashes.
-    theirs, their_meta = checkpoint.read_checkpoint(memory)
-    ours, our_meta = checkpoint.read_checkpoint(stream)
-    assert their_meta == our_meta and theirs.keys() == ours.keys()
-    assert all(torch.equal(theirs[n].view(torch.uint8), ours[n].view(torch.uint8)) if theirs[n].dtype.itemsize == 1
-               else torch.equal(theirs[n], ours[n]) for n in theirs)
     assert main(["compare", f"hf:{sharded}", str(stream), "--device", "cpu"]) == 0
 
 
@@ -162,17 +169,9 @@ def test_cli_stream_calibrates_on_a_text_file_as_in_memory(tmp_path, sharded, ca
     plan = json.loads((tmp_path / "stream" / "plan.json").read_text())
     assert plan["model"]["calibration"] == f"2 batches of 64-token rows of {text}, up to 2 a batch"
     assert {d["options"].get("scaling") for d in plan["decisions"] if d["op"] == "fp8"} == {"static", "dynamic"}
-    streamed, compared = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("stream", "memory"))
-    assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
-        [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
-    assert streamed["calibration"] == compared["calibration"] != ""
-    for name in ["plan.json", checkpoint.INDEX_FILE, "config.json"]:
-        assert (tmp_path / "memory" / name).read_bytes() == (tmp_path / "stream" / name).read_bytes(), name
-    theirs, _ = checkpoint.read_checkpoint(tmp_path / "memory")
-    ours, _ = checkpoint.read_checkpoint(tmp_path / "stream")
-    assert theirs.keys() == ours.keys() and any(n.endswith("mlp.down_proj.input_scale") for n in ours)
-    assert all(torch.equal(theirs[n].view(torch.uint8), ours[n].view(torch.uint8)) if theirs[n].dtype.itemsize == 1
-               else torch.equal(theirs[n], ours[n]) for n in theirs)
+    ours, streamed = same_conversion(tmp_path / "memory", tmp_path / "stream")
+    assert streamed["calibration"] == plan["model"]["calibration"]
+    assert any(n.endswith("mlp.down_proj.input_scale") for n in ours)
 
 
 def test_the_reader_hands_out_each_tensor_in_any_order_within_its_read_ahead(tmp_path, monkeypatch):
