@@ -344,16 +344,18 @@ class CheckpointReader:
                 if name in self.taken:
                     continue
                 self.reading = name
+            tensor = None
             try:
                 tensor = self.read_now(name)
             except LowconvError:  # the stream reads it again, and says why
-                tensor = None
-            with self.changed:
-                self.reading = None
-                if tensor is not None:
-                    self.ready[name] = tensor
-                    self.held += self.nbytes(name)
-                self.changed.notify_all()
+                pass
+            finally:  # whatever happened, a read waiting for this tensor goes on
+                with self.changed:
+                    self.reading = None
+                    if tensor is not None:
+                        self.ready[name] = tensor
+                        self.held += self.nbytes(name)
+                    self.changed.notify_all()
 
     def read_now(self, name: str) -> torch.Tensor:
         path, (start, end), dtype = self.source.files[name], self.source.spans[name], self.source.dtypes[name]
