@@ -119,10 +119,8 @@ def build_op_modules(to_convert: list[Decision], analysis: Analysis, progress: C
     for i, decision in enumerate(to_convert, 1):
         progress(f"[{i}/{len(to_convert)}] {decision.fqn} -> {decision.op}")
         site, op = by_fqn[decision.fqn], OPS[decision.op]
-        options = op.options(**decision.options)
         params = site_params(site, analysis.model)
-        module = freeze_named(op.from_site(site, options, params), site.frozen)
-        modules[site.fqn] = module.to(site_device(site, analysis.model))
+        modules[site.fqn] = op_module(decision, site, params, site_device(site, analysis.model))
         if op.timed and not decision.forced:
             sharers = shared_by[groups[site.fqn]]
             key = timing_key(decision, site, params, sharers)
@@ -130,6 +128,13 @@ def build_op_modules(to_convert: list[Decision], analysis: Analysis, progress: C
                 timings[key] = time_linear_site(site, modules[site.fqn], params, sharers)
             measured[site.fqn] = timings[key]
     return modules, measured, groups
+
+
+def op_module(decision: Decision, site: Site, params: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """The decision's op module for the site, built from its original tensors (`params`, as
+    Op.from_site takes them), on `device` with its own buffers."""
+    op = OPS[decision.op]
+    return freeze_named(op.from_site(site, op.options(**decision.options), params), site.frozen).to(device)
 
 
 def timing_key(decision: Decision, site: Site, params: dict[str, torch.Tensor], sharers: int) -> tuple:

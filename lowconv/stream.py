@@ -423,8 +423,7 @@ def site_timings(plan: Plan, sites: dict[str, Site], groups: dict[str, tuple], m
         if key not in timings:
             progress(f"timing {decision.op} against the original at the shapes of {site.fqn}")
             params = {name: torch.randn(t.shape, dtype=t.dtype, device=t.device) for name, t in stand_ins.items()}
-            module = freeze_named(op.from_site(site, op.options(**decision.options), params), site.frozen)
-            module = module.to(params["weight"].device)
+            module = api.op_module(decision, site, params, params["weight"].device)
             timings[key] = time_linear_site(site, module, params, key[-1])
         measured[site.fqn] = timings[key]
     return measured
@@ -569,7 +568,7 @@ def pass_writers(items: list[Item], sources: dict[str, Source], writer: Writer, 
     by_site = {item.site.fqn: item for item in items if item.site is not None}
 
     def build(site: Site, read: Reader) -> nn.Module:
-        return op_module(by_site[site.fqn], read)
+        return item_op_module(by_site[site.fqn], read)
 
     def keep(site: Site, module: nn.Module) -> None:
         item = by_site[site.fqn]
@@ -759,15 +758,13 @@ def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str
     """The item's output tensors, computed from the input checkpoint."""
     if item.decision is None:
         return {item.outputs[0]: original(sources[item.outputs[0]].name)}
-    return module_tensors(item, sources, op_module(item, original))
+    return module_tensors(item, sources, item_op_module(item, original))
 
 
-def op_module(item: Item, original: Callable[[str], torch.Tensor]) -> nn.Module:
+def item_op_module(item: Item, original: Callable[[str], torch.Tensor]) -> nn.Module:
     """A converted site's op module, built from the original's weights."""
-    site, op = item.site, OPS[item.decision.op]
-    params = linear_site_params(site, original)
-    module = freeze_named(op.from_site(site, op.options(**item.decision.options), params), site.frozen)
-    return module.to(params["weight"].device)  # its own buffers too (api.site_device)
+    params = linear_site_params(item.site, original)
+    return api.op_module(item.decision, item.site, params, params["weight"].device)
 
 
 def module_tensors(item: Item, sources: dict[str, Source], module: nn.Module) -> dict[str, torch.Tensor]:

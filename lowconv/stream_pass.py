@@ -43,7 +43,6 @@ from lowconv.site import Site
 SCOPE = ("streamed: each converted site alone (its op on the original's inputs at that site), the model run "
          "module by module; the model's outputs and the sites in the converted model were not compared")
 Reader = Callable[[str], torch.Tensor]
-EXAMPLE_RUN = "the example inputs"
 
 
 class ReadOutsideItsModule(RuntimeError):
@@ -251,7 +250,7 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
     decisions = {d.fqn: d for d in plan.converted()}
     modules = {fqn: site_module(model, sites[fqn]) for fqn in decisions}
     batches = list(calibration or [])
-    runs = {f"calibration batch {i}": batch for i, batch in enumerate(batches, 1)} | {EXAMPLE_RUN: inputs}
+    runs = {f"calibration batch {i}": batch for i, batch in enumerate(batches, 1)} | {"the example inputs": inputs}
     calls: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     ops: dict[str, nn.Module] = {}  # a site's op module, from the first run through it to the example's
     finished: set[str] = set()  # sites whose scales were calibrated
