@@ -182,7 +182,7 @@ def cmd_convert(args) -> int:
 
 def stream(args, out: Path) -> int:
     """convert --stream: the checkpoint written tensor by tensor (stream.py), scales calibrated and
-    each converted site measured alone (stream_pass.py)."""
+    the models compared module by module (stream_pass.py)."""
     if args.sparse_format == "dense":
         raise LowconvError("--stream does not take --sparse-format dense: it converts no 2:4 layers; convert without "
                            "--stream (in memory) for those")
@@ -203,8 +203,7 @@ def stream(args, out: Path) -> int:
     print()
     status = print_report(streamed.report)
     resumed = f" ({streamed.skipped} tensors kept from an interrupted run)" if streamed.skipped else ""
-    progress(f"wrote {streamed.path}{resumed}, plan.json, report.md, report.json; the model's outputs were not "
-             f"compared (`lowconv compare {args.model} {out}` compares them where both models fit)")
+    progress(f"wrote {streamed.path}{resumed}, plan.json, report.md, report.json")
     return status
 
 
@@ -328,8 +327,8 @@ def parser() -> argparse.ArgumentParser:
                         "transformers and vLLM load them; the speed-up goes)")
     c.add_argument("--stream", action="store_true",
                    help="hf:DIR with safetensors weights: convert tensor by tensor, never holding the model (a model "
-                        "larger than memory); linear sites, each measured alone, the outputs not compared (README: "
-                        "Streamed conversion)")
+                        "larger than memory); linear sites; the report as in memory, not timed (README: Streamed "
+                        "conversion)")
     c.add_argument("--max-shard-size", type=shard_size, default=checkpoint.MAX_SHARD_BYTES, metavar="SIZE",
                    help="cut the checkpoint into shards of at most SIZE (5GB, 500MB, bytes; default 5GB)")
     c.add_argument("--calibration-text", metavar="FILE",

@@ -64,12 +64,9 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     tapped = tap_sites(work, trace, list(sites.values()), record)
     reference, traced = run_eval(original, args, kwargs), run_eval(tapped, args, kwargs)
     release_graphs(trace)  # the traced copy is not kept
-    for name, ref, test in paired_outputs(reference if untraced is None else untraced, traced):
-        nan = int(torch.isnan(ref).sum()) if ref.is_floating_point() else 0
-        if nan:  # (an Inf, e.g. a masked logit, is compared as it is: the converted model must match it)
-            raise LowconvError(
-                f"the model's own output ({name}) holds {nan} NaN values on these inputs, so no "
-                f"accuracy can be measured against it: check its weights and the example inputs")
+    checked = reference if untraced is None else untraced
+    check_no_nan(checked)
+    for name, ref, test in paired_outputs(checked, traced):
         metrics = reports.tensor_metrics(ref, test)
         if not metrics.sqnr_db >= TRACE_FIDELITY_DB:
             raise LowconvError(
@@ -78,6 +75,17 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
                 f"arguments was frozen by tracing; the plan lists the traced regions")
     return reference, calls
 
+
+
+def check_no_nan(outputs) -> None:
+    """Refuse an original whose outputs hold NaN: no accuracy can be measured against them. (An
+    Inf, e.g. a masked logit, is compared as it is: the converted model must match it.)"""
+    for name, ref in reports.flatten_outputs(outputs):
+        nan = int(torch.isnan(ref).sum())
+        if nan:
+            raise LowconvError(
+                f"the model's own output ({name}) holds {nan} NaN values on these inputs, so no "
+                f"accuracy can be measured against it: check its weights and the example inputs")
 
 
 def run_converted(converted: nn.Module, fqns: list[str], inputs) -> tuple[object, dict[str, list[torch.Tensor]]]:

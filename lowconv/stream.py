@@ -7,14 +7,15 @@ which takes no memory. Tracing, shape propagation and the plan run on the stand-
 values), so the plan is the in-memory path's. The converted structure is then built with each
 op's `empty` on meta (as lowconv.load does): its state dict gives every output tensor's name,
 dtype and shape, so every output shard's header is known before any data. Then the model runs
-on its example inputs module by module (stream_pass.py), in lockstep with a run per calibration
-batch where static or delayed scales are calibrated: each module's parameters are read from their
-input shard (safetensors, one tensor at a time) once all runs have reached it, kept tensors
-written as they are read (cast as from_pretrained and --dtype cast them), and each converted
-site's op module built by the op's `from_site` from the weights its module holds, calibrated on
-the calibration runs (the converted model's), written at its offsets in the output shards and run
-on the example inputs' at that module: the site's accuracy alone, for the report. What the runs do
-not reach is written after, the same way. Last, the CRC-32 checksums (fixed-width hex, written as zeros
+on its example inputs module by module (stream_pass.py), as the original and as the converted
+model, in lockstep with a run per calibration batch where static or delayed scales are
+calibrated: each module's parameters are read from their input shard (safetensors, one tensor at
+a time) once all runs have reached it, kept tensors written as they are read (cast as
+from_pretrained and --dtype cast them), and each converted site's op module built by the op's
+`from_site` from the weights its module holds, calibrated on the calibration runs (the converted
+model's), written at its offsets in the output shards, and measured as compare.compare measures
+it (alone, and in the converted model), with the outputs, for the report. What the runs do not
+reach is written after, the same way. Last, the CRC-32 checksums (fixed-width hex, written as zeros
 first) and the report's hashes are patched into each header, and the files are installed as
 checkpoint.save_checkpoint installs them, in one atomic swap: the in-memory conversion's tensors,
 byte for byte.
@@ -27,8 +28,8 @@ On CUDA, each module's weights are moved to the GPU while it runs, and never-slo
 timed op first on random weights of its site's shapes (the plan's choices, as in memory).
 
 Limits: linear sites only, with ops that measure nothing when built (fp8, fp16acc; not 2:4);
-tensors transformers converts as it loads are refused; the report has each site alone, not the
-model's outputs. Every run's activations are held at once: calibrating on many batches takes
+tensors transformers converts as it loads are refused; the report is not timed. Every run's
+activations are held at once: calibrating on many batches takes
 memory as they do.
 """
 from __future__ import annotations
@@ -451,7 +452,7 @@ def calibration_runs(model: nn.Module, inputs, modules: dict[str, nn.Module], si
 class Streamed:
     """What a streamed conversion found and wrote."""
     plan: Plan
-    report: Report  # each converted site alone (stream_pass.py)
+    report: Report  # as compare.compare's, not timed (stream_pass.py)
     path: Path  # the weights' file or index
     skipped: int  # tensors a previous run had written already
     written: int
@@ -528,8 +529,8 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
             with CheckpointReader(source, order) as reader, Writer(items, layout, staging, sums, progress) as writer:
                 original = original_reader(reader.read, stored_as, model, built, device)
                 progress("converting each site, " + (f"its scales calibrated on {calibrated}, " if batches else "") +
-                         "measured alone on the example inputs: the model run module by module" +
-                         (f", {len(batches) + 1} runs in lockstep" if batches else ""))
+                         "and comparing the original and the converted model on the example inputs: the model run "
+                         f"module by module, {len(batches) + 2} runs in lockstep")
                 report = streamed_pass(model, plan, sites, inputs, original,
                                        *pass_writers(items, sources, writer, model), calibration=batches)
                 for item in items:  # what the run did not reach
@@ -750,7 +751,7 @@ class Writer:
     def summary(self) -> str:
         elapsed = time.monotonic() - self.start
         return (f"converted and wrote {self.done / 1e6:.0f} MB in {format_seconds(elapsed)} "
-                f"({self.done / 1e6 / max(elapsed, 1e-3):.0f} MB/s), each converted site measured on the way")
+                f"({self.done / 1e6 / max(elapsed, 1e-3):.0f} MB/s), the models compared on the way")
 
 
 def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str], torch.Tensor]

@@ -1,5 +1,5 @@
 """A streamed conversion's pass over the model: its runs in lockstep, module by module; the
-calibration of static scales, and each converted site measured alone.
+calibration of static scales, and the report: each converted site and the outputs measured.
 
 The model, its parameters stand-ins, runs on several inputs at once, each run in a thread of its
 own and one thread at a time (Lockstep): a run stops before each module that owns parameters until
@@ -10,38 +10,42 @@ number of runs, and memory holds the weights of the module running (and of those
 each run's activations.
 
 The runs: one per calibration batch where a converted site's scales are calibrated (static or
-delayed FP8), then the example inputs'. A calibration run is the converted model's: at each
-converted site its op module's output replaces the original's, the op calibrating where it
-calibrates, as lowconv.convert runs the calibration through the converted model. The example
-inputs' run is the original's: at each converted site, once every calibration run has passed it,
-the op module is finished (its scales set), handed to the stream to write, and run on that
-module's inputs: the pair of outputs is the site's "alone" measurement of compare.compare, the same
-numbers.
+delayed FP8), then the original's and the converted model's on the example inputs. A calibration
+run is the converted model's: at each converted site its op module's output replaces the
+original's, the op calibrating where it calibrates, as lowconv.convert runs the calibration
+through the converted model. The original's run: at each converted site, once every calibration
+run has passed it, the op module is finished (its scales set), handed to the stream to write, and
+run on that module's inputs (the site alone). The converted model's run, last through each
+module, runs the finished op in the site's place. So the report has compare.compare's numbers:
+each site alone and in the converted model, and the outputs, with the recipe's gates; not timed.
+Where fuse_activation moves an activation into a layer's quantizer, the converted run computes it
+before the layer, as the original does (the same numbers on the CPU; on CUDA within rounding).
 
-Not measured: the model's outputs and each site in the converted model (both need the converted
-model run whole, which the stream never holds), and sites that are no module's whole forward. A
-model whose code computes with a parameter outside the module that owns it stops at that read; the
-report then says so rather than run on stand-ins (and a calibration stops the conversion there).
+Not measured: sites that are no module's whole forward. A model whose code computes with a
+parameter outside the module that owns it stops at that read; the report then says so rather
+than run on stand-ins (and a calibration stops the conversion there).
 """
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
 from lowconv import report as reports
-from lowconv.compare import first_tensor, worst_call
+from lowconv.compare import check_no_nan, first_tensor, paired_outputs, worst_call
 from lowconv.errors import LowconvError
 from lowconv.inputs import normalize_inputs, run_eval
-from lowconv.ops.registry import Calibrated
+from lowconv.ops.registry import Calibrated, ReportsStats
 from lowconv.plan import Plan
 from lowconv.site import Site
 
-SCOPE = ("streamed: each converted site alone (its op on the original's inputs at that site), the model run "
-         "module by module; the model's outputs and the sites in the converted model were not compared")
+SCOPE = ("streamed: the model run module by module, the converted model with each converted site's op in its "
+         "module's place (an activation fused into a layer computed before it); not timed")
+FAILED_SCOPE = "streamed, and the model does not run module by module: the sites and the outputs were not measured"
 Reader = Callable[[str], torch.Tensor]
 
 
@@ -230,8 +234,9 @@ class Lockstep:
             return at.pop()
         where = {names[run]: "finished" if self.waiting[run] is DONE else f"waits before {self.name(self.waiting[run])}"
                  for run in range(len(names))}
-        raise Diverged("--stream runs the model on its calibration batches and its example inputs together, module "
-                       "by module, and they went different ways through it: " +
+        raise Diverged("--stream runs the model on its calibration batches and its example inputs (the original "
+                       "and the converted model) together, module by module, and they went different ways through "
+                       "it: " +
                        "; ".join(f"{name} {state}" for name, state in where.items()) +
                        "; convert without --stream (in memory)")
 
@@ -241,22 +246,29 @@ class Lockstep:
 
 def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, original: Reader,
                   build: Callable[[Site, Reader], nn.Module], keep: Callable[[Site, nn.Module], None],
-                  on_load: Callable[[torch.Tensor, torch.Tensor], None], calibration: list | None = None
-                  ) -> reports.Report:
-    """Run `model` on the calibration batches and on `inputs` in lockstep (module doc);
-    `build(site, read)` gives a converted site's op module from the weights read(name) gives, and
-    keep(site, op module) takes it once it is finished (calibrated). The report of each converted
-    site alone."""
+                  on_load: Callable[[torch.Tensor, torch.Tensor], None], calibration: list | None = None,
+                  logits: bool | None = None) -> reports.Report:
+    """Run `model` on the calibration batches, the original and the converted model on `inputs`,
+    in lockstep (module doc); `build(site, read)` gives a converted site's op module from the
+    weights read(name) gives, and keep(site, op module) takes it once it is finished (calibrated).
+    The report, as compare.compare's: each converted site alone and in the converted model, and
+    the outputs (`logits` as compare takes it)."""
     decisions = {d.fqn: d for d in plan.converted()}
     modules = {fqn: site_module(model, sites[fqn]) for fqn in decisions}
     batches = list(calibration or [])
-    runs = {f"calibration batch {i}": batch for i, batch in enumerate(batches, 1)} | {"the example inputs": inputs}
-    calls: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    ops: dict[str, nn.Module] = {}  # a site's op module, from the first run through it to the example's
+    example, converted = len(batches), len(batches) + 1  # the runs' indices
+    runs = {f"calibration batch {i}": batch for i, batch in enumerate(batches, 1)} | \
+        {"the example inputs": inputs, "the converted model on the example inputs": inputs}
+    outputs: dict[int, object] = {}
+    calls: dict[str, SiteCalls] = {}
+    ops: dict[str, nn.Module] = {}  # a site's op module, from the first run through it to the converted one
     finished: set[str] = set()  # sites whose scales were calibrated
     failed = ""
     with Lockstep(model, original, on_load) as lockstep:
         def at_site(module, args, kwargs, output, site):
+            run = lockstep.current()
+            if run == converted:
+                return calls[site.fqn].converted(ops.pop(site.fqn), args, kwargs)
             if site.fqn not in ops:
                 ops[site.fqn] = build(site, lockstep.read)
                 if batches and calibrates(ops[site.fqn]):
@@ -265,23 +277,22 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
                                            f"site's scales in one pass of its module; convert without --stream")
                     ops[site.fqn].begin_calibration()
             op = ops[site.fqn]
-            if lockstep.current() < len(batches):  # a calibration run: the converted model's
+            if run < example:  # a calibration run: the converted model's
                 return run_eval(op, args, kwargs)
-            del ops[site.fqn]
             if batches and calibrates(op):
                 op.end_calibration()
                 finished.add(site.fqn)
             keep(site, op)
-            originals, conversions = calls.setdefault(site.fqn, ([], []))
-            originals.append(first_tensor(output).detach().clone())
-            conversions.append(first_tensor(run_eval(op, args, kwargs)))
+            calls.setdefault(site.fqn, SiteCalls()).original(op, args, kwargs, output)
+
+        def run(index: int, batch) -> None:
+            outputs[index] = run_eval(model, *normalize_inputs(batch))
 
         handles = [module.register_forward_hook(lambda m, a, k, o, site=sites[fqn]: at_site(m, a, k, o, site),
                                                 with_kwargs=True, prepend=True)
                    for fqn, module in modules.items() if module is not None]
         try:
-            lockstep.runs({name: (lambda batch=batch: run_eval(model, *normalize_inputs(batch)))
-                           for name, batch in runs.items()})
+            lockstep.runs({name: (lambda i=i, batch=batch: run(i, batch)) for i, (name, batch) in enumerate(runs.items())})
         except ReadOutsideItsModule as err:
             if batches:
                 raise LowconvError(f"the model does not run module by module ({err}), so --stream cannot calibrate "
@@ -290,7 +301,7 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
         finally:
             for handle in handles:
                 handle.remove()
-    alone, notes = {}, {}
+    in_model, alone, notes = {}, {}, {}
     for fqn in decisions:
         if failed:
             notes[fqn] = failed
@@ -299,11 +310,41 @@ def streamed_pass(model: nn.Module, plan: Plan, sites: dict[str, Site], inputs, 
         elif fqn not in calls:
             notes[fqn] = "not reached by the inputs"
         else:
-            alone[fqn], notes[fqn] = worst_call(*calls[fqn])
-    return reports.build_report({}, {fqn: d.op for fqn, d in decisions.items()}, [], site_alone=alone,
-                                gate_min_site_sqnr_db=plan.gate_min_site_sqnr_db, recipe=plan.recipe,
-                                site_notes=notes, scope=SCOPE + unchecked_gate(plan),
-                                calibration=plan.model.get("calibration") or "")
+            in_model[fqn], notes[fqn] = worst_call(calls[fqn].originals, calls[fqn].conversions)
+            alone[fqn] = (calls[fqn].originals[0], calls[fqn].alone)
+    pairs = []
+    if not failed:
+        check_no_nan(outputs[example])
+        pairs = paired_outputs(outputs[example], outputs[converted])
+    return reports.build_report(
+        in_model, {fqn: d.op for fqn, d in decisions.items()}, pairs, site_alone=alone, logits=logits,
+        gate_min_sqnr_db=None if failed else plan.gate_min_sqnr_db, gate_min_site_sqnr_db=plan.gate_min_site_sqnr_db,
+        site_stats={fqn: c.stats for fqn, c in calls.items()}, recipe=plan.recipe, site_notes=notes,
+        scope=FAILED_SCOPE + unchecked_gate(plan) if failed else SCOPE, calibration=plan.model.get("calibration") or "")
+
+
+@dataclass
+class SiteCalls:
+    """What compare.compare measures of a converted site: the original's output on each call, its
+    op's on the first call's inputs (alone), the op's in the converted model on each call, and the
+    op's counters over the converted model's calls."""
+    originals: list[torch.Tensor] = field(default_factory=list)
+    alone: torch.Tensor | None = None
+    conversions: list[torch.Tensor] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def original(self, op: nn.Module, args, kwargs, output) -> None:
+        self.originals.append(first_tensor(output).detach().clone())
+        if self.alone is None:
+            self.alone = first_tensor(run_eval(op, args, kwargs))
+
+    def converted(self, op: nn.Module, args, kwargs):
+        before = op.report_stats() if isinstance(op, ReportsStats) else {}
+        output = run_eval(op, args, kwargs)
+        self.conversions.append(first_tensor(output).detach().clone())
+        for name, value in (op.report_stats() if before else {}).items():
+            self.stats[name] = self.stats.get(name, 0.0) + value - before[name]
+        return output
 
 
 def calibrates(op: nn.Module) -> bool:

@@ -60,7 +60,8 @@ def same_files(a: Path, b: Path) -> None:
 def same_conversion(memory: Path, stream: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """A conversion written by `lowconv convert` (memory) and by `--stream`: plan.json, the index and
     the files beside byte for byte, the same tensors (the shards' metadata differs only in the
-    reports' hashes), each site alone measured alike. The streamed tensors and report."""
+    reports' hashes), the same report but for its scope and times (a stream times nothing). The
+    streamed tensors and report."""
     for name in ["plan.json", checkpoint.INDEX_FILE, "config.json", "generation_config.json"]:
         assert (memory / name).read_bytes() == (stream / name).read_bytes(), name
     theirs, their_meta = checkpoint.read_checkpoint(memory)
@@ -69,8 +70,10 @@ def same_conversion(memory: Path, stream: Path) -> tuple[dict[str, torch.Tensor]
     assert all(torch.equal(theirs[n].view(torch.uint8), ours[n].view(torch.uint8)) if theirs[n].dtype.itemsize == 1
                else torch.equal(theirs[n], ours[n]) for n in theirs)
     streamed, compared = (json.loads((d / "report.json").read_text()) for d in (stream, memory))
-    assert [(s["fqn"], s["alone"], s["note"]) for s in streamed["sites"]] == \
-        [(s["fqn"], s["alone"], s["note"]) for s in compared["sites"]]
+    assert streamed["scope"].startswith("streamed: the model run module by module") and not compared["scope"]
+    assert streamed["perf"] is None
+    assert {k: v for k, v in streamed.items() if k not in ("scope", "perf")} == \
+        {k: v for k, v in compared.items() if k not in ("scope", "perf")}
     return ours, streamed
 
 
@@ -81,7 +84,7 @@ def test_streamed_bytes_are_the_in_memory_conversions(tmp_path, sharded, recipe,
     streamed = stream_convert(f"hf:{source}", recipe, tmp_path / "stream", text_files=plan_files,
                               max_shard_bytes=SHARD)
     assert streamed.path.name == checkpoint.INDEX_FILE and len(list((tmp_path / "stream").glob("model-*"))) > 1
-    assert streamed.report.scope.endswith("the recipe's gate on the outputs (SQNR >= 15.0 dB) was not checked")
+    assert streamed.report.gate_min_sqnr_db == 15.0 and streamed.report.passed and streamed.report.outputs
     same_files(tmp_path / "memory", tmp_path / "stream")
     assert not (tmp_path / ".stream.stream").exists()  # the staging directory goes once installed
 
@@ -118,13 +121,14 @@ def test_cli_stream(tmp_path, sharded, capsys):
     assert main(["convert", *args, "--stream", "-o", str(tmp_path / "stream")]) == 0
     assert "ETA" in capsys.readouterr().err
     memory, stream = tmp_path / "memory", tmp_path / "stream"
-    # The same tensors, and each site alone on the original's inputs as compare measures it.
+    # The same tensors, and the report compare writes: each site alone and in the converted model,
+    # the outputs and the gate.
     _, streamed = same_conversion(memory, stream)
-    assert streamed["scope"].startswith("streamed: each converted site alone") and not streamed["outputs"]
-    assert len(streamed["sites"]) == 14 and all(s["metrics"] is None for s in streamed["sites"])
+    assert len(streamed["sites"]) == 14 and all(s["metrics"] and s["alone"] for s in streamed["sites"])
+    assert [o["name"] for o in streamed["outputs"]] == ["output.logits"] and streamed["passed"]
     markdown = (stream / "report.md").read_text()
-    assert "Compared: streamed" in markdown and "## Converted sites (alone: the op on the original's inputs)" in markdown
-    assert "| model.layers.0.self_attn.q_proj | fp8  | " in markdown and "Model outputs" not in markdown
+    assert "Compared: streamed" in markdown and "## Model outputs" in markdown and "PASS (gate: SQNR >= 15" in markdown
+    assert "| model.layers.0.self_attn.q_proj | fp8  | " in markdown
     assert main(["compare", f"hf:{sharded}", str(stream), "--device", "cpu"]) == 0
 
 
@@ -389,8 +393,8 @@ def test_gpt2_conv1d_sites_are_measured_as_in_memory(tmp_path):
     from lowconv.compare import compare
     compared = compare(loaded.model, converted, loaded.inputs)
     streamed = stream_convert(f"hf:{tmp_path / 'gpt2'}", "fp8-row", tmp_path / "out").report
-    assert [(s.fqn, s.alone, s.note) for s in streamed.sites] == [(s.fqn, s.alone, s.note) for s in compared.sites]
-    assert len(streamed.sites) == 8 and all(s.alone is not None for s in streamed.sites)
+    assert streamed.sites == compared.sites and streamed.outputs == compared.outputs
+    assert len(streamed.sites) == 8 and all(s.alone and s.metrics for s in streamed.sites)
 
 
 def test_extra_checkpoint_tensors_are_named_and_an_output_into_the_input_is_refused(tmp_path, sharded, capsys):
