@@ -17,6 +17,7 @@ from lowconv.analysis import plan_conversion
 from lowconv.compare import compare
 from lowconv.replay import read_plan
 from lowconv.errors import LowconvError
+from lowconv.model_file import CALIBRATION_BATCHES, CALIBRATION_INPUTS, no_calibration_inputs
 from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
@@ -41,7 +42,6 @@ downloaded. RECIPE is a .toml path or a built-in name."""
 
 
 MODEL_HELP = "model file (defines build_model() and example_inputs()), or hf:DIR, timm:NAME, torchvision:NAME, nn:NAME"
-CALIBRATION_BATCHES = 64  # what convert takes of calibration_inputs() unless --calibration says
 
 
 def positive(text: str) -> int:
@@ -151,7 +151,7 @@ def cmd_convert(args) -> int:
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype, seed=args.seed)
     recipe = load_recipe(args.recipe)
-    calibration_name = "the calibration inputs given"
+    calibration_name = CALIBRATION_INPUTS
     if args.calibration_text:
         loaded.calibration, calibration_name = text_calibration(loaded, args.model, args.calibration_text)
     if args.calibration and loaded.calibration is None:
@@ -186,8 +186,6 @@ def stream(args, out: Path) -> int:
     if args.sparse_format == "dense":
         raise LowconvError("--stream does not take --sparse-format dense: it converts no 2:4 layers; convert without "
                            "--stream (in memory) for those")
-    if args.calibration and not args.calibration_text:  # an hf: model has no calibration_inputs()
-        raise no_calibration_inputs(args.model)
 
     def text_files(plan: Plan, report: reports.Report | None) -> dict[str, str]:
         return {"plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report) if report else "",
@@ -195,7 +193,7 @@ def stream(args, out: Path) -> int:
     streamed = stream_convert(args.model, args.recipe, out, seed=args.seed, dtype=args.dtype,
                               device=pick_device(args.device),
                               calibration_text=args.calibration_text,
-                              calibration_batches=args.calibration or CALIBRATION_BATCHES, text_files=text_files,
+                              calibration_batches=args.calibration, text_files=text_files,
                               max_shard_bytes=args.max_shard_size, progress=progress,
                               recorded={"file": recorded_path(args.model), "seed": args.seed, "dtype": args.dtype})
     print(plan_table(streamed.plan))
@@ -205,12 +203,6 @@ def stream(args, out: Path) -> int:
     resumed = f" ({streamed.skipped} tensors kept from an interrupted run)" if streamed.skipped else ""
     progress(f"wrote {streamed.path}{resumed}, plan.json, report.md, report.json")
     return status
-
-
-def no_calibration_inputs(spec: str) -> LowconvError:
-    return LowconvError(f"--calibration: {spec} defines no calibration_inputs() (a model file may define one that "
-                        "returns an iterable of batches, each as example_inputs() returns them; an hf: text model "
-                        "takes --calibration-text FILE)")
 
 
 def shard_size(text: str) -> int:
@@ -326,9 +318,9 @@ def parser() -> argparse.ArgumentParser:
                         "lowconv alone) or dense (plain weights with their zeros, as lowconv.revert makes them: "
                         "transformers and vLLM load them; the speed-up goes)")
     c.add_argument("--stream", action="store_true",
-                   help="hf:DIR with safetensors weights: convert tensor by tensor, never holding the model (a model "
-                        "larger than memory); linear sites; the report as in memory, not timed (README: Streamed "
-                        "conversion)")
+                   help="hf:DIR with safetensors weights, or a model file with weights_path(): convert tensor by "
+                        "tensor, never holding the model (a model larger than memory); linear sites; the report as "
+                        "in memory, not timed (README: Streamed conversion)")
     c.add_argument("--max-shard-size", type=shard_size, default=checkpoint.MAX_SHARD_BYTES, metavar="SIZE",
                    help="cut the checkpoint into shards of at most SIZE (5GB, 500MB, bytes; default 5GB)")
     c.add_argument("--calibration-text", metavar="FILE",

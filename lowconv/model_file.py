@@ -1,14 +1,19 @@
 """Load a user's model file: a Python file defining `build_model()` and `example_inputs()`.
 
-    def build_model() -> torch.nn.Module     # the model to convert, weights loaded
+    def build_model() -> torch.nn.Module     # the model to convert, weights loaded (or see weights_path())
     def example_inputs()                      # a tuple of forward args, a dict of kwargs, or one tensor
     def calibration_inputs()                  # optional: an iterable of such batches, for static scales
+    def weights_path() -> str | Path          # optional: build_model()'s weights as safetensors (a file, or a
+                                              # directory with shards and their index; relative to the file),
+                                              # loaded strictly by state-dict name into what build_model()
+                                              # built (which may be on meta); convert --stream needs it
     LOGITS = True                             # optional: outputs are logits (report adds KL, top-1)
 """
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from lowconv.errors import LowconvError
+from lowconv.input_checkpoint import input_checkpoint, load_weights
 from lowconv.site import FLOAT_DTYPES
 
 
@@ -86,32 +92,76 @@ def to_device(value, device: torch.device, dtype: torch.dtype | None):
     return value
 
 
+BUILT_FROM = "build_model()'s model"  # for messages
+CALIBRATION_BATCHES = 64  # what convert takes of calibration_inputs() unless --calibration says
+CALIBRATION_INPUTS = "the calibration inputs given"  # what the plan says calibrated on calibration_inputs()
+
+
 def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None = None,
                     seed: int = 0) -> ModelFile:
-    """Import the file, build the model and its example inputs under `seed`, on `device`."""
+    """Import the file, build the model (its weights_path() loaded into it, where the file defines
+    one) and its example inputs under `seed`, on `device`."""
     path = Path(path)
     cast = checked_cast(dtype, seed)
     module = import_file(path)
     torch.manual_seed(seed)
+    model = build_file_model(module, path)
+    if hasattr(module, "weights_path"):
+        load_weights(model, input_checkpoint(file_weights(module, path), str(path)), str(path), BUILT_FROM)
+    reseed = inputs_seed(module, seed)
+    loaded = placed(str(path), model, example_inputs(module, path, reseed), logits_flag(module, path), device, cast)
+    if hasattr(module, "calibration_inputs"):
+        loaded.calibration = lambda count: calibration_batches(module, path, count, torch.device(device), cast, reseed)
+    return loaded
+
+
+def build_file_model(module, path: Path) -> nn.Module:
     model = call(module, path, "build_model")
     if not isinstance(model, nn.Module):
         raise LowconvError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def inputs_seed(module, seed: int) -> int | None:
+    """The seed example_inputs() and calibration_inputs() each run under, where the file defines
+    weights_path() (None: they run on from where build_model() left torch's generator). The draws
+    for weights that the checkpoint replaces then do not shift the inputs, which are the same in
+    memory and streamed (where build_model() builds on the meta device and draws nothing)."""
+    return seed if hasattr(module, "weights_path") else None
+
+
+def example_inputs(module, path: Path, reseed: int | None):
+    if reseed is not None:
+        torch.manual_seed(reseed)
     inputs = call(module, path, "example_inputs")
     if inputs is None:
         raise LowconvError(f"{path}: example_inputs() returned None; return a tuple of forward arguments "
                            "(() for none), a dict of keyword arguments, or one tensor")
+    return inputs
+
+
+def logits_flag(module, path: Path) -> bool | None:
     logits = getattr(module, "LOGITS", None)
     if logits is not None and not isinstance(logits, bool):
         raise LowconvError(f"{path}: LOGITS must be True or False, got {logits!r}")
-    loaded = placed(str(path), model, inputs, logits, device, cast)
-    if hasattr(module, "calibration_inputs"):
-        loaded.calibration = lambda count: calibration_batches(module, path, count, torch.device(device), cast)
-    return loaded
+    return logits
 
 
-def calibration_batches(module, path: Path, count: int, device: torch.device, cast: torch.dtype | None) -> Iterator:
-    """The first `count` batches of the file's calibration_inputs(), moved and cast as the example
-    inputs are."""
+def file_weights(module, path: Path) -> Path:
+    """Where weights_path() says the weights are: a path relative to the model file's directory."""
+    where = call(module, path, "weights_path")
+    if not isinstance(where, (str, os.PathLike)):
+        raise LowconvError(f"{path}: weights_path() returned {type(where).__name__}, not a path (a safetensors file, or "
+                           f"a directory with model.safetensors or shards and their index)")
+    return path.resolve().parent / where
+
+
+def calibration_batches(module, path: Path, count: int, device: torch.device, cast: torch.dtype | None,
+                        reseed: int | None) -> Iterator:
+    """The first `count` batches of the file's calibration_inputs() (under `reseed`, inputs_seed),
+    moved and cast as the example inputs are."""
+    if reseed is not None:
+        torch.manual_seed(reseed)
     batches = call(module, path, "calibration_inputs")
     try:
         batches = iter(batches)
@@ -121,6 +171,12 @@ def calibration_batches(module, path: Path, count: int, device: torch.device, ca
                            f"tensor)") from None
     for batch in itertools.islice(batches, count):
         yield to_device(batch, device, cast)
+
+
+def no_calibration_inputs(spec: str) -> LowconvError:
+    return LowconvError(f"--calibration: {spec} defines no calibration_inputs() (a model file may define one that "
+                        "returns an iterable of batches, each as example_inputs() returns them; an hf: text model "
+                        "takes --calibration-text FILE)")
 
 
 def checked_cast(dtype: str | None, seed) -> torch.dtype | None:

@@ -1,8 +1,8 @@
-"""Streamed conversion: an hf:DIR model converted tensor by tensor, never held whole.
+"""Streamed conversion: a model converted tensor by tensor from its checkpoint, never held whole.
 
-The model is built from config.json with its parameters on the meta device (its buffers, small,
-are real), then each parameter is made a stand-in: a zero of its dtype expanded to its shape,
-which takes no memory. Tracing, shape propagation and the plan run on the stand-ins as
+The model (an hf:DIR one or a model file's, stream_model.py) is built with its parameters on the
+meta device (its buffers, small, real, read from the checkpoint where it holds them), then each
+parameter is made a stand-in: a zero of its dtype expanded to its shape, which takes no memory. Tracing, shape propagation and the plan run on the stand-ins as
 `lowconv convert` runs them on the loaded model (they read shapes and dtypes, never weight
 values), so the plan is the in-memory path's. The converted structure is then built with each
 op's `empty` on meta (as lowconv.load does): its state dict gives every output tensor's name,
@@ -29,8 +29,7 @@ timed op first on random weights of its site's shapes (the plan's choices, as in
 
 Limits: linear sites only, with ops that measure nothing when built (fp8, fp16acc; not 2:4);
 tensors transformers converts as it loads are refused; the report is not timed. Every run's
-activations are held at once: calibrating on many batches takes
-memory as they do.
+activations are held at once: calibrating on many batches takes memory as they do.
 """
 from __future__ import annotations
 
@@ -41,26 +40,22 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lowconv import api, checkpoint
 from lowconv.analysis import plan_conversion, plan_for
 from lowconv.errors import LowconvError
-from lowconv.model_file import ModelFile, checked_cast, to_device
-from lowconv.model_sources import hf_inputs, library, text_calibration
+from lowconv.input_checkpoint import CheckpointReader, check_shapes, named_tensors
+from lowconv.model_file import CALIBRATION_BATCHES, CALIBRATION_INPUTS, ModelFile, no_calibration_inputs
+from lowconv.model_sources import text_calibration
 from lowconv.ops import OPS
 from lowconv.ops.registry import Calibrated, NotesThePlan
 from lowconv.passes.rewrite import freeze_named, linear_site_params, site_params
@@ -69,12 +64,12 @@ from lowconv.recipe import Recipe, load_recipe
 from lowconv.report import Report
 from lowconv.site import Site
 from lowconv.site_timing import SiteTiming, slower_sites, time_linear_site
+from lowconv.stream_model import StandInLinears, stream_model
 from lowconv.stream_pass import Reader, site_module, streamed_pass
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
 IN_FLIGHT = 2  # items the disk thread may hold: their converted tensors are the memory it costs
-READ_AHEAD = 256 << 20  # bytes of the input read ahead of the tensors in use
 JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
 PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint.crc_hex's width
 
@@ -133,261 +128,6 @@ class Layout:
             .hexdigest()
 
 
-# ---- the model, from config.json alone ----
-
-@contextmanager
-def parameters_on_meta():
-    """Modules built inside register their parameters on the meta device and keep their buffers
-    real (accelerate's init_empty_weights(include_buffers=False)): the model costs no memory, and
-    buffers computed at build time (rotary frequencies) keep their values."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:  # one on meta already stays itself: a tied weight
-            param = nn.Parameter(param.to("meta"), param.requires_grad)
-        register(module, name, param)
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def stand_in_model(directory: Path, spec: str, seed: int, dtype: str | None, source: InputCheckpoint,
-                   device: torch.device) -> tuple[nn.Module, dict, dict[int, torch.dtype]]:
-    """The model of DIR's config.json on `device` with zero stand-ins for its parameters (tied ones
-    stay tied), its example inputs as model_sources.hf_model makes them, and each parameter's dtype
-    as built (before a --dtype cast), by id of its stand-in."""
-    transformers = library("transformers", spec, "pip install transformers")
-    cast = checked_cast(dtype, seed)
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise LowconvError(f"model {spec!r}: transformers cannot read {directory / 'config.json'}: {err}") from None
-    named = [getattr(transformers, name) for name in config.architectures or [] if hasattr(transformers, name)]
-    if getattr(config, "dtype", None) is None:  # from_pretrained's dtype="auto" records what it chose
-        config.dtype = source.load_dtype()
-    built = config.dtype
-    built = getattr(torch, built) if isinstance(built, str) else built
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(built)
-    try:
-        with parameters_on_meta():
-            model = named[0](config) if named else transformers.AutoModel.from_config(config)
-    finally:
-        torch.set_default_dtype(default)
-    stand_ins, built_dtypes = {}, {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) not in stand_ins:
-                final = cast if cast and param.dtype.is_floating_point else param.dtype
-                stand_ins[id(param)] = nn.Parameter(torch.zeros((), dtype=final, device=device).expand(param.shape),
-                                                    param.requires_grad)
-                built_dtypes[id(stand_ins[id(param)])] = param.dtype
-            module._parameters[name] = stand_ins[id(param)]
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = buffer.to(device, cast if cast and buffer.is_floating_point() else buffer.dtype)
-    model.eval()
-    return model, to_device(hf_inputs(model, config, spec), device, cast), built_dtypes
-
-
-@dataclass(frozen=True)
-class InputCheckpoint:
-    """DIR's safetensors weights as their headers describe them; no data read."""
-    files: dict[str, Path]  # tensor name -> its file
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, torch.dtype | None]  # None: a dtype torch has no name for here
-    spans: dict[str, tuple[int, int]]  # tensor name -> its bytes' (start, end) in its file
-    index_dtype: str | None  # the sharded index's metadata "dtype", where it has one
-
-    def load_dtype(self) -> torch.dtype:
-        """The dtype from_pretrained(dtype="auto") builds a model whose config names none in: the
-        index's, else the first floating tensor's (by name) of the first file, not counting FP8 and
-        FP4, else torch's default (transformers' _get_dtype)."""
-        if self.index_dtype and hasattr(torch, self.index_dtype):
-            return getattr(torch, self.index_dtype)
-        first = min(self.files.values(), key=lambda path: path.name, default=None)
-        for name in sorted(n for n, path in self.files.items() if path == first):
-            dtype = self.dtypes[name]
-            if dtype is not None and dtype.is_floating_point and dtype.itemsize > 1:
-                return dtype
-        return torch.get_default_dtype()
-
-    def fingerprint(self) -> str:
-        """Changes when an input file does (its size or modification time): a run resumed on
-        other weights starts over."""
-        stats = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in set(self.files.values()))
-        return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
-
-
-TORCH_DTYPES = {name: dtype for dtype, name in checkpoint.SAFETENSORS_DTYPES.items()}
-
-
-class StandInLinears(TorchFunctionMode):
-    """F.linear with a stand-in weight (zeros) gives its bias broadcast, computed without the
-    weight: planning runs every linear of the model three times (trace, shape propagation, plan),
-    and a stand-in, a zero expanded, would be copied whole for each product (half of a 48-layer
-    13B model's planning time)."""
-
-    def __init__(self, stand_ins: set[int]):
-        super().__init__()
-        self.stand_ins = stand_ins  # their ids
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight, bias = (*args, *[None] * 3)[:3]
-            weight, bias = kwargs.get("weight", weight), kwargs.get("bias", bias)
-            if id(weight) in self.stand_ins and isinstance(x, torch.Tensor):
-                out = x.new_zeros(*x.shape[:-1], weight.shape[0])
-                return out if bias is None else out + bias
-        return func(*args, **kwargs)
-
-
-def input_checkpoint(directory: Path, spec: str) -> InputCheckpoint:
-    """DIR's safetensors weights (sharded with an index, or one file), every file's header read."""
-    index = directory / checkpoint.INDEX_FILE
-    index_dtype = None
-    if index.is_file():
-        try:
-            read = json.loads(index.read_text(encoding="utf-8"))
-            weight_map = {name: directory / file for name, file in read["weight_map"].items()}
-            index_dtype = (read.get("metadata") or {}).get("dtype")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise LowconvError(f"model {spec!r}: {index} is not a safetensors index ({err})") from None
-    elif (directory / checkpoint.CHECKPOINT_FILE).is_file():
-        weight_map = None
-    else:
-        raise LowconvError(f"model {spec!r}: --stream reads safetensors weights, and {directory} has neither "
-                           f"{checkpoint.INDEX_FILE} nor {checkpoint.CHECKPOINT_FILE}")
-    files, shapes, dtypes, spans = {}, {}, {}, {}
-    for path in sorted(set(weight_map.values())) if weight_map else [directory / checkpoint.CHECKPOINT_FILE]:
-        try:
-            with safe_open(path, framework="pt") as f:  # checks the header against the file
-                for name in f.keys():
-                    tensor = f.get_slice(name)
-                    files[name], shapes[name] = path, tuple(tensor.get_shape())
-                    dtypes[name] = TORCH_DTYPES.get(tensor.get_dtype())
-            spans.update(data_spans(path))
-        except (SafetensorError, OSError) as err:
-            raise LowconvError(f"model {spec!r}: {path} is not a readable safetensors file ({err})") from None
-    if weight_map:
-        absent = sorted(name for name, path in weight_map.items() if files.get(name) != path)
-        if absent:
-            raise LowconvError(f"model {spec!r}: {index} maps {', '.join(absent[:5])} to files that do not hold "
-                               f"{'it' if len(absent) == 1 else 'them'}")
-    return InputCheckpoint(files, shapes, dtypes, spans, index_dtype)
-
-
-def data_spans(path: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's bytes in a safetensors file (safe_open has checked it): (start, end) offsets."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    return {name: (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])
-            for name, entry in header.items() if name != "__metadata__"}
-
-
-class CheckpointReader:
-    """Reads the input checkpoint's tensors with plain reads into their own memory (a memory map's
-    page faults read at about half the disk's rate), ahead of their use: a thread of its own reads
-    `order` (the tensors in the order the stream will ask for them) while the model computes, up to
-    READ_AHEAD bytes beyond those handed out; a tensor asked for out of that order is read then."""
-
-    def __init__(self, source: InputCheckpoint, order: list[str]):
-        self.source, self.order = source, list(dict.fromkeys(order))
-        self.ready: dict[str, torch.Tensor] = {}  # read ahead, not yet handed out
-        self.held = 0  # their bytes
-        self.taken: set[str] = set()  # handed out or asked for: not read ahead
-        self.reading: str | None = None  # what the thread is reading now
-        self.closing = False
-        self.changed = threading.Condition()
-        self.thread = threading.Thread(target=self.read_ahead, name="lowconv-read-ahead", daemon=True)
-
-    def __enter__(self) -> CheckpointReader:
-        self.opened = {path: os.open(path, os.O_RDONLY) for path in set(self.source.files.values())}
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self.changed:
-            self.closing = True
-            self.changed.notify_all()
-        self.thread.join()
-        for fd in self.opened.values():
-            os.close(fd)
-
-    def nbytes(self, name: str) -> int:
-        start, end = self.source.spans[name]
-        return end - start
-
-    def read(self, name: str) -> torch.Tensor:
-        with self.changed:
-            self.changed.wait_for(lambda: self.reading != name)
-            self.taken.add(name)
-            if name in self.ready:
-                self.held -= self.nbytes(name)
-                self.changed.notify_all()
-                return self.ready.pop(name)
-        return self.read_now(name)
-
-    def read_ahead(self) -> None:
-        for name in self.order:
-            with self.changed:
-                self.changed.wait_for(lambda: self.closing or not self.ready or
-                                      self.held + self.nbytes(name) <= READ_AHEAD)
-                if self.closing:
-                    return
-                if name in self.taken:
-                    continue
-                self.reading = name
-            tensor = None
-            try:
-                tensor = self.read_now(name)
-            except LowconvError:  # the stream reads it again, and says why
-                pass
-            finally:  # whatever happened, a read waiting for this tensor goes on
-                with self.changed:
-                    self.reading = None
-                    if tensor is not None:
-                        self.ready[name] = tensor
-                        self.held += self.nbytes(name)
-                    self.changed.notify_all()
-
-    def read_now(self, name: str) -> torch.Tensor:
-        path, (start, end), dtype = self.source.files[name], self.source.spans[name], self.source.dtypes[name]
-        if dtype is None:
-            raise LowconvError(f"{path}: {name} has a dtype torch does not have")
-        data = torch.empty(end - start, dtype=torch.uint8)
-        view, done = memoryview(data.numpy()), 0
-        try:
-            while done < len(view):
-                got = os.preadv(self.opened[path], [view[done:]], start + done)
-                if got == 0:
-                    raise OSError(f"the file ends {end - start - done} bytes short of it")
-                done += got
-        except OSError as err:
-            raise LowconvError(f"{path}: cannot read {name}: {err}") from None
-        return data.view(dtype).reshape(self.source.shapes[name])
-
-
-def check_shapes(model: nn.Module, read: set[str], stored_as: dict[str, str], source: InputCheckpoint,
-                 spec: str) -> None:
-    """Refuse a checkpoint whose tensors have other shapes than config.json's model gives them
-    (from_pretrained refuses it too), before anything is written."""
-    held = dict(named_tensors(model))
-    for name in sorted(read):
-        if name in stored_as and source.shapes[stored_as[name]] != tuple(held[name].shape):
-            tied_to = f" (tied to {name})" if stored_as[name] != name else ""
-            raise LowconvError(f"model {spec!r}: {source.files[stored_as[name]]} holds {stored_as[name]}{tied_to} with "
-                               f"shape {list(source.shapes[stored_as[name]])}, but config.json's model has "
-                               f"{list(held[name].shape)}: the config and the weights do not match")
-
-
 # ---- what the stream can convert ----
 
 def stream_problem(decision: Decision, module: nn.Module) -> str | None:
@@ -430,19 +170,21 @@ def site_timings(plan: Plan, sites: dict[str, Site], groups: dict[str, tuple], m
     return measured
 
 
-def calibration_runs(model: nn.Module, inputs, modules: dict[str, nn.Module], sites: dict[str, Site], spec: str,
-                     text: str | Path | None, count: int) -> tuple[list, str | None]:
+def calibration_runs(loaded: ModelFile, modules: dict[str, nn.Module], sites: dict[str, Site],
+                     text: str | Path | None, count: int | None) -> tuple[list, str | None]:
     """The calibration batches, and what the plan says calibrated the scales: none where no
-    converted site calibrates (lowconv.convert draws none then), else up to `count` batches of the
-    text file, or the example inputs. The text is read (and its mistakes named) either way."""
-    draw, name = text_calibration(ModelFile(spec, model, inputs, None), spec, str(text)) if text else (None, None)
+    converted site calibrates (lowconv.convert draws none then), else up to `count` (None:
+    CALIBRATION_BATCHES) batches of the text file or of the model file's calibration_inputs(), or
+    the example inputs. The text is read (and its mistakes named) either way."""
+    draw, name = text_calibration(loaded, loaded.source, str(text)) if text else \
+        (loaded.calibration, CALIBRATION_INPUTS if loaded.calibration else None)
     if not any(isinstance(m, Calibrated) and m.needs_calibration for m in modules.values()):
         return [], None
-    unmodular = next((fqn for fqn in modules if site_module(model, sites[fqn]) is None), None)
+    unmodular = next((fqn for fqn in modules if site_module(loaded.model, sites[fqn]) is None), None)
     if unmodular:
         raise LowconvError(f"--stream calibrates scales with the converted model run module by module, and the "
                            f"converted site {unmodular} is no module's whole forward; convert without --stream")
-    batches = list(draw(count)) if draw else [inputs]
+    batches = list(draw(count or CALIBRATION_BATCHES)) if draw else [loaded.inputs]
     return batches, api.calibrated_on(len(batches), name)
 
 
@@ -459,32 +201,30 @@ class Streamed:
 
 
 def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, seed: int = 0, dtype: str | None = None,
-                   device: str = "cpu", calibration_text: str | Path | None = None, calibration_batches: int = 1,
+                   device: str = "cpu", calibration_text: str | Path | None = None,
+                   calibration_batches: int | None = None,
                    text_files: Callable[[Plan, Report | None], dict[str, str]] | None = None,
                    max_shard_bytes: int = checkpoint.MAX_SHARD_BYTES, recorded: dict | None = None,
                    progress: Callable[[str], None] = api.no_progress) -> Streamed:
-    """Convert the hf:DIR model `spec` into `out` without holding it (module doc), writing what
-    lowconv.save of the in-memory conversion writes. Each module computes on `device` while it
-    runs (on CUDA, never-slower times the ops first, as in memory). Static and delayed scales are
-    calibrated on up to `calibration_batches` batches of `calibration_text` (a text file, as
-    convert --calibration-text takes it), else on the example inputs. `text_files(plan, report)` gives the
+    """Convert the model `spec` (hf:DIR, or a model file with weights_path(): stream_model.py) into
+    `out` without holding it (module doc), writing what lowconv.save of the in-memory conversion
+    writes. Each module computes on `device` while it runs (on CUDA, never-slower times the ops
+    first, as in memory). Static and delayed scales are calibrated on up to `calibration_batches`
+    batches (None: CALIBRATION_BATCHES) of `calibration_text` (a text file, as convert
+    --calibration-text takes it) or of the model file's calibration_inputs(), else on the example
+    inputs. `text_files(plan, report)` gives the
     files written beside the weights (the CLI's plan.json and reports): with report None for the
     layout (their names), then with the streamed report (stream_pass.py); `recorded` is added to
     Plan.model (the CLI records the model's path, seed and dtype)."""
-    prefix, _, name = spec.partition(":")
-    if prefix != "hf":
-        raise LowconvError(f"--stream converts hf:DIR models (a directory with config.json and safetensors "
-                           f"weights); {spec} is not one")
-    directory, out = Path(name), Path(out)
-    if not (directory / "config.json").is_file():
-        raise LowconvError(f"model {spec!r}: {directory / 'config.json'} does not exist")
-    recipe = load_recipe(recipe)
-    source = input_checkpoint(directory, spec)
+    out, recipe = Path(out), load_recipe(recipe)
     large_blocks_unmapped()
     progress("building the model on the meta device, tracing and planning on stand-ins of its weights")
     device = torch.device(device)
-    model, inputs, built = stand_in_model(directory, spec, seed, dtype, source, device)
-    with StandInLinears(set(built)):
+    to_stream = stream_model(spec, seed, dtype, device)
+    model, inputs, source, stored_as = to_stream.loaded.model, to_stream.loaded.inputs, to_stream.source, to_stream.stored_as
+    if calibration_batches and not calibration_text and to_stream.loaded.calibration is None:
+        raise no_calibration_inputs(spec)  # as convert refuses it in memory
+    with StandInLinears(set(to_stream.built)):
         analysis, planned = plan_conversion(model, recipe, inputs, share_tensors=True)
     sites = {s.fqn: s for s in analysis.sites}
     modules = op_modules(planned, sites)
@@ -493,7 +233,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     measured = site_timings(planned, sites, groups, model, progress)
     for fqn in slower_sites(measured, groups):
         del modules[fqn]
-    batches, calibrated = calibration_runs(model, inputs, modules, sites, spec, calibration_text, calibration_batches)
+    batches, calibrated = calibration_runs(to_stream.loaded, modules, sites, calibration_text, calibration_batches)
     converted, served, fused = api.rewritten(analysis, modules, groups)
     decisions = api.carried_out_all(planned, modules, measured, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated)
@@ -502,15 +242,14 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     parameters = dict(model.named_parameters(remove_duplicate=False))
     read = {s.name for s in sources.values() if s.site is None} | {
         name for site in analysis.sites if site.fqn in modules for name in (site.info.weight, site.info.bias_name) if name}
-    stored_as = checkpoint_names(model, loaded_as(model, source, spec))
     missing = sorted(name for name in read if name in parameters and name not in stored_as)
     if missing:
         raise LowconvError(f"model {spec!r}: its checkpoint lacks {', '.join(missing[:5])} (the in-memory path "
                            f"would draw them at random): convert without --stream")
-    check_shapes(model, read, stored_as, source, spec)
+    check_shapes(model, read, stored_as, source, spec, to_stream.built_from)
     unused = sorted(set(source.files) - set(stored_as.values()))
     if unused:
-        progress(f"warning: the checkpoint holds {len(unused)} tensors the model of config.json does not have, "
+        progress(f"warning: the checkpoint holds {len(unused)} tensors {to_stream.built_from} does not have, "
                  f"not written: {', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}")
     state = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in converted.state_dict(keep_vars=True).items()}
     aliases = tied(converted)
@@ -527,12 +266,13 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         try:
             order = [stored_as[name] for name, _ in named_tensors(model) if name in stored_as]  # as the model runs
             with CheckpointReader(source, order) as reader, Writer(items, layout, staging, sums, progress) as writer:
-                original = original_reader(reader.read, stored_as, model, built, device)
+                original = original_reader(reader.read, stored_as, model, to_stream.built, device)
                 progress("converting each site, " + (f"its scales calibrated on {calibrated}, " if batches else "") +
                          "and comparing the original and the converted model on the example inputs: the model run "
                          f"module by module, {len(batches) + 2} runs in lockstep")
                 report = streamed_pass(model, plan, sites, inputs, original,
-                                       *pass_writers(items, sources, writer, model), calibration=batches)
+                                       *pass_writers(items, sources, writer, model), calibration=batches,
+                                       logits=to_stream.loaded.logits)
                 for item in items:  # what the run did not reach
                     if writer.wants(item):
                         writer.write(item, item_tensors(item, sources, original))
@@ -787,45 +527,6 @@ def original_reader(read: Reader, stored_as: dict[str, str], model: nn.Module, b
         tensor = read(stored_as[name]).to(built.get(id(held[name]), held[name].dtype))
         return tensor.to(device, held[name].dtype)
     return original
-
-
-def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-
-
-def loaded_as(model: nn.Module, source: InputCheckpoint, spec: str) -> dict[str, str]:
-    """{the name from_pretrained loads a checkpoint tensor as: its name in the checkpoint}, after
-    the renamings this transformers applies to the model's checkpoints (its conversion mapping:
-    GPT-NeoX's embed_out is lm_head; a base model's prefix added or stripped). A tensor that
-    transformers converts as it loads (experts merged, a weight split) is refused."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:  # a transformers without conversion mappings loads checkpoints under their own names
-        return {key: key for key in source.files}
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    names = dict.fromkeys((name for name, _ in named_tensors(model)), True)
-    found = {}
-    for key in source.files:
-        name, converted = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None), names)
-        if converted is not None:
-            raise LowconvError(f"model {spec!r}: transformers converts {key} of {source.files[key]} as it loads it "
-                               f"(a {type(model).__name__} checkpoint's {converted}), which --stream does not: "
-                               f"convert without --stream")
-        found[name] = key
-    return found
-
-
-def checkpoint_names(model: nn.Module, loaded: dict[str, str]) -> dict[str, str]:
-    """{name of a parameter or buffer: the name the checkpoint holds it under}, from `loaded`
-    (loaded_as): its own, or that of a tensor tied to it (a checkpoint stores tied tensors once)."""
-    names: dict[int, list[str]] = {}
-    for name, t in named_tensors(model):
-        names.setdefault(id(t), []).append(name)
-    return {name: loaded[held] for group in names.values() for held in [next((n for n in group if n in loaded), None)]
-            if held is not None for name in group}
 
 
 def large_blocks_unmapped() -> None:

@@ -62,8 +62,10 @@ def same_conversion(memory: Path, stream: Path) -> tuple[dict[str, torch.Tensor]
     the files beside byte for byte, the same tensors (the shards' metadata differs only in the
     reports' hashes), the same report but for its scope and times (a stream times nothing). The
     streamed tensors and report."""
-    for name in ["plan.json", checkpoint.INDEX_FILE, "config.json", "generation_config.json"]:
-        assert (memory / name).read_bytes() == (stream / name).read_bytes(), name
+    assert sorted(p.name for p in memory.iterdir()) == sorted(p.name for p in stream.iterdir())
+    for path in memory.iterdir():  # plan.json, an index, an hf: model's config.json, ...
+        if not path.name.endswith(".safetensors") and not path.name.startswith("report."):
+            assert path.read_bytes() == (stream / path.name).read_bytes(), path.name
     theirs, their_meta = checkpoint.read_checkpoint(memory)
     ours, our_meta = checkpoint.read_checkpoint(stream)
     assert their_meta == our_meta and theirs.keys() == ours.keys()
@@ -184,13 +186,13 @@ def test_the_reader_hands_out_each_tensor_in_any_order_within_its_read_ahead(tmp
     (one tensor larger than that alone); a file cut short is named."""
     from safetensors.torch import save_file
 
-    from lowconv import stream
-    from lowconv.stream import CheckpointReader, input_checkpoint
+    from lowconv import input_checkpoint as checkpoint_reading
+    from lowconv.input_checkpoint import CheckpointReader, input_checkpoint
     tensors = {f"t{i}": torch.randn(1000 + i, dtype=torch.bfloat16) for i in range(8)}
     tensors["big"] = torch.arange(6000, dtype=torch.int32).reshape(60, 100)
     save_file(tensors, tmp_path / "model.safetensors")
     source = input_checkpoint(tmp_path, "hf:x")
-    monkeypatch.setattr(stream, "READ_AHEAD", 5000)  # two or so bf16 tensors
+    monkeypatch.setattr(checkpoint_reading, "READ_AHEAD", 5000)  # two or so bf16 tensors
     held = []
     with CheckpointReader(source, [*tensors, "t3"]) as reader:
         for name in ["t0", "t1", "big", "t5", "t2", "t7", "t3", "t3", "t4", "t6"]:
@@ -247,7 +249,8 @@ def test_refuses_other_sources_and_flags(tmp_path, sharded, capsys):
         stream_convert("nn:transformer-encoder", "fp8-dynamic", tmp_path / "out")
     (tmp_path / "config_only").mkdir()
     (tmp_path / "config_only" / "config.json").write_bytes((sharded / "config.json").read_bytes())
-    with pytest.raises(LowconvError, match="--stream reads safetensors weights"):
+    with pytest.raises(LowconvError, match="config_only holds neither model.safetensors.index.json nor "
+                                           r"model.safetensors \(safetensors weights\)"):
         stream_convert(f"hf:{tmp_path / 'config_only'}", "fp8-dynamic", tmp_path / "out")
     assert main(["convert", f"hf:{sharded}", "fp8-static", "--stream", "--calibration", "4",
                  "-o", str(tmp_path / "out")]) == 2
@@ -308,7 +311,7 @@ def test_refuses_broken_or_mismatched_inputs_before_writing(tmp_path, sharded):
     config = json.loads((single / "config.json").read_text())
     (single / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(LowconvError, match=r"model.safetensors holds model.layers.0.mlp.down_proj.weight with shape "
-                                           r"\[64, 128\], but config.json's model has \[64, 96\]: the config and"):
+                                           r"\[64, 128\], but config.json's model has \[64, 96\]: the model and"):
         stream_convert(f"hf:{single}", "fp8-dynamic", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["single"]  # no output, no staging directory
 
@@ -407,7 +410,7 @@ def test_extra_checkpoint_tensors_are_named_and_an_output_into_the_input_is_refu
     messages = []
     stream_convert(f"hf:{source}", "fp8-dynamic", tmp_path / "out", progress=messages.append)
     warning = next(m for m in messages if m.startswith("warning:"))
-    assert "holds 9 tensors the model of config.json does not have, not written: model.layers.1." in warning
+    assert "holds 9 tensors config.json's model does not have, not written: model.layers.1." in warning
     assert main(["convert", f"hf:{source}", "fp8-dynamic", "--stream", "-o", str(source)]) == 2
     assert "is the model's own directory" in capsys.readouterr().err
 
