@@ -20,15 +20,18 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lowconv.errors import LowconvError
-from lowconv.input_checkpoint import (InputCheckpoint, checkpoint_names, input_checkpoint, named_tensors, put_tensors,
-                                      strict_names)
+from lowconv.input_checkpoint import (InputCheckpoint, check_shapes, checkpoint_names, input_checkpoint, named_tensors,
+                                      put_tensors, strict_names)
 from lowconv.model_file import (BUILT_FROM, ModelFile, build_file_model, calibration_batches, checked_cast,
                                 example_inputs, file_weights, import_file, logits_flag, to_device)
 from lowconv.model_sources import hf_inputs, library
 
+HF_BUILT_FROM = "config.json's model"  # for messages
+
 
 @dataclass
 class StreamModel:
+    """A model to stream, and where its tensors are."""
     loaded: ModelFile  # the model with stand-ins, on the device; its inputs, logits, calibration
     built: dict[int, torch.dtype]  # each parameter's dtype as built (before a --dtype cast), by id of its stand-in
     source: InputCheckpoint
@@ -91,10 +94,12 @@ def hf_stream_model(directory: Path, spec: str, seed: int, dtype: str | None, de
     finally:
         torch.set_default_dtype(default)
     stored_as = checkpoint_names(model, loaded_as(model, source, spec))
+    check_shapes(model, {name for name, _ in model.named_buffers(remove_duplicate=False)}, stored_as, source, spec,
+                 HF_BUILT_FROM)  # (parameters' shapes are checked before anything is written)
     put_tensors(model, source, stored_as, parameters=False)
     dtypes = with_stand_ins(model, cast, device)
     inputs = to_device(hf_inputs(model, config, spec), device, cast)
-    return StreamModel(ModelFile(spec, model, inputs, None), dtypes, source, stored_as, "config.json's model")
+    return StreamModel(ModelFile(spec, model, inputs, None), dtypes, source, stored_as, HF_BUILT_FROM)
 
 
 def file_stream_model(path: Path, seed: int, dtype: str | None, device: torch.device) -> StreamModel:

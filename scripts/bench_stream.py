@@ -18,6 +18,7 @@ import re
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,10 +112,22 @@ def write_rate(path: Path, nbytes: int) -> float:
     return rate
 
 
+def sample_rss(child: subprocess.Popen, start: float, samples: list[tuple[float, int]]) -> None:
+    """(seconds since start, the child's resident bytes) every 20 ms while it runs: where its peak is."""
+    status = Path(f"/proc/{child.pid}/status")
+    while child.poll() is None:
+        try:
+            kb = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            break
+        samples.append((time.monotonic() - start, kb * 1024))
+        time.sleep(0.02)
+
+
 def runtime_rss(device: str) -> int:
-    """Peak RSS of a process that imports lowconv's CLI and runs one matmul on `device`: what the
-    libraries and the CUDA runtime take before any conversion."""
-    code = ("import resource, torch, lowconv.cli; x = torch.ones(64, 64, device=%r); (x @ x).sum().item(); "
+    """Peak RSS of a process that imports lowconv's CLI and transformers and runs one matmul on
+    `device`: what the libraries and the CUDA runtime take before any conversion."""
+    code = ("import resource, torch, transformers, lowconv.cli; x = torch.ones(64, 64, device=%r); (x @ x).sum().item(); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)" % device)
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
@@ -144,13 +157,18 @@ def main() -> None:
     evict(inputs)
     start = time.monotonic()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples: list[tuple[float, int]] = []
+    sampler = threading.Thread(target=sample_rss, args=(child, start, samples), daemon=True)
+    sampler.start()
     lines = [f"{time.monotonic() - start:7.1f} s  {line}" for line in child.stderr]  # when each step began
     returncode = child.wait()
+    sampler.join()
     seconds = time.monotonic() - start
     log = "".join(lines)
     (args.dir / "stream.log").write_text(log)
-    if returncode != 0:
+    if returncode not in (0, 1):  # 1: converted, and the report's gate failed (random weights, 32+ layers)
         sys.exit(f"{' '.join(command)} failed ({returncode}):\n{log[-3000:]}")
+    gate = re.search(r"GATE FAILED: (.*)", log)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     out_bytes = sum(path.stat().st_size for path in out.glob("*.safetensors"))
     streamed = re.search(r"converted and wrote (\d+) MB in (\S+) \((\d+) MB/s\)", log)
@@ -160,13 +178,17 @@ def main() -> None:
     writing = write_rate(args.dir / "write-rate.tmp", out_bytes)
     disk_seconds = in_bytes / reading + out_bytes / writing
     runtime = runtime_rss(args.device)
+    when, most = max(samples, key=lambda sample: sample[1], default=(0.0, 0))
+    during = next((line.strip() for line in reversed(lines) if float(line.split()[0]) <= when), "")
     result = {
         "command": " ".join(command), "recipe": args.recipe, "layers": args.layers, "device": args.device,
         "checkpoint_GB": round(in_bytes / 1e9, 2), "output_GB": round(out_bytes / 1e9, 2),
         "host_memory_GB": round(ram / 1e9, 1), "largest_layer_GB": round(layer / 1e9, 3),
         "peak_rss_GB": round(peak / 1e9, 3), "rss_bound_GB": round((layer + 1.5e9) / 1e9, 3),
         "runtime_rss_GB": round(runtime / 1e9, 3),
+        "sampled_peak": f"{most / 1e9:.3f} GB at {when:.1f} s, after: {during}",
         "seconds": round(seconds, 1), "stream_line": streamed.group(0) if streamed else None,
+        "gate": f"failed: {gate.group(1)}" if gate else "passed",
         "disk_read_MB_s": round(reading / MB), "disk_write_MB_s": round(writing / MB),
         "disk_bound_seconds": round(disk_seconds, 1), "time_over_disk_bound": round(seconds / disk_seconds, 2),
     }
