@@ -475,9 +475,10 @@ def _checksum(tensor: torch.Tensor) -> str:
     return crc_hex(bytes_of(tensor))
 
 
-def crc_hex(data) -> str:
-    """The CRC-32 of bytes as the metadata stores it: 8 hex digits, always that wide."""
-    return f"{zlib.crc32(data):08x}"
+def crc_hex(data, crc: int = 0) -> str:
+    """The CRC-32 of bytes (continuing `crc`, that of the bytes before them) as the metadata stores
+    it: 8 hex digits, always that wide."""
+    return f"{zlib.crc32(data, crc):08x}"
 
 
 def _check_sums(text: str | None, tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -41,7 +41,9 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,6 +72,7 @@ from lowconv.stream_pass import Reader, site_module, streamed_pass
 LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter, and its value here
 IN_FLIGHT = 2  # items the disk thread may hold: their converted tensors are the memory it costs
+WRITE_CHUNK = 32 << 20  # bytes of a GPU tensor copied to host memory at a time to be written
 JOURNAL = "journal.jsonl"  # in the staging directory: the layout's hash, then one line per tensor written
 PLACEHOLDER = "0" * 8  # a checksum not yet known: checkpoint.crc_hex's width
 
@@ -480,10 +483,13 @@ class Writer:
     def put(self, tensors: dict[str, tuple[str, int, torch.Tensor]]) -> None:
         """On the disk thread: each tensor's bytes at its offset, then its checksum journalled."""
         for name, (file, offset, tensor) in tensors.items():
-            data, done = checkpoint.bytes_of(tensor), 0
-            while done < len(data):
-                done += os.pwrite(self.shards[file], data[done:], offset + done)
-            self.sums[name] = checkpoint.crc_hex(data)
+            crc = 0
+            for data in host_chunks(tensor):
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(self.shards[file], data[done:], offset + done)
+                offset, crc = offset + len(data), zlib.crc32(data, crc)
+            self.sums[name] = checkpoint.crc_hex(b"", crc)
             self.journal.write(json.dumps({"tensor": name, "crc": self.sums[name]}) + "\n")
             self.journal.flush()
             self.written += 1
@@ -492,6 +498,17 @@ class Writer:
         elapsed = time.monotonic() - self.start
         return (f"converted and wrote {self.done / 1e6:.0f} MB in {format_seconds(elapsed)} "
                 f"({self.done / 1e6 / max(elapsed, 1e-3):.0f} MB/s), the models compared on the way")
+
+
+def host_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """A tensor's bytes as the file holds them: at once where it is in host memory; from a GPU,
+    WRITE_CHUNK bytes at a time (a copy of a whole embedding would add its size to host memory)."""
+    if tensor.device.type == "cpu":
+        yield checkpoint.bytes_of(tensor)
+        return
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), WRITE_CHUNK):
+        yield checkpoint.bytes_of(flat[start:start + WRITE_CHUNK])
 
 
 def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str], torch.Tensor]

@@ -112,23 +112,27 @@ def write_rate(path: Path, nbytes: int) -> float:
     return rate
 
 
-def sample_rss(child: subprocess.Popen, start: float, samples: list[tuple[float, int]]) -> None:
-    """(seconds since start, the child's resident bytes) every 20 ms while it runs: where its peak is."""
+def sample_rss(child: subprocess.Popen, start: float, samples: list[tuple[float, int, int]]) -> None:
+    """(seconds since start, the child's resident bytes, its high-water mark) every 20 ms while it
+    runs: where its peak is, and the peak (the last high-water mark read)."""
     status = Path(f"/proc/{child.pid}/status")
     while child.poll() is None:
         try:
-            kb = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                      if line.startswith(("VmRSS:", "VmHWM:"))}
+            samples.append((time.monotonic() - start, fields["VmRSS"], fields["VmHWM"]))
+        except (OSError, KeyError, IndexError, ValueError):
             break
-        samples.append((time.monotonic() - start, kb * 1024))
         time.sleep(0.02)
 
 
 def runtime_rss(device: str) -> int:
     """Peak RSS of a process that imports lowconv's CLI and transformers and runs one matmul on
     `device`: what the libraries and the CUDA runtime take before any conversion."""
-    code = ("import resource, torch, transformers, lowconv.cli; x = torch.ones(64, 64, device=%r); (x @ x).sum().item(); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)" % device)
+    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child forked from this process
+    # would report this process's size if that were larger.
+    code = ("import re, torch, transformers, lowconv.cli; x = torch.ones(64, 64, device=%r); (x @ x).sum().item(); "
+            "print(int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024)" % device)
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
@@ -157,7 +161,7 @@ def main() -> None:
     evict(inputs)
     start = time.monotonic()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    samples: list[tuple[float, int]] = []
+    samples: list[tuple[float, int, int]] = []
     sampler = threading.Thread(target=sample_rss, args=(child, start, samples), daemon=True)
     sampler.start()
     lines = [f"{time.monotonic() - start:7.1f} s  {line}" for line in child.stderr]  # when each step began
@@ -169,7 +173,10 @@ def main() -> None:
     if returncode not in (0, 1):  # 1: converted, and the report's gate failed (random weights, 32+ layers)
         sys.exit(f"{' '.join(command)} failed ({returncode}):\n{log[-3000:]}")
     gate = re.search(r"GATE FAILED: (.*)", log)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    # ru_maxrss is kept across exec, and a child spawned by vfork starts from this process's: an
+    # upper bound. The child's own high-water mark, read while it ran, is its peak.
+    maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak = max((hwm for _, _, hwm in samples), default=maxrss)
     out_bytes = sum(path.stat().st_size for path in out.glob("*.safetensors"))
     streamed = re.search(r"converted and wrote (\d+) MB in (\S+) \((\d+) MB/s\)", log)
 
@@ -178,13 +185,14 @@ def main() -> None:
     writing = write_rate(args.dir / "write-rate.tmp", out_bytes)
     disk_seconds = in_bytes / reading + out_bytes / writing
     runtime = runtime_rss(args.device)
-    when, most = max(samples, key=lambda sample: sample[1], default=(0.0, 0))
+    when, most, _ = max(samples, key=lambda sample: sample[1], default=(0.0, 0, 0))
     during = next((line.strip() for line in reversed(lines) if float(line.split()[0]) <= when), "")
     result = {
         "command": " ".join(command), "recipe": args.recipe, "layers": args.layers, "device": args.device,
         "checkpoint_GB": round(in_bytes / 1e9, 2), "output_GB": round(out_bytes / 1e9, 2),
         "host_memory_GB": round(ram / 1e9, 1), "largest_layer_GB": round(layer / 1e9, 3),
-        "peak_rss_GB": round(peak / 1e9, 3), "rss_bound_GB": round((layer + 1.5e9) / 1e9, 3),
+        "peak_rss_GB": round(peak / 1e9, 3), "ru_maxrss_GB": round(maxrss / 1e9, 3),
+        "rss_bound_GB": round((layer + 1.5e9) / 1e9, 3),
         "runtime_rss_GB": round(runtime / 1e9, 3),
         "sampled_peak": f"{most / 1e9:.3f} GB at {when:.1f} s, after: {during}",
         "seconds": round(seconds, 1), "stream_line": streamed.group(0) if streamed else None,
