@@ -2,9 +2,10 @@
 
 The model (an hf:DIR one or a model file's, stream_model.py) is built with its parameters on the
 meta device (its buffers, small, real, read from the checkpoint where it holds them), then each
-parameter is made a stand-in: a zero of its dtype expanded to its shape, which takes no memory. Tracing, shape propagation and the plan run on the stand-ins as
-`lowconv convert` runs them on the loaded model (they read shapes and dtypes, never weight
-values), so the plan is the in-memory path's. The converted structure is then built with each
+parameter is made a stand-in: a zero of its dtype expanded to its shape, which takes no memory.
+Tracing, shape propagation and the plan run on the stand-ins as `lowconv convert` runs them on
+the loaded model (they read shapes and dtypes, never weight values), so the plan is the
+in-memory path's. The converted structure is then built with each
 op's `empty` on meta (as lowconv.load does): its state dict gives every output tensor's name,
 dtype and shape, so every output shard's header is known before any data. Then the model runs
 on its example inputs module by module (stream_pass.py), as the original and as the converted
