@@ -78,13 +78,15 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
 
 
 def plan_for(model: nn.Module, found: Analysis, recipe: Recipe, decisions: list[Decision], example_inputs,
-             calibration: str | None = None) -> Plan:
+             calibration: str | None = None, recorded: dict | None = None) -> Plan:
     """The plan of `decisions` (the recipe's, or those convert carried out) for `model`, complete:
-    its warnings, how the original was made, the example inputs described and, where calibration
-    ran, on what."""
+    its warnings, how the original was made, the example inputs described, where calibration ran,
+    on what, and what the caller records of the model (`recorded`: the command line's model path,
+    seed and dtype)."""
     made = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
     if calibration:
         made["calibration"] = calibration
+    made.update(recorded or {})
     return make_plan(decisions, found.trace, recipe, warnings=conversion_warnings(model, found, decisions, recipe),
                      model=made, expanded_mha=found.expanded_mha, example_inputs=describe_inputs(example_inputs))
 

@@ -38,7 +38,8 @@ def no_progress(message: str) -> None:
 
 def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
             calibration: Iterable | None = None, calibration_name: str = "the calibration inputs given",
-            share_weights: bool = False, progress: Callable[[str], None] = no_progress) -> nn.Module:
+            share_weights: bool = False, recorded: dict | None = None,
+            progress: Callable[[str], None] = no_progress) -> nn.Module:
     """A converted copy of `model`, as the recipe (a path, a built-in name or a Recipe) says.
 
     example_inputs: a tuple of forward args, a dict of kwargs (or any mapping: a tokenizer's
@@ -48,6 +49,8 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     share_weights: the layers the conversion keeps hold `model`'s own tensors, not copies, so the
     model is not in memory twice; for when neither model is trained or changed afterwards (the
     command line's convert does this).
+    recorded: what the plan records of the model beside what it finds (the command line's model
+    path, seed and dtype, for `lowconv compare`).
     """
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
@@ -64,7 +67,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         check_runs(converted, example_inputs)
     calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
     decisions = carried_out_all(planned, modules, measured, served, fused)
-    attach_plan(converted, plan_for(model, analysis, recipe, decisions, example_inputs, calibrated))
+    attach_plan(converted, plan_for(model, analysis, recipe, decisions, example_inputs, calibrated, recorded))
     return converted
 
 

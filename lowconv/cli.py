@@ -158,12 +158,12 @@ def cmd_convert(args) -> int:
         raise no_calibration_inputs(args.model)
     calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
     converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
-                            calibration_name=calibration_name, share_weights=True, progress=progress)
+                            calibration_name=calibration_name, share_weights=True, recorded=recorded(args),
+                            progress=progress)
     if args.sparse_format == "dense" and any(d.op == "semi_sparse" for d in api.plan_of(converted).converted()):
         progress("2:4 layers to plain weights with their zeros (--sparse-format dense)")
         converted = api.revert(converted, "semi_sparse")
     plan = api.plan_of(converted)
-    plan.model.update(file=recorded_path(args.model), seed=args.seed, dtype=args.dtype)
     print(plan_table(plan))
     print(plan_notes(plan))
     progress("comparing original and converted on the example inputs")
@@ -195,7 +195,7 @@ def stream(args, out: Path) -> int:
                               calibration_text=args.calibration_text,
                               calibration_batches=args.calibration, text_files=text_files,
                               max_shard_bytes=args.max_shard_size, progress=progress,
-                              recorded={"file": recorded_path(args.model), "seed": args.seed, "dtype": args.dtype})
+                              recorded=recorded(args))
     print(plan_table(streamed.plan))
     print(plan_notes(streamed.plan))
     print()
@@ -232,6 +232,11 @@ def check_writable(out: Path) -> None:
             os.fsync(probe.fileno())
     except OSError as err:
         raise LowconvError(f"-o {out}: cannot write in {existing}: {err.strerror or err}") from None
+
+
+def recorded(args) -> dict:
+    """What the plan records of how the command line made the model: `lowconv compare` makes it so again."""
+    return {"file": recorded_path(args.model), "seed": args.seed, "dtype": args.dtype}
 
 
 def recorded_path(spec: str) -> str:

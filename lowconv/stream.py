@@ -240,8 +240,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     batches, calibrated = calibration_runs(to_stream.loaded, modules, sites, calibration_text, calibration_batches)
     converted, served, fused = api.rewritten(analysis, modules, groups)
     decisions = api.carried_out_all(planned, modules, measured, served, fused)
-    plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated)
-    plan.model.update(recorded or {})
+    plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated, recorded)
     sources = tensor_sources(converted, model, modules)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     read = {s.name for s in sources.values() if s.site is None} | {
