@@ -513,7 +513,7 @@ def test_conversion_leaves_no_sptr_op_and_matches(models, model, tmp_path):
 
 
 def test_a_real_get_indices_params_stays(models):
-    """Its windows and sort order need not be compat's (passes/window_rows.py): the converted chain
+    """Its windows and sort order need not be compat's (ops/window_rows.py): the converted chain
     reads its pair layout, not compat's get_window_rows."""
     model, inputs = models.Block().eval(), scene()
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)

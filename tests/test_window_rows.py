@@ -1,5 +1,7 @@
 """Converted SpTr chains read row windows from get_window_rows: the pair layout (index_0, index_1,
 each M = sum n_w^2 long) is no longer built, unless something else reads it."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.fx as fx
@@ -9,8 +11,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 import lowconv
 from lowconv.compat import sptr
 from lowconv.model_file import load_model_file
+from lowconv.ops import OPS
 from lowconv.ops.window_attention import SparseWindowAttention
-from lowconv.passes import rewrite
 from lowconv.recipe import parse_recipe
 
 FLOAT32 = parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }')
@@ -50,7 +52,7 @@ def targets(gm: fx.GraphModule) -> list:
 def convert_keeping_pair_layouts(model, recipe, inputs, monkeypatch):
     """The conversion as it was before pair layouts were dropped."""
     with monkeypatch.context() as patch:
-        patch.setattr(rewrite, "drop_pair_layouts", lambda gm: None)
+        patch.setitem(OPS, "sparse_attention", replace(OPS["sparse_attention"], rewrite_graph=None))
         return lowconv.convert(model, recipe, inputs)
 
 

@@ -16,7 +16,7 @@ and model/spherical_transformer.py at 43ec041; lh9171338/SparseTransformer sptr/
 - sptr/utils.py has plain functions: to_3d_numpy (sizes as numpy arrays), grid_sample
   (torch_geometric's voxel_grid), get_indices_params (grid_sample, .item() and precompute_all:
   does not trace; its windows and sort order need not be compat's, so a conversion keeps it:
-  passes/window_rows.py), scatter_softmax_csr (torch_scatter's segment_csr and gather_csr).
+  ops/window_rows.py), scatter_softmax_csr (torch_scatter's segment_csr and gather_csr).
 - sptr/__init__.py star-imports functional and utils (no __all__), so `sptr.attention_step1` is
   the same object, and defines SparseTrTensor; sptr/modules.py has sparse_self_attention and
   VarLengthMultiheadSA, which import the ops by name and call scatter_softmax_csr with keywords

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from lowconv.site import Site
@@ -34,6 +35,9 @@ class Op:
     # Whether conversion on CUDA times the op's module against the original at the site's shape
     # and keeps the original where the op is slower (unless the rule forces it): ops for speed.
     timed: bool = False
+    # What the rewrite then does to each region graph it rewrote, on convert and on load alike:
+    # the sparse attention op drops SpTr pair layouts that only its window modules read.
+    rewrite_graph: Callable[[fx.GraphModule], None] | None = None
 
 
 OPS: dict[str, Op] = {}

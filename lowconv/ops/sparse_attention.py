@@ -53,6 +53,7 @@ from lowconv.kernels.block_attention import check_inputs as check_attention_inpu
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.registry import Op, register
 from lowconv.ops.window_attention import SparseWindowAttention, window_site_problem
+from lowconv.ops.window_rows import drop_pair_layouts
 from lowconv.site import FLOAT_DTYPES, AttentionInfo, MhaInfo, Site
 
 
@@ -556,4 +557,5 @@ SPARSE_ATTENTION = register(Op(
     site_problem=site_problem,
     from_site=from_site,
     empty=empty,
+    rewrite_graph=drop_pair_layouts,
 ))

@@ -26,7 +26,7 @@ class SparseWindowAttention(nn.Module):
 
     The windows come as SpTr's pair layout, of which index_0_offsets (N+1) and each query's first
     entry of index_1 are read, or as `row_windows` = (start, end), each (N,), in place of those two:
-    what the rewrite passes once no one else reads the pair layout (passes/window_rows.py).
+    what the rewrite passes once no one else reads the pair layout (window_rows.py).
     Relative position comes as what rel_idx was made from: the points' xyz with window_size,
     quant_size, quant_grid_length and shift_win (compat's relative_position_index), or `coords`, the
     per-point whole-number coordinates that SpTr's inline rel_idx differences, with quant_grid_length.

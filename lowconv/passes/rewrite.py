@@ -8,8 +8,9 @@ region's module in the model (a region with swaps only keeps its own module and 
 module in it has a fused inference path that reads the swapped modules' weights). An attention
 site of a transformers attention module is not a piece of graph to replace: its op module goes
 beside that module, which calls it through transformers' attention interface (hf_attention.py),
-so a region with such sites and swaps keeps its class too. SpTr's
-pair layout that only converted window attention reads is then dropped (window_rows.py).
+so a region with such sites and swaps keeps its class too. Each op's rewrite_graph then runs
+on each rewritten region's graph (SpTr's pair layout that only converted window attention
+reads is dropped: ops/window_rows.py).
 The model passed in is changed: callers pass their own copy.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from lowconv.passes import hf_attention
 from lowconv.passes.trace import HOOKS, Region, Trace, has_fused_path, has_hooks, recompile
-from lowconv.passes.window_rows import drop_pair_layouts
+from lowconv.ops import OPS
 from lowconv.site import Site
 
 
@@ -151,7 +152,9 @@ def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str
         gm, replaced = region.graph, {}
         for site in todo:
             replace_in_graph(gm, site, relative(site.fqn, region), modules[site.fqn], replaced)
-        drop_pair_layouts(gm)  # once all of the region's sites are in: a kept chain's layout stays
+        for op in OPS.values():  # once all of the region's sites are in: a kept chain's layout stays
+            if op.rewrite_graph:
+                op.rewrite_graph(gm)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         recompile(gm)

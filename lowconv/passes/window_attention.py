@@ -28,7 +28,7 @@ position, the tables and what rel_idx was made from: the points' xyz and quantiz
 The rel_idx nodes (and the index casts only the chain reads) go with the chain, so nothing of size
 M x 3 is computed either; after the rewrite, a get_indices_params whose pair layout only converted
 chains read is replaced by get_window_rows, and the op then takes its row windows (`row_windows`)
-in place of index_0_offsets and index_1 (window_rows.py). A rel_idx of another form (SphereFormer's
+in place of index_0_offsets and index_1 (ops/window_rows.py). A rel_idx of another form (SphereFormer's
 split function rewrites it) has no per-point coordinates: its chain is found but kept, and the site
 says why. So are tables whose propagated shapes have fewer than the 2G-1 rows that rel_idx reads,
 where G is a known number (the op checks the same when it runs).
