@@ -73,11 +73,11 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
         raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
                            f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
                            f"or to_empty() then load)")
-    found = analyze(model, example_inputs, recipe, share_tensors)
-    return found, plan_for(model, found, recipe, decide_sites(found.sites, recipe), example_inputs)
+    analysis = analyze(model, example_inputs, recipe, share_tensors)
+    return analysis, plan_for(model, analysis, recipe, decide_sites(analysis.sites, recipe), example_inputs)
 
 
-def plan_for(model: nn.Module, found: Analysis, recipe: Recipe, decisions: list[Decision], example_inputs,
+def plan_for(model: nn.Module, analysis: Analysis, recipe: Recipe, decisions: list[Decision], example_inputs,
              calibration: str | None = None, recorded: dict | None = None) -> Plan:
     """The plan of `decisions` (the recipe's, or those convert carried out) for `model`, complete:
     its warnings, how the original was made, the example inputs described, where calibration ran,
@@ -87,8 +87,8 @@ def plan_for(model: nn.Module, found: Analysis, recipe: Recipe, decisions: list[
     if calibration:
         made["calibration"] = calibration
     made.update(recorded or {})
-    return make_plan(decisions, found.trace, recipe, warnings=conversion_warnings(model, found, decisions, recipe),
-                     model=made, expanded_mha=found.expanded_mha, example_inputs=describe_inputs(example_inputs))
+    return make_plan(decisions, analysis.trace, recipe, warnings=conversion_warnings(model, analysis, decisions, recipe),
+                     model=made, expanded_mha=analysis.expanded_mha, example_inputs=describe_inputs(example_inputs))
 
 
 
@@ -110,10 +110,10 @@ def quantized_model_problem(model: nn.Module) -> str | None:
 
 
 
-def conversion_warnings(model: nn.Module, found: Analysis, decisions: list[Decision], recipe: Recipe) -> list[str]:
+def conversion_warnings(model: nn.Module, analysis: Analysis, decisions: list[Decision], recipe: Recipe) -> list[str]:
     """The plan's warnings for these decisions (once never-slower has kept sites, a region none of
     whose sites is converted any more is not rewritten)."""
-    warnings = plan_warnings(decisions, found.sites, found.trace, recipe) + nested_tensor_warnings(model, decisions)
+    warnings = plan_warnings(decisions, analysis.sites, analysis.trace, recipe) + nested_tensor_warnings(model, decisions)
     if hasattr(model, PLAN_ATTR):
         warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
                         "modules now and are not found again; convert the original model to change them")

@@ -72,12 +72,12 @@ def decided_by_inputs(plan: Plan) -> bool:
 def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> tuple[Trace, dict[str, Site]]:
     """Trace `model` (a copy of the original) again and find the sites the plan converts, each
     checked to be the same graph as at conversion and given what the conversion learned."""
-    todo = plan.converted()
-    trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in todo}),
+    to_replay = plan.converted()
+    trace = trace_model(model, example_inputs, only=sorted({d.site["region"] for d in to_replay}),
                         none_args=plan.none_args, constant_args=plan.constant_args)
     found = {s.fqn: s for s in find_sites(model, trace)}
     sites = {}
-    for decision in todo:
+    for decision in to_replay:
         site = found.get(decision.fqn)
         if site is None:
             raise LowconvError(f"{source}: the plan converts {decision.fqn}, which this model does not have")

@@ -430,11 +430,12 @@ class Writer:
                  progress: Callable[[str], None]):
         self.offsets, self.stored, self.staging, self.sums, self.progress = \
             layout.offsets(), layout.stored(), staging, sums, progress
-        self.todo = {item.label for item in items if not all(name in sums for name in item.outputs)}
-        self.total, self.done, self.written, self.start = sum(i.nbytes for i in items if i.label in self.todo), 0, 0, 0.0
-        self.count = len(self.todo)
-        if len(self.todo) < len(items):
-            progress(f"resuming: {len(items) - len(self.todo)} of {len(items)} steps were written by a previous run")
+        self.unwritten = {item.label for item in items if not all(name in sums for name in item.outputs)}
+        self.total = sum(i.nbytes for i in items if i.label in self.unwritten)
+        self.done, self.written, self.start = 0, 0, 0.0
+        self.count = len(self.unwritten)
+        if len(self.unwritten) < len(items):
+            progress(f"resuming: {len(items) - len(self.unwritten)} of {len(items)} steps were written by a previous run")
 
     def __enter__(self) -> Writer:
         self.journal = open(self.staging / JOURNAL, "a", encoding="utf-8")
@@ -462,14 +463,14 @@ class Writer:
             self.pending.pop(0).result()
 
     def wants(self, item: Item) -> bool:
-        return item.label in self.todo
+        return item.label in self.unwritten
 
     def write(self, item: Item, tensors: dict[str, torch.Tensor]) -> None:
         if not self.wants(item):
             return
         elapsed = time.monotonic() - self.start
         eta = f", ETA {format_seconds(elapsed / self.done * (self.total - self.done))}" if self.done else ""
-        self.progress(f"[{self.count - len(self.todo) + 1}/{self.count}] {item.label} ({item.nbytes / 1e6:.1f} MB){eta}")
+        self.progress(f"[{self.count - len(self.unwritten) + 1}/{self.count}] {item.label} ({item.nbytes / 1e6:.1f} MB){eta}")
         for name in item.outputs:
             tensor, stored = tensors[name], self.stored[name]
             if tensor.dtype != stored.dtype or tuple(tensor.shape) != tuple(stored.shape):
@@ -477,7 +478,7 @@ class Writer:
                                    f"structure has {stored.dtype} {list(stored.shape)} (a bug in lowconv)")
         self.drain(IN_FLIGHT - 1)
         self.pending.append(self.disk.submit(self.put, {name: (*self.offsets[name], tensors[name]) for name in item.outputs}))
-        self.todo.discard(item.label)
+        self.unwritten.discard(item.label)
         self.done += item.nbytes
 
     def put(self, tensors: dict[str, tuple[str, int, torch.Tensor]]) -> None:

@@ -137,20 +137,20 @@ def erase_unread(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 def rewrite(model: nn.Module, trace: Trace, sites: list[Site], modules: dict[str, nn.Module]) -> nn.Module:
     """Replace each site whose FQN is in `modules` by that module; returns the converted model."""
     for region in trace.regions:
-        todo = [s for s in sites if s.region == region.fqn and s.fqn in modules]
-        if not todo:
+        region_sites = [s for s in sites if s.region == region.fqn and s.fqn in modules]
+        if not region_sites:
             continue
-        for site in todo:
+        for site in region_sites:
             modules[site.fqn].train(region.module.training)
-        if not replaces_region(region, todo):  # the model keeps its own classes
-            for site in todo:
+        if not replaces_region(region, region_sites):  # the model keeps its own classes
+            for site in region_sites:
                 if site.module_backed:
                     model = swap_module(model, site.fqn, modules[site.fqn])
                 else:
                     hf_attention.attach(model, site, modules[site.fqn])
             continue
         gm, replaced = region.graph, {}
-        for site in todo:
+        for site in region_sites:
             replace_in_graph(gm, site, relative(site.fqn, region), modules[site.fqn], replaced)
         for op in OPS.values():  # once all of the region's sites are in: a kept chain's layout stays
             if op.rewrite_graph:
@@ -177,9 +177,9 @@ def served_sites(trace: Trace, sites: list[Site], converted) -> list[Site]:
     """The sites (of those whose FQN is in `converted`) that transformers' attention interface will call."""
     served = []
     for region in trace.regions:
-        todo = [s for s in sites if s.region == region.fqn and s.fqn in converted]
-        if not replaces_region(region, todo):
-            served += [s for s in todo if not s.module_backed]
+        region_sites = [s for s in sites if s.region == region.fqn and s.fqn in converted]
+        if not replaces_region(region, region_sites):
+            served += [s for s in region_sites if not s.module_backed]
     return served
 
 
@@ -233,11 +233,11 @@ def tap_sites(model: nn.Module, trace: Trace, sites: list[Site], record) -> nn.M
             model.get_submodule(site.fqn).register_forward_hook(
                 lambda mod, args, kwargs, out, fqn=site.fqn: record(fqn, out, args, kwargs), with_kwargs=True)
     for region in trace.regions:
-        todo = [s for s in sites if s.region == region.fqn and not s.module_backed]
-        if not todo or region.graph is None:
+        region_sites = [s for s in sites if s.region == region.fqn and not s.module_backed]
+        if not region_sites or region.graph is None:
             continue
         gm = region.graph
-        for i, site in enumerate(todo):
+        for i, site in enumerate(region_sites):
             name = f"_lowconv_tap_{i}"
             gm.add_submodule(name, SiteTap(site.fqn, record))
             with gm.graph.inserting_after(site.output_node):
