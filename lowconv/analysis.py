@@ -98,7 +98,7 @@ def quantized_model_problem(model: nn.Module) -> str | None:
     where it still has sites (conversion_warnings says so)."""
     if hasattr(model, PLAN_ATTR):
         return None
-    described = hf.quantized_config(model)
+    described = hf.quantized_config_problem(model)
     if described:
         return described
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

@@ -132,7 +132,7 @@ def fp8_scheme(options: dict) -> dict | None:
     return {"weights": weights, "input_activations": inputs}
 
 
-def quantized_config(model: nn.Module) -> str | None:
+def quantized_config_problem(model: nn.Module) -> str | None:
     """What a transformers model's config says of a quantization it already holds (None: none)."""
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     if config is None:
