@@ -213,15 +213,18 @@ def checkpoint_names(model: nn.Module, loaded: dict[str, str]) -> dict[str, str]
 
 def strict_names(model: nn.Module, source: InputCheckpoint, spec: str, built_from: str) -> dict[str, str]:
     """checkpoint_names of a checkpoint that holds the model's state dict under its own names (tied
-    tensors under any one of theirs), refusing one that lacks a parameter, holds a tensor the model
-    lacks, or has another shape (as load_state_dict(strict=True) does)."""
+    tensors under any one of theirs), refusing one that lacks a tensor of it (a parameter or a
+    persistent buffer), holds a tensor the model lacks, or has another shape (as
+    load_state_dict(strict=True) does)."""
     stored_as = checkpoint_names(model, {key: key for key in source.files})
-    missing = sorted(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in stored_as)
+    missing = sorted(name for name in model.state_dict(keep_vars=True) if name not in stored_as)
     unused = sorted(set(source.files) - set(stored_as.values()))
-    for names, problem in ((missing, f"lacks parameters of {built_from}"), (unused, f"holds tensors {built_from} lacks")):
+    files = sorted(set(source.files.values()))
+    where = str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}" if files else "empty"
+    for names, problem in ((missing, f"lacks {len(missing)} tensors of {built_from}"),
+                           (unused, f"holds {len(unused)} tensors {built_from} lacks")):
         if names:
-            where = sorted({str(source.files[n].parent) for n in source.files}) or ["it"]
-            raise LowconvError(f"model {spec!r}: its checkpoint ({', '.join(where)}) {problem}: "
+            raise LowconvError(f"model {spec!r}: its checkpoint ({where}) {problem}: "
                                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
     check_shapes(model, set(stored_as), stored_as, source, spec, built_from)
     return stored_as

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lowconv.errors import LowconvError
-from lowconv.input_checkpoint import input_checkpoint, load_weights
+from lowconv.input_checkpoint import input_checkpoint, load_weights, named_tensors
 from lowconv.site import FLOAT_DTYPES
 
 
@@ -108,6 +108,7 @@ def load_model_file(path: str | Path, *, device: str = "cpu", dtype: str | None 
     model = build_file_model(module, path)
     if hasattr(module, "weights_path"):
         load_weights(model, input_checkpoint(file_weights(module, path), str(path)), str(path), BUILT_FROM)
+    check_no_meta([name for name, t in named_tensors(model) if t.is_meta], module, path)
     reseed = inputs_seed(module, seed)
     loaded = placed(str(path), model, example_inputs(module, path, reseed), logits_flag(module, path), device, cast)
     if hasattr(module, "calibration_inputs"):
@@ -120,6 +121,16 @@ def build_file_model(module, path: Path) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise LowconvError(f"{path}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def check_no_meta(names: list[str], module, path: Path) -> None:
+    """Refuse a model that build_model() built with tensors on the meta device that nothing fills."""
+    if names:
+        fix = ("save them in weights_path()'s checkpoint, or build them with values (a buffer that is not "
+               "persistent is in no state dict)") if hasattr(module, "weights_path") else \
+            "define weights_path() to load its weights into it, or build it with them"
+        raise LowconvError(f"{path}: build_model() built {len(names)} tensors on the meta device (no values) that "
+                           f"nothing fills: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}; {fix}")
 
 
 def inputs_seed(module, seed: int) -> int | None:

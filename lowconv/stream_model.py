@@ -22,8 +22,8 @@ from torch.overrides import TorchFunctionMode
 from lowconv.errors import LowconvError
 from lowconv.input_checkpoint import (InputCheckpoint, check_shapes, checkpoint_names, input_checkpoint, named_tensors,
                                       put_tensors, strict_names)
-from lowconv.model_file import (BUILT_FROM, ModelFile, build_file_model, calibration_batches, checked_cast,
-                                example_inputs, file_weights, import_file, logits_flag, to_device)
+from lowconv.model_file import (BUILT_FROM, ModelFile, build_file_model, calibration_batches, check_no_meta,
+                                checked_cast, example_inputs, file_weights, import_file, logits_flag, to_device)
 from lowconv.model_sources import hf_inputs, library
 
 HF_BUILT_FROM = "config.json's model"  # for messages
@@ -116,6 +116,7 @@ def file_stream_model(path: Path, seed: int, dtype: str | None, device: torch.de
         model = build_file_model(module, path)
     stored_as = strict_names(model, source, str(path), BUILT_FROM)
     put_tensors(model, source, stored_as, parameters=False)
+    check_no_meta([name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta], module, path)
     dtypes = with_stand_ins(model, cast, device)
     draw = None
     if hasattr(module, "calibration_inputs"):

@@ -117,13 +117,35 @@ def test_a_checkpoint_with_more_or_fewer_tensors_is_refused(tmp_path, net):
     from safetensors.torch import load_file, save_file
     saved = load_file(net.parent / "weights" / "model.safetensors")
     save_file({**saved, "extra": torch.zeros(2)}, net.parent / "weights" / "model.safetensors")
-    with pytest.raises(LowconvError, match=r"its checkpoint \(.*weights\) holds tensors build_model\(\)'s model "
-                                           r"lacks: extra"):
+    with pytest.raises(LowconvError, match=r"its checkpoint \(.*weights/model.safetensors\) holds 1 tensors "
+                                           r"build_model\(\)'s model lacks: extra"):
         load_model_file(net)
-    del saved["fc2.bias"]
+    del saved["fc2.bias"], saved["scale"]  # a persistent buffer is held to it too
     save_file(saved, net.parent / "weights" / "model.safetensors")
-    with pytest.raises(LowconvError, match=r"lacks parameters of build_model\(\)'s model: fc2.bias"):
+    with pytest.raises(LowconvError, match=r"lacks 2 tensors of build_model\(\)'s model: fc2.bias, scale"):
         load_model_file(net)
+
+
+def test_a_model_built_on_meta_with_nothing_to_fill_it_is_refused(tmp_path, net):
+    """Without weights_path(), or with a buffer no state dict holds (not persistent), on meta."""
+    on_meta = net.read_text().replace("    return Net(32)", "    with torch.device('meta'):\n        return Net(32)")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    path = model_file(bare, weights_path=None)
+    path.write_text(on_meta[:on_meta.index("def weights_path")] + "LOGITS = True\n")
+    with pytest.raises(LowconvError, match=r"build_model\(\) built 7 tensors on the meta device \(no values\) that "
+                                           r"nothing fills: embed.weight, .*; define weights_path\(\)"):
+        load_model_file(path)
+    net.write_text(on_meta.replace('self.register_buffer("scale", torch.full((hidden,), 0.5))',
+                                   'self.register_buffer("scale", torch.full((hidden,), 0.5), persistent=False)'))
+    from safetensors.torch import load_file, save_file
+    saved = load_file(net.parent / "weights" / "model.safetensors")
+    del saved["scale"]
+    save_file(saved, net.parent / "weights" / "model.safetensors")
+    for load in (load_model_file, lambda path: stream_convert(str(path), "fp8-row", tmp_path / "out")):
+        with pytest.raises(LowconvError, match=r"built 1 tensors on the meta device \(no values\) that nothing fills: "
+                                               r"scale; save them in weights_path\(\)'s checkpoint"):
+            load(net)
 
 
 @pytest.mark.parametrize("recipe, calibration", [("fp8-row", []), ("fp8-static", ["--calibration", "2"])])
