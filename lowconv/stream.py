@@ -282,7 +282,8 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
             if writer.written:
                 progress(writer.summary())
         except (KeyboardInterrupt, LowconvError, OSError) as err:
-            kept = (f"the {len(sums)} of {len(stored)} tensors written are kept in {staging}, where the same command "
+            steps = sum(all(name in sums for name in item.outputs) for item in items)  # as progress counts them
+            kept = (f"the {steps} of {len(items)} steps written are kept in {staging}, where the same command "
                     f"resumes (delete it to start over); nothing in {out} was changed")
             if isinstance(err, KeyboardInterrupt):
                 progress(f"stopped: {kept}")
