@@ -423,9 +423,10 @@ class Writer:
     """Writes each item's tensors at their offsets in the staging shards, once (not those a previous
     run wrote): a tensor's checksum goes into `sums`, then the journal, once its bytes are written.
     Nothing is synced per tensor (a sync each held the disk's writes back): a resumed run checks
-    every journalled tensor's bytes against its checksum, and installing syncs each file. The disk
-    work (write, checksum) runs on a thread of its own while the next item is computed, IN_FLIGHT
-    items at most. Progress: a line per item, with an ETA."""
+    every journalled tensor's bytes against its checksum, and installing syncs each file. A shard
+    whose last tensor is written is synced then, beside the pass, so that installing has little left
+    to sync. The disk work (write, checksum) runs on a thread of its own while the next item is
+    computed, IN_FLIGHT items at most. Progress: a line per item, with an ETA."""
 
     def __init__(self, items: list[Item], layout: Layout, staging: Path, sums: dict[str, str],
                  progress: Callable[[str], None]):
@@ -435,6 +436,8 @@ class Writer:
         self.total = sum(i.nbytes for i in items if i.label in self.unwritten)
         self.done, self.written, self.start = 0, 0, 0.0
         self.count = len(self.unwritten)
+        # shard file -> how many of its tensors are still to write
+        self.unsynced = Counter(file for name, (file, _) in self.offsets.items() if name not in sums)
         if len(self.unwritten) < len(items):
             progress(f"resuming: {len(items) - len(self.unwritten)} of {len(items)} steps were written by a previous run")
 
@@ -495,6 +498,9 @@ class Writer:
             self.journal.write(json.dumps({"tensor": name, "crc": self.sums[name]}) + "\n")
             self.journal.flush()
             self.written += 1
+            self.unsynced[file] -= 1
+            if not self.unsynced[file]:
+                os.fsync(self.shards[file])
 
     def summary(self) -> str:
         elapsed = time.monotonic() - self.start
