@@ -332,7 +332,7 @@ def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, re
     warnings += [
         f"region {r.fqn or '(whole model)'} branches on self.training: it was traced in eval mode and "
         f"keeps eval behaviour (e.g. no functional dropout) when the converted model trains"
-        for r in trace.regions if r.reads_training and r.fqn in rewritten
+        for r in trace.regions if r.fqn in rewritten and r.reads_training
     ]
     warnings += [
         f"region {r.fqn or '(whole model)'} was traced with {len(r.decided)} branches decided by the example "

@@ -32,11 +32,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import dis
+import functools
 import inspect
 import io
 import operator
 import sys
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -159,10 +161,17 @@ class Region:
     graph: fx.GraphModule | None  # None: a lone site module under untraceable code
     none_args: list[str] = field(default_factory=list)  # forward arguments traced as None
     constant_args: dict = field(default_factory=dict)  # forward arguments traced as this bool/int/float/str
-    reads_training: bool = False  # its code branches on self.training (traced as eval)
     decided: list[str] = field(default_factory=list)  # branches the example inputs decided (guarded)
     example_args: tuple | None = None  # its inputs on the first call with the example inputs
     example_output: object = None  # its output on that call (lone site modules only)
+    training_check: Callable[[], bool] | None = field(default=None, repr=False)  # reads_training's
+
+    @functools.cached_property
+    def reads_training(self) -> bool:
+        """Whether its code branches on self.training (it was traced as eval). Asked only of the
+        regions a rewrite replaces (a plan's warning), as it traces the module again: half of a
+        Llama's planning time, spent on every region otherwise."""
+        return self.training_check is not None and self.training_check()
 
 
 @dataclass
@@ -425,11 +434,15 @@ def bound_forward(module: nn.Module, arguments: dict | None):
                               tuple(defaults[first_default:]) or None, made.__closure__)
 
 
-def reads_training(module: nn.Module, graph: fx.GraphModule, fixed: dict | None = None,
-                   call: Call | None = None) -> bool:
+def branches_on_training(module: nn.Module, graph: fx.GraphModule, fixed: dict | None = None,
+                         call: Call | None = None) -> bool:
     """Whether the module's traced code differs between train and eval mode, guards of decided
-    branches aside (torch's encoder layer checks src.is_nested in eval mode only)."""
-    in_training = trace_module(module, fixed, training=True, call=call)
+    branches aside (torch's encoder layer checks src.is_nested in eval mode only); a module that
+    does not trace in train mode differs."""
+    try:
+        in_training = trace_module(module, fixed, training=True, call=call)
+    except Exception:  # noqa: BLE001 (the model's own code raised, in train mode only)
+        return True
     differs = code_without_guards(in_training) != code_without_guards(graph)
     release_graph(in_training)
     return differs
@@ -509,8 +522,8 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
             constants = constant_args.get(fqn, {})
         fixed = {**dict.fromkeys(nones), **constants}
         graph = trace_module(module, fixed, call=call)
-        found = Region(fqn, module, graph, nones, constants, reads_training(module, graph, fixed, call),
-                       decided=graph.meta["decided"], example_args=example_args)
+        found = Region(fqn, module, graph, nones, constants, decided=graph.meta["decided"], example_args=example_args,
+                       training_check=lambda: branches_on_training(module, graph, fixed, call))
         propagate_shapes(found)  # a graph that does not run its example call is no region: its children are tried
         return found
 
