@@ -240,16 +240,16 @@ def put_tensors(model: nn.Module, source: InputCheckpoint, stored_as: dict[str, 
     in the dtype the model built it in; a buffer the checkpoint lacks stays the model's own.
     Parameters are replaced, not copied into, so a model built on the meta device loads too; tied
     ones stay tied."""
-    loaded: dict[int, torch.Tensor] = {}
-    with CheckpointReader(source, list(dict.fromkeys(stored_as.values()))) as reader:
-        for fqn, module in model.named_modules(remove_duplicate=False):
-            for slots in (module._parameters, module._buffers) if parameters else (module._buffers,):
-                for name, held in slots.items():
-                    key = stored_as.get(f"{fqn}.{name}" if fqn else name)
-                    if held is None or key is None:
-                        continue
-                    if id(held) not in loaded:
-                        tensor = reader.read(key).to(held.dtype)
-                        loaded[id(held)] = nn.Parameter(tensor, held.requires_grad) if slots is module._parameters \
-                            else tensor
-                    slots[name] = loaded[id(held)]
+    # (the slots, a name in them, its checkpoint key): no reference to the tensors, which go as replaced
+    places = [(slots, name, stored_as[f"{fqn}.{name}" if fqn else name])
+              for fqn, module in model.named_modules(remove_duplicate=False)
+              for slots in ((module._parameters, module._buffers) if parameters else (module._buffers,))
+              for name, held in slots.items() if held is not None and (f"{fqn}.{name}" if fqn else name) in stored_as]
+    loaded: dict[int, torch.Tensor] = {}  # by the id of the tensor replaced: tied ones stay tied
+    with CheckpointReader(source, [key for *_, key in places]) as reader:  # what is put, nothing more read ahead
+        for slots, name, key in places:
+            held = slots[name]
+            if id(held) not in loaded:
+                tensor = reader.read(key).to(held.dtype)
+                loaded[id(held)] = nn.Parameter(tensor, held.requires_grad) if isinstance(held, nn.Parameter) else tensor
+            slots[name] = loaded[id(held)]
