@@ -84,9 +84,9 @@ def plan_for(model: nn.Module, analysis: Analysis, recipe: Recipe, decisions: li
     on what, and what the caller records of the model (`recorded`: the command line's model path,
     seed and dtype)."""
     made = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
+    made.update(recorded or {})
     if calibration:
         made["calibration"] = calibration
-    made.update(recorded or {})
     return make_plan(decisions, analysis.trace, recipe, warnings=conversion_warnings(model, analysis, decisions, recipe),
                      model=made, expanded_mha=analysis.expanded_mha, example_inputs=describe_inputs(example_inputs))
 

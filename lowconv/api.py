@@ -62,12 +62,17 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     for fqn in slower:
         del modules[fqn]
     converted, served, fused = rewritten(analysis, modules, groups)
-    seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
-    if not seen:  # calibration ran the converted model already
-        check_runs(converted, example_inputs)
-    calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
     decisions = carried_out_all(planned, modules, measured, served, fused)
-    attach_plan(converted, plan_for(model, analysis, recipe, decisions, example_inputs, calibrated, recorded))
+    plan = plan_for(model, analysis, recipe, decisions, example_inputs, None, recorded)
+    # The analysed copy holds the layers the converted model replaced: let them go before it runs
+    del analysis
+    seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
+    if seen:
+        plan = replace(plan, model={**plan.model,
+                                    "calibration": calibrated_on(seen, calibration_name if calibration is not None else None)})
+    else:  # calibration ran the converted model already
+        check_runs(converted, example_inputs)
+    attach_plan(converted, plan)
     return converted
 
 

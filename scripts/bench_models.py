@@ -93,6 +93,7 @@ class Variant:
     convert_s: float | None = None
     convert_peak_bytes: int | None = None
     held_after_bytes: int | None = None
+    forward_peak_bytes: int | None = None  # the original's: one eager call's GPU memory above the model and inputs
     sqnr_db: float | None = None
     compiled_sqnr_db: float | None = None
     graph_breaks: int | None = None
@@ -301,9 +302,15 @@ def bench_model(name: str, args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     case = BUILDERS[name](device, args.tiny)
+    original = Variant("bf16", None, weight_bytes=weight_bytes(case.model))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = allocated(device)
     with torch.no_grad():
         reference = case.run(case.model).clone()
-    original = Variant("bf16", None, weight_bytes=weight_bytes(case.model))
+    if device.type == "cuda":
+        original.forward_peak_bytes = torch.cuda.max_memory_allocated() - base
     variants, calls, profiled = [original], [], {}
     models = {"bf16": case.model}
     for recipe in args.recipes:
@@ -400,7 +407,20 @@ def table(data: dict) -> str:
                "notes"]
     return (f"### {data['model']}\n\n{data['device']}, torch {data['torch']}, {data['date']}, "
             f"{data['rounds']} interleaved rounds ({data['do_bench']})\n\n"
-            + tabulate(rows, headers, tablefmt="github") + "\n")
+            + tabulate(rows, headers, tablefmt="github") + "\n" + conversion_bound(variants))
+
+
+def conversion_bound(variants: list[dict]) -> str:
+    """The line under a table that holds each conversion's peak to issue 22's bound: twice the
+    original's weights plus one eager forward's peak (both above the model and its inputs)."""
+    bf16 = variants[0]
+    peaks = [v["convert_peak_bytes"] for v in variants[1:] if v["convert_peak_bytes"] is not None]
+    if bf16["forward_peak_bytes"] is None or not peaks:
+        return ""
+    bound = 2 * bf16["weight_bytes"] + bf16["forward_peak_bytes"]
+    return (f"\nConversion bound: 2 x {bf16['weight_bytes'] / 1e9:.2f} GB of weights + {bf16['forward_peak_bytes'] / 1e9:.2f} GB, "
+            f"one eager forward's peak = {bound / 1e9:.2f} GB; {sum(p <= bound for p in peaks)} of {len(peaks)} "
+            f"conversions within it.\n")
 
 
 def model_bench_parser(doc: str, models, recipes, recipes_help: str, rounds: int, warmup_ms: float, rep_ms: float,

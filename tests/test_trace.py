@@ -52,7 +52,7 @@ def test_shapes_propagate_into_regions():
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in inner.graph.graph.nodes if "tensor_meta" in n.meta}
     assert shapes["input_1"] == (3, 8) or (3, 8) in shapes.values()
     lone = next(r for r in trace.regions if r.fqn == "a.lone")
-    assert tuple(lone.example_output.shape) == (3, 4)
+    assert tuple(lone.output_meta.shape) == (3, 4)
 
 
 def test_replay_of_known_regions():

@@ -19,3 +19,6 @@ class TraceHook:
     # Qualified names of functions the library made opaque with torch.fx.wrap that the tracer
     # traces into instead (they hide what a pass must see, e.g. an attention's mask).
     traced_into: frozenset[str] = field(default_factory=frozenset)
+    # Classes whose objects the traced code builds (and returns) that the graph builds on each call
+    # (passes/built_in_graph.py): a KV cache that a forward creates.
+    built_in_graph: Callable[[], tuple[type, ...]] = tuple

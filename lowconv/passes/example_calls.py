@@ -10,6 +10,7 @@ from torch import nn
 
 from lowconv.errors import LowconvError
 from lowconv.inputs import as_called, evaluating, fresh_inputs, is_constant, normalize_inputs
+from lowconv.site import TensorMeta, value_meta
 
 
 # Modules that are sites by themselves: traced as calls, never into.
@@ -59,17 +60,19 @@ def bind_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
 @dataclass
 class Call:
     arguments: dict | None  # by name, see bind_arguments
-    output: object  # a site module's (None for any other module: see first_calls)
+    output: TensorMeta | None  # a site module's output's shape and dtype (None for any other module)
 
 
 
 def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, Call]:
-    """Run the model once (eval mode); what each module in `fqns` got on its first call, and what
-    it gave if it is a site module (the example_output of a lone site region).
+    """Run the model once (eval mode); what each module in `fqns` got on its first call, and the
+    shape and dtype of what it gave if it is a site module (the output_meta of a lone site region:
+    the output itself, an LM head's logits, can be GBs).
 
-    The run gets fresh clones of the inputs; the model's own call is then given other fresh clones,
-    so that its recorded arguments hold the example values even if the model wrote into its inputs
-    (a submodule's recorded arguments are what it got, as they are after the run)."""
+    The run gets fresh clones of the inputs; the model's own call is recorded with the caller's
+    objects, which hold the example values whatever the model wrote into its inputs (a submodule's
+    recorded arguments are what it got, as they are after the run). Whatever runs the model on them
+    again clones them first (fresh_inputs), so convert holds one copy of a KV cache at a time."""
     calls: dict[str, Call] = {}
     handles = []
     wanted = set(fqns)
@@ -83,11 +86,14 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
 
         def record_output(mod, args, kwargs, output, fqn=fqn):
             if is_site_module(mod) and calls[fqn].output is None:
-                calls[fqn].output = output
+                calls[fqn].output = value_meta(output)
 
-        handles.append(module.register_forward_pre_hook(record_arguments, with_kwargs=True))
+        if fqn:
+            handles.append(module.register_forward_pre_hook(record_arguments, with_kwargs=True))
         handles.append(module.register_forward_hook(record_output, with_kwargs=True))
     args, kwargs = normalize_inputs(example_inputs)
+    if "" in wanted:
+        calls[""] = Call(bind_arguments(model, args, kwargs), None)
     run_args, run_kwargs = fresh_inputs(args, kwargs)
     try:
         with evaluating(model):
@@ -97,8 +103,4 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
     finally:
         for h in handles:
             h.remove()
-    if "" in calls and calls[""].arguments is not None:
-        del run_args, run_kwargs  # the run's copies, and the hook's, go before the next (a KV cache can be GBs)
-        calls[""].arguments = None
-        calls[""].arguments = bind_arguments(model, *fresh_inputs(args, kwargs))
     return calls

@@ -42,7 +42,7 @@ def module_site(region: Region, fqn: str, linear: nn.Linear, node: fx.Node | Non
     else:
         args = region.example_args or ()
         meta_in = value_meta(args[0]) if args else None
-        meta_out = value_meta(region.example_output)
+        meta_out = region.output_meta
     info = LinearInfo(
         form="module",
         in_features=linear.in_features,

@@ -44,7 +44,7 @@ def mha_site(region: Region, target: str) -> Site:
 def lone_mha_site(region: Region) -> Site:
     """An MHA region of its own: its caller is not traced, so whether the weights it returns
     are used is unknown (the op computes them as nn.MultiheadAttention does where a call asks)."""
-    args, output = region.example_args, region.example_output
+    args = region.example_args
     info = mha_info(region.module)
     info.weights_unknown = True
     return Site(
@@ -54,7 +54,7 @@ def lone_mha_site(region: Region) -> Site:
         classes=class_names(type(region.module)),
         info=info,
         input=value_meta(args[0]) if args else None,
-        output=value_meta(output),
+        output=region.output_meta,
         unsupported=mha_problem(region.module),
         module_backed=True,
     )

@@ -49,18 +49,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.proxy import TraceError
 
-from lowconv.compat import sptr_install, timm
+from lowconv.compat import sptr_install, timm, transformers
 from lowconv.errors import LowconvError, first_line
 from lowconv.passes.example_values import (
     MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
 )
 from lowconv.inputs import fresh_inputs, is_constant
+from lowconv.passes.built_in_graph import built_in_graph
 from lowconv.passes.example_calls import Call, first_calls, fixed_arguments, is_site_module
 from lowconv.passes.shapes import propagate_shapes
 from lowconv.scoped_setting import ScopedSetting
+from lowconv.site import TensorMeta
 
 # What the libraries lowconv knows need of the tracer, each declared in its compat/ file.
-TRACE_HOOKS = (sptr_install.TRACE_HOOK, timm.TRACE_HOOK)
+TRACE_HOOKS = (sptr_install.TRACE_HOOK, timm.TRACE_HOOK, transformers.TRACE_HOOK)
 
 
 def none_or_dtype(input):
@@ -163,7 +165,7 @@ class Region:
     constant_args: dict = field(default_factory=dict)  # forward arguments traced as this bool/int/float/str
     decided: list[str] = field(default_factory=list)  # branches the example inputs decided (guarded)
     example_args: tuple | None = None  # its inputs on the first call with the example inputs
-    example_output: object = None  # its output on that call (lone site modules only)
+    output_meta: TensorMeta | None = None  # its output's shape and dtype on that call (lone site modules only)
     training_check: Callable[[], bool] | None = field(default=None, repr=False)  # reads_training's
 
     @functools.cached_property
@@ -325,13 +327,15 @@ class SiteTracer(fx.Tracer):
         # Functions a library made opaque with torch.fx.wrap that hide an attention's scores: fx
         # would record one call for them; traced into, the attention pass sees the ops. The table
         # is torch's, process-wide: an fx trace in another thread meanwhile would not see them wrapped.
-        # And what STAND_INS lists is replaced by its stand-in meanwhile.
+        # And what STAND_INS lists is replaced by its stand-in meanwhile, and the classes the hooks
+        # name are built by the graph (built_in_graph).
         table = torch.fx._symbolic_trace._wrapped_fns_to_patch
         hidden = {key: frame for key, frame in table.items() if qualified_name(frame.get(key[1])) in self.traced_into}
         for key in hidden:
             del table[key]
         try:
-            with stand_ins():
+            built = tuple(cls for hook in TRACE_HOOKS for cls in hook.built_in_graph())
+            with stand_ins(), built_in_graph(self, root, built):
                 return super().trace(root, concrete_args)
         finally:
             table.update(hidden)
@@ -500,7 +504,7 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
     `only` replays a known list of region FQNs (from a saved plan) instead of searching.
     Given `example_inputs`, each module is traced with its first call on them (first_calls), whose
     values decide branches on metadata (see trace_module) and become the region's example_args
-    (and a lone site module's example_output); the traced graph runs them (shape propagation).
+    (and a lone site module's output_meta); the traced graph runs them (shape propagation).
     `none_args`: per module FQN, the forward arguments to trace as None; `constant_args`, those to
     trace as a constant (name -> value); by default, those that are None, or a constant
     (is_constant), on the example call.
@@ -514,7 +518,7 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
         example_args = tuple(call.arguments.values()) if call is not None and call.arguments is not None else None
         if is_site_module(module):
             return Region(fqn, module, None, example_args=example_args,
-                          example_output=call.output if call is not None else None)
+                          output_meta=call.output if call is not None else None)
         nones, constants = fixed_arguments(call)
         if none_args is not None:
             nones = none_args.get(fqn, [])
