@@ -53,7 +53,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowconv import api, checkpoint
+from lowconv import api, build, checkpoint
+from lowconv.calibration import calibrated_on
 from lowconv.analysis import plan_conversion, plan_for
 from lowconv.errors import LowconvError
 from lowconv.input_checkpoint import CheckpointReader, check_shapes, named_tensors
@@ -154,7 +155,7 @@ def check_streamable(plan: Plan, modules: dict[str, nn.Module], recipe: Recipe) 
 
 def site_timings(plan: Plan, sites: dict[str, Site], groups: dict[str, tuple], model: nn.Module,
                  progress: Callable[[str], None]) -> dict[str, SiteTiming | None]:
-    """never-slower's timing of each timed site against its original (api.build_op_modules'), on
+    """never-slower's timing of each timed site against its original (build.build_op_modules'), on
     CUDA: the op module built from random weights of the site's shapes (a GEMM's time reads no
     values), once per timing_key; none elsewhere."""
     shared_by = Counter(groups.values())
@@ -164,11 +165,11 @@ def site_timings(plan: Plan, sites: dict[str, Site], groups: dict[str, tuple], m
         stand_ins = site_params(site, model)
         if not op.timed or decision.forced or not stand_ins["weight"].is_cuda:
             continue
-        key = api.timing_key(decision, site, stand_ins, shared_by[groups[site.fqn]])
+        key = build.timing_key(decision, site, stand_ins, shared_by[groups[site.fqn]])
         if key not in timings:
             progress(f"timing {decision.op} against the original at the shapes of {site.fqn}")
             params = {name: torch.randn(t.shape, dtype=t.dtype, device=t.device) for name, t in stand_ins.items()}
-            module = api.op_module(decision, site, params, params["weight"].device)
+            module = build.op_module(decision, site, params, params["weight"].device)
             timings[key] = time_linear_site(site, module, params, key[-1])
         measured[site.fqn] = timings[key]
     return measured
@@ -189,7 +190,7 @@ def calibration_runs(loaded: ModelFile, modules: dict[str, nn.Module], sites: di
         raise LowconvError(f"--stream calibrates scales with the converted model run module by module, and the "
                            f"converted site {unmodular} is no module's whole forward; convert without --stream")
     batches = list(draw(count or CALIBRATION_BATCHES)) if draw else [loaded.inputs]
-    return batches, api.calibrated_on(len(batches), name)
+    return batches, calibrated_on(len(batches), name)
 
 
 # ---- the stream ----
@@ -233,13 +234,13 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     sites = {s.fqn: s for s in analysis.sites}
     modules = op_modules(planned, sites)
     check_streamable(planned, modules, recipe)
-    groups = api.decision_groups(planned.converted(), sites)
+    groups = build.decision_groups(planned.converted(), sites)
     measured = site_timings(planned, sites, groups, model, progress)
     for fqn in slower_sites(measured, groups):
         del modules[fqn]
     batches, calibrated = calibration_runs(to_stream.loaded, modules, sites, calibration_text, calibration_batches)
-    converted, served, fused = api.rewritten(analysis, modules, groups)
-    decisions = api.carried_out_all(planned, modules, measured, served, fused)
+    converted, served, fused = build.rewritten(analysis, modules, groups)
+    decisions = build.carried_out_all(planned, modules, measured, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated, recorded)
     sources = tensor_sources(converted, model, modules)
     parameters = dict(model.named_parameters(remove_duplicate=False))
@@ -312,7 +313,7 @@ def pass_writers(items: list[Item], sources: dict[str, Source], writer: Writer, 
     kept = {id(held[sources[item.outputs[0]].name]): item for item in items if item.decision is None}
     by_site = {item.site.fqn: item for item in items if item.site is not None}
 
-    def build(site: Site, read: Reader) -> nn.Module:
+    def build_module(site: Site, read: Reader) -> nn.Module:
         return item_op_module(by_site[site.fqn], read)
 
     def keep(site: Site, module: nn.Module) -> None:
@@ -323,7 +324,7 @@ def pass_writers(items: list[Item], sources: dict[str, Source], writer: Writer, 
         if id(stand_in) in kept:
             item = kept[id(stand_in)]
             writer.write(item, {item.outputs[0]: tensor})
-    return build, keep, on_load
+    return build_module, keep, on_load
 
 
 def op_modules(plan: Plan, sites: dict[str, Site]) -> dict[str, nn.Module]:
@@ -530,7 +531,7 @@ def item_tensors(item: Item, sources: dict[str, Source], original: Callable[[str
 def item_op_module(item: Item, original: Callable[[str], torch.Tensor]) -> nn.Module:
     """A converted site's op module, built from the original's weights."""
     params = linear_site_params(item.site, original)
-    return api.op_module(item.decision, item.site, params, params["weight"].device)
+    return build.op_module(item.decision, item.site, params, params["weight"].device)
 
 
 def module_tensors(item: Item, sources: dict[str, Source], module: nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowconv
-from lowconv import api
+from lowconv import build
 from lowconv.kernels import fp8
 from lowconv.ops.fp8 import Fp8Options, from_site
 from tests import sites
@@ -45,7 +45,7 @@ def convert(model, recipe="fp8-row"):
 
 def convert_unfused(model, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(api, "fuse_activations", lambda converted, modules: (converted, {}))
+        patch.setattr(build, "fuse_activations", lambda converted, modules: (converted, {}))
         return convert(model)
 
 

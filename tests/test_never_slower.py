@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import lowconv
-from lowconv import api
+from lowconv import build
 from lowconv.analysis import analyze
 from lowconv.errors import LowconvError
 from lowconv.ops.registry import OPS
@@ -34,7 +34,7 @@ def timing_by_fqn(slow_fqns):
 
 
 def test_a_site_measured_slower_is_kept_with_the_reason(monkeypatch):
-    monkeypatch.setattr(api, "time_linear_site", timing_by_fqn({"2"}))
+    monkeypatch.setattr(build, "time_linear_site", timing_by_fqn({"2"}))
     converted = lowconv.convert(mlp(), parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
     decisions = {d.fqn: d for d in converted.lowconv_plan.decisions}
     assert decisions["0"].op == "fp8" and "measured fp8 500.0 us vs the original's 1000.0 us" in decisions["0"].note
@@ -46,7 +46,7 @@ def test_a_site_measured_slower_is_kept_with_the_reason(monkeypatch):
 def test_a_forced_rule_converts_a_slower_site_without_timing_it(monkeypatch):
     def never(*args):
         raise AssertionError("a forced site is not timed")
-    monkeypatch.setattr(api, "time_linear_site", never)
+    monkeypatch.setattr(build, "time_linear_site", never)
     converted = lowconv.convert(mlp(), parse_recipe(RECIPE.format(force="force = true")), (torch.randn(8, 64),))
     assert all(d.op == "fp8" and d.forced for d in converted.lowconv_plan.decisions)
 
@@ -76,7 +76,7 @@ def test_layers_reading_one_input_share_its_quantization_and_are_kept_or_convert
         gemm_ms = 0.2 if site.fqn != "k" else 0.45  # k's own share is slower: the group decides
         return SiteTiming(op_ms=gemm_ms + quantization_ms / shared_by, original_ms=0.5, shape="8 x 64 x 64",
                           shared_by=shared_by)
-    monkeypatch.setattr(api, "time_linear_site", fake)
+    monkeypatch.setattr(build, "time_linear_site", fake)
     converted_model = lowconv.convert(ThreeReadOneInput(), parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
     decisions = {d.fqn: d for d in converted_model.lowconv_plan.decisions}
     assert seen == {"q": 3, "k": 3, "out": 1}  # v is q's GEMM: timed once
@@ -157,7 +157,7 @@ class Branching(nn.Module):
 
 @pytest.mark.parametrize("slower", [False, True])
 def test_the_plan_warns_of_a_rewritten_region_only_if_a_site_in_it_stays_converted(monkeypatch, slower):
-    monkeypatch.setattr(api, "time_linear_site", timing_by_fqn({"linear"} if slower else set()))
+    monkeypatch.setattr(build, "time_linear_site", timing_by_fqn({"linear"} if slower else set()))
     converted = lowconv.convert(Branching(), parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))
     [decision] = converted.lowconv_plan.decisions
     assert decision.op == ("keep" if slower else "fp8")
@@ -171,7 +171,7 @@ def test_sites_of_the_same_gemm_are_timed_once(monkeypatch):
     def fake(site, module, params, shared_by=1):
         timed.append(site.fqn)
         return SiteTiming(op_ms=0.5, original_ms=1.0, shape="")
-    monkeypatch.setattr(api, "time_linear_site", fake)
+    monkeypatch.setattr(build, "time_linear_site", fake)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     converted = lowconv.convert(model, parse_recipe(RECIPE.format(force="")), (torch.randn(8, 64),))

@@ -101,7 +101,7 @@ def window_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | Non
 
 def site_may_run_on_cuda(site: Site) -> bool:
     """Whether the site's model is on CUDA, read from the parameters or buffers of the traced graph
-    that holds the site (where its op module goes, as api.site_device places it); True when it has
+    that holds the site (where its op module goes, as build.site_device places it); True when it has
     none or the site has no graph: the op is meant for the CUDA kernel. On the CPU it runs the torch
     reference, which takes any head_dim and float64."""
     graph = site.output_node.graph if site.output_node is not None else None
