@@ -11,6 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+import lowconv.ops.attention_calls as calls
 import lowconv.ops.sparse_attention as sa
 from lowconv.passes import trace
 from lowconv.passes.shapes import propagate_shapes
@@ -245,7 +246,7 @@ def replace_sites(region, sites, dtype) -> fx.GraphModule:
     gm = region.graph
     replaced = {}
     for site in sites:
-        module = sa.from_site(site, sa.SparseAttentionOptions(dtype=dtype), {})
+        module = sa.from_site(site, calls.SparseAttentionOptions(dtype=dtype), {})
         replace_in_graph(gm, site, relative(site.fqn, region), module, replaced)
     gm.graph.lint()
     gm.recompile()
@@ -388,7 +389,8 @@ def test_multihead_attention_that_cannot_be_converted_is_listed_with_why(block, 
 
 
 def test_multihead_attention_without_bias_is_rebuilt_from_its_site_alone():
-    from lowconv.ops.sparse_attention import SparseAttentionOptions, empty, from_site
+    from lowconv.ops.attention_calls import SparseAttentionOptions
+    from lowconv.ops.sparse_attention import empty, from_site
 
     block = MHABlock(True, bias=False)
     [site] = find_attention_sites(region_of(block, (torch.randn(B, T, C),), shapes=True))

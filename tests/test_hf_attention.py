@@ -135,7 +135,7 @@ def test_a_compiled_prefill_without_padding_runs_causal_attention_with_no_mask(e
     """transformers' sdpa_mask makes the full causal mask under torch.compile (torch < 2.14), which
     SDPA computes tile by tile; the converted model's mask function skips it as transformers does
     eagerly, and still makes the mask where a padding mask comes."""
-    from lowconv.ops.sparse_attention import SparseAttention
+    from lowconv.ops.functional_attention import SparseAttention
     model = build("llama", "sdpa")
     ids, mask = padded(2, 12, 3)
     converted = lowconv.convert(model, exact, (ids,))

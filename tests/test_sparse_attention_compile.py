@@ -17,7 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import lowconv
-import lowconv.ops.sparse_attention as sa
+import lowconv.ops.functional_attention as fa
 from lowconv.kernels.block_attention import band, block_layout
 from tests.compiled import aot_recording, call_targets, compile_recording
 from tests.test_sparse_attention_op import CausalBlock, attention_recipe, kernels_on_cpu, spy_on_plans  # noqa: F401
@@ -127,7 +127,7 @@ def test_kernel_path_compiles_whole_with_the_ops_in_its_graphs(kernels_on_cpu, m
     keep[:, :, :, :64] = False
     keep[..., 0] = True
     masks = {None: (), "keep": (keep,), "additive": (torch.zeros(keep.shape).masked_fill(~keep, float("-inf")),)}
-    module = sa.SparseAttention(mask=mask or "none", causal=True, layout=layout, window=5 if layout == "local" else None,
+    module = fa.SparseAttention(mask=mask or "none", causal=True, layout=layout, window=5 if layout == "local" else None,
                                 backend=backend)
     run, dynamo_graphs, aot_graphs = compiled(module)
     ran = spy_on_plans(monkeypatch)
@@ -145,7 +145,7 @@ def test_masked_calls_compile_to_sdpa(kernels_on_cpu):
     keep = torch.rand(2, 1, 70, 70, generator=gen) > 0.3
     keep[:, :, :, :64] = False
     keep[..., 0] = True
-    module = sa.SparseAttention(mask="keep", causal=True)
+    module = fa.SparseAttention(mask="keep", causal=True)
     run, dynamo_graphs, aot_graphs = compiled(module)
     assert_same_outputs_and_grads(module, run, (q, k, v, keep), [q, k, v])
     targets = call_targets(dynamo_graphs + aot_graphs)

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowconv
+import lowconv.ops.attention_calls as calls
+import lowconv.ops.functional_attention as fa
+import lowconv.ops.mha_attention as mhaa
 import lowconv.ops.sparse_attention as sa
 from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.errors import LowconvError
@@ -152,10 +155,10 @@ def functional_site(**info) -> Site:
 
 def test_op_is_registered_with_typed_options():
     op = OPS["sparse_attention"]
-    assert op.kind == "attention" and op.options is sa.SparseAttentionOptions
-    dtype = typing.get_type_hints(sa.SparseAttentionOptions)["dtype"]
+    assert op.kind == "attention" and op.options is calls.SparseAttentionOptions
+    dtype = typing.get_type_hints(calls.SparseAttentionOptions)["dtype"]
     assert typing.get_args(dtype) == ("auto", "float32", "float16", "bfloat16")
-    assert sa.SparseAttentionOptions().dtype == "auto"
+    assert calls.SparseAttentionOptions().dtype == "auto"
 
 
 @pytest.mark.parametrize("option, dtype", [
@@ -164,9 +167,9 @@ def test_op_is_registered_with_typed_options():
 def test_functional_module_computes_in_the_chosen_dtype(option, dtype):
     torch.manual_seed(0)
     site = functional_site(mask="drop", causal=True, scale=0.25, dropout=0.1)
-    options = sa.SparseAttentionOptions(dtype=option)
+    options = calls.SparseAttentionOptions(dtype=option)
     module = sa.from_site(site, options, {}).eval()
-    assert isinstance(module, sa.SparseAttention) and module.state_dict() == {}
+    assert isinstance(module, fa.SparseAttention) and module.state_dict() == {}
     q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)
     drop = ~random_masks(2, 5, 5)
     out = module(q, k, v, drop)
@@ -180,14 +183,14 @@ def test_functional_module_computes_in_the_chosen_dtype(option, dtype):
 
 
 def test_functional_module_drops_only_in_training():
-    module = sa.from_site(functional_site(dropout=0.5), sa.SparseAttentionOptions(), {})
+    module = sa.from_site(functional_site(dropout=0.5), calls.SparseAttentionOptions(), {})
     q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
     assert not torch.equal(module.train()(q, k, v), module.eval()(q, k, v))
     assert torch.equal(module.eval()(q, k, v), module.eval()(q, k, v))
 
 
 def test_functional_module_checks_its_mask():
-    module = sa.from_site(functional_site(), sa.SparseAttentionOptions(), {})
+    module = sa.from_site(functional_site(), calls.SparseAttentionOptions(), {})
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="takes no mask"):
         module(q, q, q, torch.zeros(3, 3))
@@ -235,8 +238,8 @@ def some_masks():
 def test_multihead_matches_torch_in_float64(batch_first, masks):
     torch.manual_seed(masks)
     mha = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, dtype=torch.float64).eval()
-    ours = sa.from_site(mha_site(mha), sa.SparseAttentionOptions(), mha.state_dict()).eval()
-    assert isinstance(ours, sa.SparseMultiheadAttention)
+    ours = sa.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
+    assert isinstance(ours, mhaa.SparseMultiheadAttention)
     assert ours.state_dict().keys() == mha.state_dict().keys()
     key_padding_mask, attn_mask = some_masks()[masks]
     inputs = mha_inputs(batch_first)
@@ -250,7 +253,7 @@ def test_multihead_matches_torch_in_float64(batch_first, masks):
 def test_multihead_causal_unbatched_and_gradients(batch_first):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, dtype=torch.float64).eval()
-    ours = sa.from_site(mha_site(mha), sa.SparseAttentionOptions(), mha.state_dict()).eval()
+    ours = sa.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
     q, k, v = mha_inputs(batch_first)
     causal = torch.ones(L, S, dtype=torch.bool).triu(1)
     expected, _ = mha(q, k, v, attn_mask=causal, is_causal=True, need_weights=False)
@@ -269,7 +272,7 @@ def test_multihead_separate_projections_without_bias():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS, kdim=6, vdim=10, bias=False,
                                 dtype=torch.float64).eval()
-    ours = sa.from_site(mha_site(mha), sa.SparseAttentionOptions(), mha.state_dict()).eval()
+    ours = sa.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
     assert ours.state_dict().keys() == mha.state_dict().keys()
     inputs = mha_inputs(False, kdim=6, vdim=10)
     assert rel_error(ours(*inputs)[0], mha(*inputs)[0]) < 1e-12
@@ -279,7 +282,7 @@ def test_multihead_separate_projections_without_bias():
 def test_multihead_from_site_equals_empty_then_load(option):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS, dropout=0.1).eval()
-    site, options = mha_site(mha), sa.SparseAttentionOptions(dtype=option)
+    site, options = mha_site(mha), calls.SparseAttentionOptions(dtype=option)
     built = sa.from_site(site, options, mha.state_dict()).eval()
     rebuilt = sa.empty(site, options)
     assert {k: (v.shape, v.dtype) for k, v in rebuilt.state_dict().items()} == \
@@ -294,9 +297,9 @@ def test_multihead_from_site_equals_empty_then_load(option):
 
 def test_check_needs_what_rebuilds_an_mha():
     site = mha_site(nn.MultiheadAttention(E, HEADS))
-    assert sa.site_problem(site, sa.SparseAttentionOptions()) is None
+    assert sa.site_problem(site, calls.SparseAttentionOptions()) is None
     site.info.batch_first = None
-    assert "batch_first" in sa.site_problem(site, sa.SparseAttentionOptions())
+    assert "batch_first" in sa.site_problem(site, calls.SparseAttentionOptions())
 
 
 def test_window_module_names_tables_shorter_than_rel_idx_needs():
@@ -329,7 +332,7 @@ def parse_options(options: str):
 
 
 def test_layout_options_parse_with_their_defaults():
-    assert (sa.SparseAttentionOptions().layout, sa.SparseAttentionOptions().window) == ("auto", None)
+    assert (calls.SparseAttentionOptions().layout, calls.SparseAttentionOptions().window) == ("auto", None)
     options = parse_options('layout = "local", window = 256, dtype = "bfloat16"')
     assert (options.layout, options.window, options.dtype) == ("local", 256, "bfloat16")
     assert parse_options('layout = "mask"').layout == "mask"
@@ -351,16 +354,16 @@ def test_bad_layout_options_name_the_option_and_the_choices(options, message):
 
 def test_check_keeps_sites_whose_semantics_a_layout_cannot_keep():
     def reason(layout, **info):
-        return sa.site_problem(functional_site(**info), sa.SparseAttentionOptions(layout=layout))
+        return sa.site_problem(functional_site(**info), calls.SparseAttentionOptions(layout=layout))
 
     assert "attend to later keys" in reason("dense", causal=True)
     assert "needs a site that takes a mask" in reason("mask", causal=True)
     assert reason("mask", mask="keep") is None and reason("dense", mask="additive") is None
     assert reason("causal") is None  # made causal on purpose, as "local" makes it local
     window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
-    assert "SpTr window chain" in sa.site_problem(window, sa.SparseAttentionOptions(layout="causal"))
+    assert "SpTr window chain" in sa.site_problem(window, calls.SparseAttentionOptions(layout="causal"))
     with pytest.raises(ValueError, match="attend to later keys"):
-        sa.SparseAttention(causal=True, layout="dense")
+        fa.SparseAttention(causal=True, layout="dense")
 
 
 @pytest.mark.parametrize("layout, window, message", [
@@ -370,7 +373,7 @@ def test_check_keeps_sites_whose_semantics_a_layout_cannot_keep():
 def test_module_refuses_what_its_forward_would_not_check(layout, window, message):
     # forward calls block_attention with validate=False: the module checks its layout and window.
     with pytest.raises(ValueError, match=f"SparseAttention: {message}"):
-        sa.SparseAttention(layout=layout, window=window)
+        fa.SparseAttention(layout=layout, window=window)
 
 
 def allowed_by_layout(layout, window, causal, seq_q, seq_k):
@@ -393,7 +396,7 @@ def layout_case(layout, causal, mask_kind, seq=9, d=8, seed=0, backend="auto"):
             "additive": torch.randn(2, 1, seq, seq, dtype=torch.float64).masked_fill(~keep, float("-inf"))}[mask_kind]
     bias = {"none": torch.zeros(()), "additive": mask}.get(mask_kind, as_bias(keep))
     bias = bias + as_bias(allowed_by_layout(layout, window, causal, seq, seq))
-    module = sa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window,
+    module = fa.SparseAttention(mask=mask_kind, causal=causal, scale=0.4, layout=layout, window=window,
                                 backend=backend)
     return module.eval(), (q, k, v, mask), bias
 
@@ -415,7 +418,7 @@ def kernels_on_cpu(monkeypatch):
     """The op's Triton path on CPU tensors: Triton's interpreter (conftest) runs the kernels."""
     if torch.cuda.is_available():
         pytest.skip("no interpreter where CUDA is: tests/test_block_attention_gpu.py runs the op's kernels")
-    monkeypatch.setattr(sa, "runs_on_kernel_device", lambda q: True)
+    monkeypatch.setattr(calls, "runs_on_kernel_device", lambda q: True)
 
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -445,7 +448,7 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
                 info=mha_info(mha), input=TensorMeta((2, 70, 32), "float32"), module_backed=True)
-    ours = sa.from_site(site, sa.SparseAttentionOptions(layout=layout, backend="triton"),
+    ours = sa.from_site(site, calls.SparseAttentionOptions(layout=layout, backend="triton"),
                         mha.state_dict()).float().eval()
     x = torch.randn(2, 70, 32, dtype=torch.float64)
     padding = torch.arange(70)[None, :] >= torch.tensor([70, 20])[:, None]
@@ -460,30 +463,30 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
 
 def spy_on_kernels(monkeypatch):
     """The backends the op's calls run ("triton", "sdpa" or "reference"), in order."""
-    ran, real = [], sa.attend
-    monkeypatch.setattr(sa, "attend", lambda q, k, v, plan, **kw: ran.append(plan.backend) or real(q, k, v, plan, **kw))
+    ran, real = [], calls.attend
+    monkeypatch.setattr(calls, "attend", lambda q, k, v, plan, **kw: ran.append(plan.backend) or real(q, k, v, plan, **kw))
     return ran
 
 
 def test_the_kernels_run_where_they_can_and_the_reference_elsewhere(kernels_on_cpu):
     q = torch.randn(1, 2, 4, 16)
-    assert sa.kernel_runs(q, q, torch.bfloat16, 0.0)
-    assert not sa.kernel_runs(q, q, torch.float64, 0.0)
-    assert not sa.kernel_runs(torch.randn(1, 2, 4, 24), q, torch.float32, 0.0)  # head_dim
-    assert not sa.kernel_runs(q, torch.randn(1, 2, 4, 32), torch.float32, 0.0)  # v's head_dim is not q's
-    assert not sa.kernel_runs(q, q, torch.float32, 0.1)  # dropout in training: the reference draws it
-    assert not sa.kernel_runs(q[0], q[0], torch.float32, 0.0)  # (heads, seq, head_dim)
+    assert calls.kernel_runs(q, q, torch.bfloat16, 0.0)
+    assert not calls.kernel_runs(q, q, torch.float64, 0.0)
+    assert not calls.kernel_runs(torch.randn(1, 2, 4, 24), q, torch.float32, 0.0)  # head_dim
+    assert not calls.kernel_runs(q, torch.randn(1, 2, 4, 32), torch.float32, 0.0)  # v's head_dim is not q's
+    assert not calls.kernel_runs(q, q, torch.float32, 0.1)  # dropout in training: the reference draws it
+    assert not calls.kernel_runs(q[0], q[0], torch.float32, 0.0)  # (heads, seq, head_dim)
     bias = torch.zeros(4, 4, requires_grad=True)  # a learned bias as the mask: its gradient
-    assert not sa.kernel_runs(q, q, torch.float32, 0.0, (None, bias))
+    assert not calls.kernel_runs(q, q, torch.float32, 0.0, (None, bias))
     with torch.no_grad():
-        assert sa.kernel_runs(q, q, torch.float32, 0.0, (bias,))
+        assert calls.kernel_runs(q, q, torch.float32, 0.0, (bias,))
 
 
 def test_a_learned_mask_gets_its_gradient_after_a_call_without_grad():
     """A validation pass under no_grad must not leave a mask without autograd in the cache (the
     mask is a slice of a learned table, a new view on every call)."""
     table = torch.randn(1, 1, 12, 12, requires_grad=True)
-    module = sa.SparseAttention(mask="additive").train()
+    module = fa.SparseAttention(mask="additive").train()
     q = torch.randn(1, 2, 8, 16)
     with torch.no_grad():
         module(q, q, q, table[:, :, :8, :8])
@@ -499,7 +502,7 @@ def test_multihead_attention_takes_the_causal_hint_as_torch_does(need_weights):
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
                 info=mha_info(mha), input=TensorMeta((2, 6, 32), "float64"), module_backed=True)
-    ours = sa.from_site(site, sa.SparseAttentionOptions(), mha.state_dict()).double().eval()
+    ours = sa.from_site(site, calls.SparseAttentionOptions(), mha.state_dict()).double().eval()
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     banned = torch.ones(6, 6, dtype=torch.bool).triu(1)
     banned[4:, 0] = True
@@ -509,7 +512,7 @@ def test_multihead_attention_takes_the_causal_hint_as_torch_does(need_weights):
 
 
 def test_the_mask_cache_keeps_no_mask_alive():
-    module = sa.SparseAttention(mask="additive", layout="mask").eval()
+    module = fa.SparseAttention(mask="additive", layout="mask").eval()
     q = torch.randn(1, 2, 8, 16)
     mask = torch.zeros(1, 1, 8, 8)
     module(q, q, q, mask)
@@ -521,8 +524,8 @@ def test_the_mask_cache_keeps_no_mask_alive():
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 def test_a_mask_layout_is_made_once_per_mask(kernels_on_cpu, monkeypatch):
     made = []
-    monkeypatch.setattr(sa, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
-    module = sa.SparseAttention(mask="additive", layout="mask").eval()
+    monkeypatch.setattr(calls, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
+    module = fa.SparseAttention(mask="additive", layout="mask").eval()
     q = torch.randn(1, 2, 8, 16)
     buffer = torch.zeros(1, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
 
@@ -550,12 +553,12 @@ SEQ = 130  # three tiles of 64 each way, the last one partial
 
 def spy_on_plans(monkeypatch):
     """(backend, masks in, tiles listed) of each call of the op, in order."""
-    ran, real = [], sa.attend
+    ran, real = [], calls.attend
 
     def spy(q, k, v, plan, **kw):
         ran.append((plan.backend, plan.masked, plan.blocks is not None))
         return real(q, k, v, plan, **kw)
-    monkeypatch.setattr(sa, "attend", spy)
+    monkeypatch.setattr(calls, "attend", spy)
     return ran
 
 
@@ -592,12 +595,12 @@ def test_calls_run_sdpa_unless_the_kernels_skip_tiles(kernels_on_cpu, monkeypatc
                                                       expected):
     torch.manual_seed(0)
     keep = None if mask is None else dispatch_masks()[mask]
-    module = sa.SparseAttention(mask="none" if keep is None else "keep", causal=causal, scale=0.4, layout=layout,
+    module = fa.SparseAttention(mask="none" if keep is None else "keep", causal=causal, scale=0.4, layout=layout,
                                 window=5 if layout == "local" else None, backend=backend).eval()
     q, k, v = (torch.randn(1, 2, SEQ, 16, dtype=torch.float64) for _ in range(3))
-    reference = sa.SparseAttention(mask=module.mask, causal=causal, scale=0.4, layout=layout, window=module.window)
+    reference = fa.SparseAttention(mask=module.mask, causal=causal, scale=0.4, layout=layout, window=module.window)
     with monkeypatch.context() as off_the_kernels_device:  # the torch reference, not SDPA in float64
-        off_the_kernels_device.setattr(sa, "runs_on_kernel_device", lambda q: False)
+        off_the_kernels_device.setattr(calls, "runs_on_kernel_device", lambda q: False)
         want = reference(q, k, v, keep)
     ran = spy_on_plans(monkeypatch)
     got = module(*(t.float() for t in (q, k, v)), keep)
@@ -609,17 +612,17 @@ def test_calls_run_sdpa_unless_the_kernels_skip_tiles(kernels_on_cpu, monkeypatc
 def test_calls_the_kernels_cannot_run_take_sdpa_or_with_backend_triton_the_reference(kernels_on_cpu, monkeypatch):
     q = torch.randn(1, 2, 20, 24)  # head_dim 24: not one the kernels tile
     ran = spy_on_plans(monkeypatch)
-    sa.SparseAttention(causal=True, layout="local", window=4)(q, q, q)
-    sa.SparseAttention(causal=True, layout="local", window=4, backend="triton")(q, q, q)
-    sa.SparseAttention(causal=True, dropout=0.5).train()(q[..., :16], q[..., :16], q[..., :16])  # dropout
+    fa.SparseAttention(causal=True, layout="local", window=4)(q, q, q)
+    fa.SparseAttention(causal=True, layout="local", window=4, backend="triton")(q, q, q)
+    fa.SparseAttention(causal=True, dropout=0.5).train()(q[..., :16], q[..., :16], q[..., :16])  # dropout
     assert ran == [("sdpa", True, False), ("reference", True, False), ("sdpa", True, False)]
 
 
 def test_off_cuda_every_backend_runs_the_reference(monkeypatch):
     q = torch.randn(1, 2, 20, 16)
     ran = spy_on_plans(monkeypatch)
-    for backend in sa.BACKEND_CHOICES:
-        sa.SparseAttention(causal=True, backend=backend)(q, q, q)
+    for backend in calls.BACKEND_CHOICES:
+        fa.SparseAttention(causal=True, backend=backend)(q, q, q)
     assert ran == [("reference", True, False)] * 3
 
 
@@ -627,8 +630,8 @@ def test_off_cuda_every_backend_runs_the_reference(monkeypatch):
 def test_layers_share_what_their_mask_decides(kernels_on_cpu, monkeypatch):
     """Two layers, one mask: its BlockLayout made and read once; a new mask, once more."""
     made = []
-    monkeypatch.setattr(sa, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
-    layers = [sa.SparseAttention(mask="keep", scale=0.4).eval() for _ in range(2)]
+    monkeypatch.setattr(calls, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
+    layers = [fa.SparseAttention(mask="keep", scale=0.4).eval() for _ in range(2)]
     q = torch.randn(1, 2, SEQ, 16)
     mask = dispatch_masks()["tiled"]
     ran = spy_on_plans(monkeypatch)
@@ -642,25 +645,25 @@ def test_layers_share_what_their_mask_decides(kernels_on_cpu, monkeypatch):
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 def test_masked_calls_being_traced_run_sdpa_with_the_mask(kernels_on_cpu, monkeypatch):
     """Under torch.compile or CUDA graph capture the mask cannot be read: SDPA, the mask in."""
-    monkeypatch.setattr(sa, "traced", lambda q: True)
+    monkeypatch.setattr(calls, "traced", lambda q: True)
     made = []
-    monkeypatch.setattr(sa, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
+    monkeypatch.setattr(calls, "block_layout", lambda *a, **kw: made.append(1) or block_layout(*a, **kw))
     q = torch.randn(1, 2, SEQ, 16)
     ran = spy_on_plans(monkeypatch)
-    sa.SparseAttention(mask="keep", causal=True)(q, q, q, dispatch_masks()["causal"])
-    sa.SparseAttention(mask="keep", backend="triton")(q, q, q, dispatch_masks()["tiled"])  # made in the graph
+    fa.SparseAttention(mask="keep", causal=True)(q, q, q, dispatch_masks()["causal"])
+    fa.SparseAttention(mask="keep", backend="triton")(q, q, q, dispatch_masks()["tiled"])  # made in the graph
     assert ran == [("sdpa", True, False), ("triton", True, True)] and len(made) == 1
 
 
 def test_backend_options_parse_and_bad_ones_name_the_choices():
-    assert sa.SparseAttentionOptions().backend == "auto"
+    assert calls.SparseAttentionOptions().backend == "auto"
     assert parse_options('backend = "sdpa"').backend == "sdpa"
     with pytest.raises(LowconvError, match=r"options.backend: got 'cuda'; expected one of 'auto', 'sdpa', 'triton'"):
         parse_options('backend = "cuda"')
     with pytest.raises(ValueError, match="SparseAttention: backend must be one of 'auto', 'sdpa', 'triton'"):
-        sa.SparseAttention(backend="flash")
+        fa.SparseAttention(backend="flash")
     window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
-    assert 'backend "sdpa" is for ordinary attention sites' in sa.site_problem(window, sa.SparseAttentionOptions(backend="sdpa"))
+    assert 'backend "sdpa" is for ordinary attention sites' in sa.site_problem(window, calls.SparseAttentionOptions(backend="sdpa"))
 
 
 # ---- layouts through lowconv.convert ----
@@ -749,5 +752,5 @@ def test_plan_of_a_masked_site_says_the_mask_decides():
                                     "padding, per mask: lowconv's Triton kernels where the mask rules out whole "
                                     "tiles"), decision.note
     site = functional_site(mask="keep", causal=True)
-    assert sa.from_site(site, sa.SparseAttentionOptions(), {}).plan_note().startswith(
+    assert sa.from_site(site, calls.SparseAttentionOptions(), {}).plan_note().startswith(
         "on CUDA: per mask, on a causal band: lowconv's Triton kernels where the mask rules out whole tiles")

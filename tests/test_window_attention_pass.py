@@ -7,7 +7,7 @@ import lowconv
 from lowconv.compat import sptr
 from lowconv.compat.sptr import attention_step1, attention_step2, get_indices_params, scatter_softmax_csr
 from lowconv.model_file import load_model_file
-from lowconv.ops import sparse_attention
+from lowconv.ops import attention_calls, sparse_attention
 from lowconv.passes.trace import trace_model
 from lowconv.passes.window_attention import find_window_attention_sites
 from lowconv.recipe import parse_recipe
@@ -215,7 +215,7 @@ def test_window_site_the_kernel_cannot_run_on_cuda_is_kept_with_why():
     feats, xyz, batch = scene()
     inputs = (torch.randn(len(xyz), 48), xyz, batch)
     [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
-    options = sparse_attention.SparseAttentionOptions()
+    options = attention_calls.SparseAttentionOptions()
     assert site.info.head_dim == 24 and sparse_attention.site_problem(site, options) is None  # a CPU model
     site.output_node = None  # no graph to say where it runs: taken as CUDA
     assert sparse_attention.site_problem(site, options) == (
@@ -224,7 +224,7 @@ def test_window_site_the_kernel_cannot_run_on_cuda_is_kept_with_why():
     assert sparse_attention.site_problem(site, options) is None
     site.input.dtype = "float64"
     assert "computes in float32, float16 or bfloat16, not float64" in sparse_attention.site_problem(site, options)
-    assert sparse_attention.site_problem(site, sparse_attention.SparseAttentionOptions(dtype="float32")) is None
+    assert sparse_attention.site_problem(site, attention_calls.SparseAttentionOptions(dtype="float32")) is None
     converted = lowconv.convert(model, FLOAT32, inputs)
     assert converted.lowconv_plan.converted()
 

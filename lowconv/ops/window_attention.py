@@ -16,6 +16,7 @@ from torch import nn
 
 from lowconv.compat import sptr
 from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
+from lowconv.ops.attention_calls import SparseAttentionOptions, compute_dtype
 from lowconv.site import Site, dtype_name
 
 
@@ -72,18 +73,22 @@ def table_rows_read(quant_grid_length, *tables) -> tuple:
     return tuple(t[:rows] for t in tables)
 
 
-def window_site_problem(site: Site, layout: str, backend: str, dtype: torch.dtype | None) -> str | None:
-    """Why the op's options (`dtype`: the compute dtype, None: the site's) cannot convert a window
-    site, or None."""
-    if layout != "auto":
-        return (f'layout {layout!r} is for ordinary attention sites; an SpTr window '
+def window_site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
+    """Why the op's options cannot convert a window site, or None."""
+    if options.layout != "auto":
+        return (f'layout {options.layout!r} is for ordinary attention sites; an SpTr window '
                 f'chain keeps its windows (use layout "auto")')
-    if backend == "sdpa":
+    if options.backend == "sdpa":
         return ('backend "sdpa" is for ordinary attention sites; an SpTr window chain runs the '
                 'window-attention kernels (use backend "auto" or "triton")')
     if site_may_run_on_cuda(site):
-        return window_kernel_problem(site.info.head_dim, dtype or getattr(torch, site.compute_dtype()))
+        return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
     return None
+
+
+def window_module(site: Site, options: SparseAttentionOptions, params: dict | None = None) -> SparseWindowAttention:
+    """The site's module (no parameters: from_site and empty alike)."""
+    return SparseWindowAttention(compute_dtype(options))
 
 
 def window_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | None:
