@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from lowconv.inputs import is_constant
+from lowconv.passes.example_values import MISSING
 
 
 class BuiltInGraph:
@@ -68,10 +69,25 @@ class RecordedClass(type):
     def __instancecheck__(cls, obj):
         if isinstance(obj, fx.Proxy) and isinstance(obj.node.target, BuiltInGraph):
             return issubclass(obj.node.target.cls, cls.real)
+        if isinstance(obj, fx.Proxy) and obj.tracer.decidable(obj) is not MISSING:
+            # an object given to the traced code (a cache passed in): the example's type decides,
+            # a branch that the graph guards as any other the example decided
+            return bool(cls.tracer.create_proxy("call_function", InstanceCheck(cls.real), (obj,), {}))
         return isinstance(obj, cls.real)
 
     def __subclasscheck__(cls, subclass):
         return issubclass(subclass, cls.real)
+
+
+class InstanceCheck:
+    """A call target: isinstance(obj, cls)."""
+
+    def __init__(self, cls: type):
+        self.__name__ = f"is_{cls.__name__}"  # names the node and the global in generated code
+        self.cls = cls
+
+    def __call__(self, obj) -> bool:
+        return isinstance(obj, self.cls)
 
 
 def recorded_construction(tracer: fx.Tracer, cls: type) -> type:
