@@ -13,7 +13,7 @@ from torch import nn
 
 import lowconv.ops.attention_calls as calls
 import lowconv.ops.sparse_attention as sa
-from lowconv.passes import trace
+from lowconv.passes import trace, tracer
 from lowconv.passes.shapes import propagate_shapes
 from lowconv.passes.attention import find_attention_sites
 from lowconv.passes.rewrite import relative, replace_in_graph
@@ -221,7 +221,7 @@ CASES = {
 }
 
 
-class BufferProxyTracer(trace.SiteTracer):
+class BufferProxyTracer(tracer.SiteTracer):
     """nanoGPT slices its mask buffer by a traced length: fx traces that only with buffers as
     proxies, which SiteTracer does not do (yet)."""
 

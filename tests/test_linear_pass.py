@@ -87,7 +87,8 @@ def test_module_called_twice_is_one_site():
 
 
 def test_conv1d_traced_on_its_own_gets_a_linear_child():
-    from lowconv.passes.trace import Region, trace_module
+    from lowconv.passes.trace import Region
+    from lowconv.passes.tracer import trace_module
 
     conv = Conv1D(16, 32)
     [site] = find_linear_sites(Region("h.0.c_attn", conv, trace_module(conv)))

@@ -21,7 +21,8 @@ import lowconv
 from lowconv.compat import sptr as compat
 from lowconv.compat import sptr_install
 from lowconv.compat.sptr_install import RealOp, as_compat
-from lowconv.passes.trace import SiteTracer, trace_model
+from lowconv.passes.trace import trace_model
+from lowconv.passes.tracer import SiteTracer
 from lowconv.passes.window_attention import find_window_attention_sites
 from lowconv.recipe import parse_recipe
 

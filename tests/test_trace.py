@@ -2,7 +2,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from lowconv.passes.trace import SiteTracer, find_regions, trace_model
+from lowconv.passes.trace import find_regions, trace_model
+from lowconv.passes.tracer import SiteTracer
 
 
 class Untraceable(nn.Module):

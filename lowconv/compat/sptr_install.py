@@ -1,6 +1,6 @@
 """A real SpTr install (package `sptr`, CUDA ops) seen from lowconv: the callables of it that
 lowconv.compat.sptr reimplements, found among the modules already imported, so that a trace keeps
-them single calls (passes/trace.py) and the passes read each as its compat equivalent.
+them single calls (passes/tracer.py) and the passes read each as its compat equivalent.
 
 Real SpTr, as read (dvlab-research/SparseTransformer; the stored copies read are
 tokuda99/SparseTransformer sptr/{__init__,functional,utils,modules}.py at 3f33e4d, a fork of it,

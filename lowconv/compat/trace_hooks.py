@@ -1,4 +1,4 @@
-"""What one library's code needs from lowconv's tracer (passes/trace.py), declared in the file of
+"""What one library's code needs from lowconv's tracer (passes/tracer.py), declared in the file of
 that library: the tracer asks each hook of TRACE_HOOKS and knows no library by name."""
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch import nn
 from lowconv.kernels.fp8 import ACTIVATIONS
 from lowconv.ops.registry import TakesActivation
 from lowconv.passes.rewrite import keep_buffers_out_of_state_dict, swap_module
-from lowconv.passes.trace import recompile, release_graph, stand_ins
+from lowconv.passes.tracer import recompile, release_graph, stand_ins
 
 MULTIPLIES = (operator.mul, torch.mul)
 NAMES = {"silu": "SiLU", "gelu": "GELU"}
@@ -111,7 +111,7 @@ def traced_alone(parent: nn.Module, modules: dict[str, nn.Module]) -> fx.GraphMo
         traceback.clear_frames(error.__traceback__)  # their locals would hold tensors in reference cycles
         return None
     finally:
-        vars(tracer).clear()  # fx leaves its tracer in a reference cycle, holding the module (trace.py trace_module)
+        vars(tracer).clear()  # fx leaves its tracer in a reference cycle, holding the module (tracer.py trace_module)
     gm = fx.GraphModule(parent, graph, class_name=type(parent).__name__)
     gm.train(parent.training)
     keep_buffers_out_of_state_dict(gm, parent)

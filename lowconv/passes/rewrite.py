@@ -22,7 +22,8 @@ import torch.fx as fx
 from torch import nn
 
 from lowconv.passes import hf_attention
-from lowconv.passes.trace import HOOKS, Region, Trace, has_fused_path, has_hooks, recompile
+from lowconv.passes.trace import HOOKS, Region, Trace, has_hooks
+from lowconv.passes.tracer import has_fused_path, recompile
 from lowconv.ops import OPS
 from lowconv.site import Site
 
@@ -185,7 +186,7 @@ def served_sites(trace: Trace, sites: list[Site], converted) -> list[Site]:
 
 def leave_fused_paths(model: nn.Module, converted) -> None:
     """Keep torch's fused inference paths away from converted modules where a module with one
-    (trace.FUSED_INFERENCE_PATHS) kept its class (it did not trace, or is above the traced
+    (tracer.FUSED_INFERENCE_PATHS) kept its class (it did not trace, or is above the traced
     regions): an encoder's nested-tensor path would hand them nested tensors, and a layer's fused
     kernel would read their weights instead of calling them. Both are off for such modules (torch
     reads these attributes only to choose the fast path). Encoders without a converted module
