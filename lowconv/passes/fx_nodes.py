@@ -63,3 +63,9 @@ def is_getitem(node: fx.Node, of: fx.Node, index: int) -> bool:
 
 def is_slice(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_shape_of(node) -> bool:
+    """Whether `node` is `x.size()` or `x.shape`."""
+    return (op_is(node, (), ("size",)) and len(node.args) == 1
+            or op_is(node, (getattr,)) and node.args[1] == "shape")
