@@ -230,3 +230,14 @@ def test_a_converted_model_that_does_not_run_its_example_inputs_fails_convert_wi
     with pytest.raises(LowconvError, match=r"the converted model does not run on the example inputs: .* at "
                                            r"transformers/models/t5/modeling_t5.py:\d+; .*ignore = \[\.\.\.\]"):
         lowconv.convert(model, "fp8-row", {"input_ids": ids, "decoder_input_ids": ids[:, :4], "use_cache": False})
+
+
+def test_an_eager_attention_model_traces_whole():
+    """transformers' eager mask asks torch.finfo of the hidden states' dtype, a traced value: the
+    example's dtype decides (guarded), and the model is one region, as with sdpa."""
+    model = build("llama", "eager")
+    ids = torch.randint(1, 128, (2, 12))
+    converted = lowconv.convert(model, "keep-all", {"input_ids": ids})
+    assert converted.lowconv_plan.regions == [""] and converted.lowconv_plan.untraced == []
+    with torch.no_grad():
+        assert torch.equal(converted(input_ids=ids).logits, model(input_ids=ids).logits)

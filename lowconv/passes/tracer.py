@@ -99,8 +99,22 @@ def recompile(gm: fx.GraphModule) -> None:
 
 
 # What stands in for these while tracing: functions that reject a Proxy (the same value on a
-# tensor), and fx's Proxy.__iter__ (the same, without a reference cycle).
-STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy}
+# tensor, or the example's, guarded), and fx's Proxy.__iter__ (the same, without a reference cycle).
+FINFO = torch.finfo
+
+
+def finfo(type=None):
+    """torch.finfo of a traced dtype (transformers' eager mask asks it of the hidden states'
+    dtype): the example's, a decision the graph guards as a branch on it."""
+    if isinstance(type, fx.Proxy):
+        value = type.tracer.decidable(type) if type.tracer.example is not None else MISSING
+        if value is MISSING or not bool(type == value):  # bool() guards the dtype in the graph
+            raise TraceError(f"torch.finfo of {type.node.name}, whose dtype is not known before it runs")
+        type = value
+    return FINFO() if type is None else FINFO(type)
+
+
+STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy, (torch, "finfo"): finfo}
 
 
 @contextmanager
