@@ -16,6 +16,7 @@ from lowconv.replay import refind_sites
 from lowconv.errors import LowconvError
 from lowconv.inputs import evaluating, fresh_inputs, normalize_inputs, run_eval
 from lowconv.passes.mha_expand import expand_mha
+from lowconv.perf import measure_compiled_ms, measure_perf
 from lowconv.passes.rewrite import tap_sites
 from lowconv.passes.trace import release_graphs
 from lowconv.ops.registry import ReportsStats
@@ -141,9 +142,9 @@ def compare(original: nn.Module, converted: nn.Module, inputs, *, logits: bool |
         # Each model times its own clones (the repeated forwards of one timing share them), with
         # torch's fast paths as the user has them: the original runs as it would without lowconv.
         with evaluating(original, plain_path=False), evaluating(converted, plain_path=False):
-            original_ms, original_mb = reports.measure_perf(original, *fresh_inputs(args, kwargs), device)
-            converted_ms, converted_mb = reports.measure_perf(converted, *fresh_inputs(args, kwargs), device)
-            compiled_ms = [reports.measure_compiled_ms(model, *fresh_inputs(args, kwargs)) for model in (original, converted)]
+            original_ms, original_mb = measure_perf(original, *fresh_inputs(args, kwargs), device)
+            converted_ms, converted_mb = measure_perf(converted, *fresh_inputs(args, kwargs), device)
+            compiled_ms = [measure_compiled_ms(model, *fresh_inputs(args, kwargs)) for model in (original, converted)]
         perf = reports.Perf(original_ms, converted_ms, original_mb, converted_mb, str(device), *compiled_ms)
     gate = min_sqnr_db if min_sqnr_db is not None else plan.gate_min_sqnr_db
     return reports.build_report(

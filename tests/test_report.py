@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from lowconv.perf import measure_compiled_ms, measure_perf
 from lowconv.report import (
     LogitMetrics,
     OutputRow,
@@ -17,8 +18,6 @@ from lowconv.report import (
     flatten_outputs,
     gate_failures,
     logit_metrics,
-    measure_compiled_ms,
-    measure_perf,
     report_from_dict,
     report_to_dict,
     report_to_markdown,
