@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import secrets
 import struct
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from lowconv.atomic_files import locked, reason, replace_atomically
 from lowconv.errors import LowconvError
 from lowconv.version import __version__
 
@@ -37,7 +35,7 @@ MODEL_KEY = "lowconv.model"  # model_signature() of the original model
 ALIASES_KEY = "lowconv.aliases"  # JSON {alias: stored name}; internal to this file
 REQUIRED_KEYS = (VERSION_KEY, PLAN_KEY, MODEL_KEY)
 FORMAT_KEY = "format"  # safetensors' own convention
-TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.(tmp|old)")  # what _replace_atomically writes beside a file
+TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.(tmp|old)")  # what replace_atomically writes beside a file
 FILES_KEY = "lowconv.files"  # JSON {file written beside the weights: SHA-256 of its bytes}; internal to this file
 CHECKSUMS_KEY = "lowconv.checksums"  # JSON {stored tensor: CRC-32 of its bytes}; internal to this file
 
@@ -113,7 +111,7 @@ def install(directory: Path, writes: dict[Path, Callable[[Path], None]], files: 
         writes[path] = _file_writer(json.dumps(index, indent=2) + "\n")
     with locked(directory):  # one save at a time into a directory: no report of another run beside the weights
         stale = _stale_files(directory, writes)
-        _replace_atomically(writes)
+        replace_atomically(writes)
         _remove_stale(stale, path)
     return path
 
@@ -128,32 +126,12 @@ def _stale_files(directory: Path, writes: dict) -> list[Path]:
     return old + [p for p in directory.glob(".*") if TEMPORARY.fullmatch(p.name) and p.is_file()]
 
 
-@contextmanager
-def locked(directory: Path):
-    """An exclusive lock on the directory itself for the duration (flock on POSIX; elsewhere none):
-    a second save into it waits."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise LowconvError(f"cannot create the directory {directory}: {_reason(err)}") from None
-    if os.name != "posix":
-        yield
-        return
-    import fcntl
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # the lock goes with it
-
-
 def _remove_stale(stale: list[Path], path: Path) -> None:
     for old in stale:
         try:
             old.unlink()
         except OSError as err:
-            raise LowconvError(f"wrote {path}, but cannot remove {old} of the previous checkpoint: {_reason(err)}; "
+            raise LowconvError(f"wrote {path}, but cannot remove {old} of the previous checkpoint: {reason(err)}; "
                                f"remove it, or loaders may read it instead") from None
 
 
@@ -321,7 +299,7 @@ def _read_shards(index_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
         if not shards or not all(isinstance(name, str) and "/" not in name for name in shards):
             raise ValueError("no shard files named")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise LowconvError(f"{index_path} is not a safetensors index ({_reason(err) if isinstance(err, OSError) else err}); "
+        raise LowconvError(f"{index_path} is not a safetensors index ({reason(err) if isinstance(err, OSError) else err}); "
                            f"run lowconv convert again to rewrite it") from None
     tensors, metadata = {}, None
     for name in shards:
@@ -382,88 +360,10 @@ def _store_shared_once(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torc
     return stored, aliases
 
 
-def _replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
-    """Write each file to a temporary file beside it and flush it to disk; once every one is
-    complete, rename them over their paths, the old files moved aside first and put back if a
-    rename fails. A failure (a full disk, a file that cannot be replaced) leaves every path as it
-    was, with a LowconvError naming the file; a crash during the renames can leave hidden
-    `.NAME.*.old` files beside them (the next save removes them: _stale_files)."""
-    for path in writes:
-        if path.is_dir():
-            raise LowconvError(f"cannot write {path}: it is a directory; nothing in {path.parent} was changed")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise LowconvError(f"cannot create the directory {path.parent}: {_reason(err)}") from None
-    left = "nothing in {} was changed" if len(writes) > 1 else "the file was left as it was"
-    token = secrets.token_hex(4)
-    temporaries: dict[Path, Path] = {}
-    moved_aside: list[tuple[Path, Path | None]] = []  # (path, its old file's new name or None)
-    try:
-        for path, write in writes.items():
-            temporaries[path] = path.with_name(f".{path.name}.{token}.tmp")
-            try:
-                mode = _file_mode(path, temporaries[path])
-                write(temporaries[path])
-                with open(temporaries[path], "rb+") as f:
-                    os.fsync(f.fileno())
-                os.chmod(temporaries[path], mode)
-            except (OSError, SafetensorError) as err:
-                raise LowconvError(f"cannot write {path}: {_reason(err)}; {left.format(path.parent)}") from None
-        for path, temporary in temporaries.items():
-            try:
-                old = path.with_name(f".{path.name}.{token}.old") if path.exists() else None
-                if old is not None:
-                    os.replace(path, old)
-                moved_aside.append((path, old))
-                os.replace(temporary, path)
-            except BaseException as err:  # an OSError, or Ctrl-C: every path goes back to its old file
-                for done, old in reversed(moved_aside):
-                    if old is not None:
-                        os.replace(old, done)
-                    else:
-                        done.unlink(missing_ok=True)
-                moved_aside.clear()
-                if not isinstance(err, OSError):
-                    raise
-                raise LowconvError(f"cannot replace {path}: {_reason(err)}; {left.format(path.parent)}") from None
-    finally:  # best effort: on a read-only disk the clean-up fails too, and must not hide why
-        for leftover in [*temporaries.values(), *(old for _, old in moved_aside if old is not None)]:
-            try:
-                leftover.unlink(missing_ok=True)
-            except OSError:
-                pass
-    if os.name == "posix":  # the renames survive a crash only once the directories are synced
-        for parent in {path.parent for path in writes}:
-            directory = os.open(parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
-
-
-def _file_mode(path: Path, temporary: Path) -> int:
-    """The permissions `path` keeps: its own, or for a new file what the umask gives any file the
-    user writes, read from `temporary` created as such a file (whatever mode a writer gives its
-    file; reading the umask itself means setting it, for every thread)."""
-    if path.exists():
-        return path.stat().st_mode & 0o777
-    descriptor = os.open(temporary, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o666)
-    try:
-        return os.fstat(descriptor).st_mode & 0o777
-    finally:
-        os.close(descriptor)
-
-
 def _version(text: str) -> tuple[int, ...] | None:
     """"1.2.3" as (1, 2, 3); None if it is not such a version."""
     parts = text.split(".")
     return tuple(map(int, parts)) if all(part.isdigit() for part in parts) else None
-
-
-def _reason(err: Exception) -> str:
-    """An OSError's reason without its errno and temporary file name; other errors as they say."""
-    return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
 
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:

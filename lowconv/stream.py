@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from lowconv import api, build, checkpoint
+from lowconv.atomic_files import locked
 from lowconv.calibration import calibrated_on
 from lowconv.analysis import plan_conversion, plan_for
 from lowconv.errors import LowconvError
@@ -262,7 +263,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
         return checkpoint.encoded(api.saved_files(plan, state, text_files(plan, report) if text_files else None))
     layout = Layout(checkpoint.shard_files(stored, max_shard_bytes), aliases, api.checkpoint_metadata(plan), files(None))
     staging = out.parent / f".{out.name}.stream"
-    with checkpoint.locked(staging):  # one stream at a time into this staging directory
+    with locked(staging):  # one stream at a time into this staging directory
         if not staging.is_dir():  # a stream this one waited for finished and removed it
             staging.mkdir(parents=True)
         sums, skipped = resume(staging, layout, source.fingerprint(), progress)
