@@ -19,7 +19,8 @@ from lowconv import api, checkpoint  # noqa: E402
 from lowconv.cli import main  # noqa: E402
 from lowconv.errors import LowconvError  # noqa: E402
 from lowconv.model_sources import load_model  # noqa: E402
-from lowconv.stream import JOURNAL, stream_convert  # noqa: E402
+from lowconv.stream import stream_convert  # noqa: E402
+from lowconv.stream_writer import JOURNAL  # noqa: E402
 
 SHARD = 100_000  # output shards of at most 100 kB: several
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lowconv import stream  # noqa: E402
+from lowconv import stream_writer  # noqa: E402
 from lowconv.cli import main  # noqa: E402
 from tests.test_stream import STATIC_MLP, same_conversion, sharded  # noqa: E402, F401 (a fixture)
 
@@ -29,7 +29,7 @@ def convert_both(tmp_path, source, recipe: str) -> tuple[dict, dict]:
 
 def test_streamed_on_cuda_is_the_in_memory_conversion_on_cuda(tmp_path, sharded, monkeypatch):  # noqa: F811
     """(GPU tensors written 1000 bytes at a time: their checksums are checked as the files are read.)"""
-    monkeypatch.setattr(stream, "WRITE_CHUNK", 1000)
+    monkeypatch.setattr(stream_writer, "WRITE_CHUNK", 1000)
     recipe = tmp_path / "forced.toml"
     recipe.write_text(STATIC_MLP.replace('op = "fp8"', 'op = "fp8"\nforce = true'))
     convert_both(tmp_path, sharded, str(recipe))
