@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -78,18 +78,20 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
 
 
 def plan_for(model: nn.Module, analysis: Analysis, recipe: Recipe, decisions: list[Decision], example_inputs,
-             calibration: str | None = None, recorded: dict | None = None) -> Plan:
-    """The plan of `decisions` (the recipe's, or those convert carried out) for `model`, complete:
-    its warnings, how the original was made, the example inputs described, where calibration ran,
-    on what, and what the caller records of the model (`recorded`: the command line's model path,
-    seed and dtype)."""
-    made = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model)}
-    made.update(recorded or {})
-    if calibration:
-        made["calibration"] = calibration
+             recorded: dict | None = None) -> Plan:
+    """The plan of `decisions` (the recipe's, or those convert carried out) for `model`: its
+    warnings, how the original was made, the example inputs described, and what the caller records
+    of the model (`recorded`: the command line's model path, seed and dtype). Where calibration
+    ran, with_calibration says so."""
+    made = {"signature": checkpoint.model_signature(model.state_dict()), **hf.origin(model), **(recorded or {})}
     return make_plan(decisions, analysis.trace, recipe, warnings=conversion_warnings(model, analysis, decisions, recipe),
                      model=made, expanded_mha=analysis.expanded_mha, example_inputs=describe_inputs(example_inputs))
 
+
+
+def with_calibration(plan: Plan, calibration: str | None) -> Plan:
+    """The plan, complete: saying what calibrated its scales, on what (None: nothing calibrated)."""
+    return replace(plan, model={**plan.model, "calibration": calibration}) if calibration else plan
 
 
 def quantized_model_problem(model: nn.Module) -> str | None:

@@ -12,7 +12,7 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, distributed, hf
-from lowconv.analysis import copy_of, plan_conversion, plan_for
+from lowconv.analysis import copy_of, plan_conversion, plan_for, with_calibration
 from lowconv.build import (
     build_op_modules, carried_out_all, check_runs, decision_groups, mark_shared_inputs, rewritten, site_device,
 )
@@ -65,16 +65,14 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         del modules[fqn]
     converted, served, fused = rewritten(analysis, modules, groups)
     decisions = carried_out_all(planned, modules, measured, served, fused)
-    plan = plan_for(model, analysis, recipe, decisions, example_inputs, None, recorded)
+    plan = plan_for(model, analysis, recipe, decisions, example_inputs, recorded)
     # The analysed copy holds the layers the converted model replaced: let them go before it runs
     del analysis
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
-    if seen:
-        plan = replace(plan, model={**plan.model,
-                                    "calibration": calibrated_on(seen, calibration_name if calibration is not None else None)})
-    else:  # calibration ran the converted model already
+    if not seen:  # calibration ran the converted model already
         check_runs(converted, example_inputs)
-    attach_plan(converted, plan)
+    calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
+    attach_plan(converted, with_calibration(plan, calibrated))
     return converted
 
 

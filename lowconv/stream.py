@@ -50,7 +50,7 @@ from torch import nn
 from lowconv import api, build, checkpoint
 from lowconv.atomic_files import locked
 from lowconv.calibration import calibrated_on
-from lowconv.analysis import plan_conversion, plan_for
+from lowconv.analysis import plan_conversion, plan_for, with_calibration
 from lowconv.errors import LowconvError
 from lowconv.input_checkpoint import CheckpointReader, check_shapes, named_tensors
 from lowconv.model_file import CALIBRATION_BATCHES, CALIBRATION_INPUTS, ModelFile, no_calibration_inputs
@@ -187,7 +187,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     batches, calibrated = calibration_runs(to_stream.loaded, modules, sites, calibration_text, calibration_batches)
     converted, served, fused = build.rewritten(analysis, modules, groups)
     decisions = build.carried_out_all(planned, modules, measured, served, fused)
-    plan = plan_for(model, analysis, recipe, decisions, inputs, calibrated, recorded)
+    plan = with_calibration(plan_for(model, analysis, recipe, decisions, inputs, recorded), calibrated)
     sources = tensor_sources(converted, model, modules)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     read = {s.name for s in sources.values() if s.site is None} | {

@@ -5,8 +5,11 @@ built once while tracing: a transformers DynamicCache, which a causal LM's forwa
 While a trace runs, such a class's construction in the traced code is recorded as a call node
 (its target a BuiltInGraph) whose value is a proxy: the code's calls on it (`cache.update(k, v, i)`)
 are recorded as calls too, and the graph returns the object it built. The arguments that fx cannot
-hold (the model's config) stay in the target. A compat/ hook names the classes (TraceHook.built_in_graph).
-The names are patched process-wide while the trace runs, as fx patches what it wraps.
+hold (the model's config) stay in the target. `isinstance(x, cls)` in that code answers for the
+class the graph builds, and for an object given to the traced code (a cache passed in) by the
+example's type, a decision the graph guards. A compat/ hook names the classes
+(TraceHook.built_in_graph). The names are patched process-wide while the trace runs, as fx patches
+what it wraps.
 """
 from __future__ import annotations
 
