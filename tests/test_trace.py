@@ -217,3 +217,18 @@ def test_a_branch_on_the_input_s_type_falls_back_to_the_children_with_the_reason
     trace = trace_model(model, (torch.randn(3, 16),))
     assert {r.fqn for r in trace.regions} >= {"0.fc", "2"}
     assert any(u.fqn == "0" and "features" in u.error for u in trace.untraced)
+
+
+class SizedByItsInput(nn.Module):
+    """OPT's pattern: `torch.ones(x.shape[0], n)`, a factory sized by separate traced arguments,
+    which torch's argument parser refuses before fx sees the call."""
+
+    def forward(self, x):
+        return x + torch.ones(x.shape[0], x.shape[1], dtype=x.dtype) + torch.zeros((x.shape[0], 1))
+
+
+def test_a_factory_sized_by_traced_values_traces_and_follows_the_input():
+    trace = trace_model(SizedByItsInput(), (torch.randn(2, 3),))
+    assert [r.fqn for r in trace.regions] == [""] and trace.untraced == []
+    x = torch.randn(4, 5)
+    assert torch.equal(trace.regions[0].graph(x), SizedByItsInput()(x))

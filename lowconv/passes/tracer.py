@@ -114,7 +114,21 @@ def finfo(type=None):
     return FINFO() if type is None else FINFO(type)
 
 
-STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy, (torch, "finfo"): finfo}
+def sized_by_arguments(factory):
+    """A torch factory whose argument parser refuses a traced size (`torch.ones(n, seq, device=d)`,
+    n a traced value) before a Proxy can take the call: recorded as a call."""
+    def stand_in(*args, **kwargs):
+        values = [v for a in (*args, *kwargs.values()) for v in (a if isinstance(a, (tuple, list)) else (a,))]
+        traced = next((v for v in values if isinstance(v, fx.Proxy)), None)
+        if traced is None:
+            return factory(*args, **kwargs)
+        return traced.tracer.create_proxy("call_function", factory, args, kwargs)
+    return stand_in
+
+
+FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn")
+STAND_INS = {(F, "_none_or_dtype"): none_or_dtype, (fx.Proxy, "__iter__"): iterate_proxy, (torch, "finfo"): finfo,
+             **{(torch, name): sized_by_arguments(getattr(torch, name)) for name in FACTORIES}}
 
 
 @contextmanager
