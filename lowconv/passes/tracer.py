@@ -99,7 +99,8 @@ def recompile(gm: fx.GraphModule) -> None:
 
 
 # What stands in for these while tracing: functions that reject a Proxy (the same value on a
-# tensor, or the example's, guarded), and fx's Proxy.__iter__ (the same, without a reference cycle).
+# tensor, or the example's, guarded, or the call recorded), and fx's Proxy.__iter__ (the same,
+# without a reference cycle).
 FINFO = torch.finfo
 
 
