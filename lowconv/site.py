@@ -31,7 +31,7 @@ class LinearInfo:
     bias: bool
     weight: str  # FQN of the weight parameter in the model
     bias_name: str | None  # FQN of the bias parameter, if any
-    weight_layout: str  # "out_in" (nn.Linear) | "in_out" (Conv1D, x @ W)
+    weight_layout: str  # "out_in" (nn.Linear, x @ W.T) | "in_out" (Conv1D, x @ W)
     dtype: str  # the weight's dtype
 
 

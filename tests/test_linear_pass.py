@@ -94,3 +94,40 @@ def test_conv1d_traced_on_its_own_gets_a_linear_child():
     [site] = find_linear_sites(Region("h.0.c_attn", conv, trace_module(conv)))
     assert site.fqn == "h.0.c_attn.linear" and site.unsupported is None
     assert site.info.weight == "h.0.c_attn.weight"
+
+
+class TransposedWeight(nn.Module):
+    """Falcon's FalconLinear: an nn.Linear whose forward is `x @ self.weight.T` (+ bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_t = nn.Parameter(torch.randn(48, 32))
+        self.b_t = nn.Parameter(torch.randn(48))
+        self.w_method = nn.Parameter(torch.randn(16, 48))
+
+    def forward(self, x):
+        x = x @ self.w_t.T + self.b_t
+        return torch.matmul(x, self.w_method.transpose(0, 1))
+
+
+def test_a_transposed_parameter_is_a_linear_laid_out_as_nn_linear():
+    sites = sites_of(TransposedWeight(), torch.randn(2, 5, 32))
+    assert set(sites) == {"w_t", "w_method"}
+    assert sites["w_t"].info.form == "matmul" and sites["w_t"].info.weight_layout == "out_in"
+    assert (sites["w_t"].info.in_features, sites["w_t"].info.out_features) == (32, 48)
+    assert sites["w_t"].info.bias_name == "b_t" and not sites["w_method"].info.bias
+    assert (sites["w_method"].info.in_features, sites["w_method"].info.out_features) == (48, 16)
+
+
+def test_a_transposed_parameter_converts_and_loads_again(tmp_path):
+    import lowconv
+    torch.manual_seed(0)
+    model, x = TransposedWeight().eval(), torch.randn(2, 5, 32)
+    converted = lowconv.convert(model, "fp8-dynamic", (x,))
+    assert {d.fqn for d in converted.lowconv_plan.converted()} == {"w_t", "w_method"}
+    with torch.no_grad():
+        want, got = model(x), converted(x)
+    assert ((got - want).norm() / want.norm()) < 0.1
+    lowconv.save(converted, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(lowconv.load(TransposedWeight().eval(), tmp_path, (x,))(x), got)

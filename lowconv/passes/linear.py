@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from lowconv.passes.fx_nodes import ADDS, MATMULS
+from lowconv.passes.fx_nodes import ADDS, MATMULS, op_is
 from lowconv.passes.mha_expand import ExpandedMultiheadAttention
 from lowconv.passes.trace import Region, join_fqn
 from lowconv.site import LinearInfo, Site, class_names, dtype_name, tensor_meta, value_meta
@@ -63,7 +63,8 @@ def linear_input(node: fx.Node):
 
 
 def match_functional(node: fx.Node, region: Region):
-    """(form, x, weight node, bias node or None, output node, nodes) for a functional linear."""
+    """(form, x, weight node, bias node or None, output node, nodes, weight layout) for a functional
+    linear."""
     if node.op != "call_function":
         return None
     if node.target is F.linear:
@@ -71,14 +72,17 @@ def match_functional(node: fx.Node, region: Region):
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         if parameter_at(region, w) is None or (b is not None and parameter_at(region, b) is None):
             return None
-        return "functional", x, w, b, node, [node]
+        return "functional", x, w, b, node, [node], "out_in"
     if node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
         b, x, w = node.args
         if parameter_at(region, w) is None or parameter_at(region, b) is None:
             return None
-        return "addmm", x, w, b, node, [node]
+        return "addmm", x, w, b, node, [node], "in_out"
     if node.target in MATMULS and len(node.args) == 2:
         x, w = node.args
+        source = transposed_parameter(region, w)  # x @ W.T (Falcon's FalconLinear): W as nn.Linear holds it
+        nodes, layout = ([node, w], "out_in") if source is not None else ([node], "in_out")
+        w = source if source is not None else w
         param = parameter_at(region, w)
         if param is None or param.dim() != 2:
             return None
@@ -87,19 +91,36 @@ def match_functional(node: fx.Node, region: Region):
             add = users[0]
             b = add.args[1] if add.args[0] is node else add.args[0]
             bias = parameter_at(region, b)
-            if bias is not None and bias.dim() == 1 and bias.shape[0] == param.shape[1] and not add.kwargs:
-                return "matmul", x, w, b, add, [add, node]
-        return "matmul", x, w, None, node, [node]
+            out_features = param.shape[0] if layout == "out_in" else param.shape[1]
+            if bias is not None and bias.dim() == 1 and bias.shape[0] == out_features and not add.kwargs:
+                return "matmul", x, w, b, add, [add, *nodes], layout
+        return "matmul", x, w, None, node, nodes, layout
     return None
+
+
+def transposed_parameter(region: Region, node) -> fx.Node | None:
+    """The get_attr of the 2-D parameter that `node` transposes for its one reader (`w.T`, `w.t()`,
+    `w.transpose(0, 1)`), or None."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        source = node.args[0]
+    elif op_is(node, (torch.t,), ("t",)) and len(node.args) == 1:
+        source = node.args[0]
+    elif op_is(node, (torch.transpose,), ("transpose",)) and sorted(node.args[1:]) in ([0, 1], [-2, -1]):
+        source = node.args[0]
+    else:
+        return None
+    param = parameter_at(region, source)
+    return source if param is not None and param.dim() == 2 else None
 
 
 def functional_site(node: fx.Node, region: Region) -> Site | None:
     match = match_functional(node, region)
     if match is None:
         return None
-    form, x, w, b, out, nodes = match
+    form, x, w, b, out, nodes, layout = match
     weight = parameter_at(region, w)
-    layout = "out_in" if form == "functional" else "in_out"
     out_features, in_features = weight.shape if layout == "out_in" else weight.shape[::-1]
     weight_name = join_fqn(region.fqn, w.target)
     bias_name = join_fqn(region.fqn, b.target) if b is not None else None
