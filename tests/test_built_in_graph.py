@@ -35,6 +35,7 @@ def test_the_converted_model_builds_a_new_cache_each_call_as_the_original(recipe
     assert first.past_key_values is not second.past_key_values
     assert first.past_key_values.get_seq_length() == second.past_key_values.get_seq_length() == 16
     tolerance = 0 if recipe == "keep-all" else 0.3
+    assert len(first.past_key_values.layers) == len(original.past_key_values.layers) == 2
     for mine, theirs in zip(first.past_key_values.layers, original.past_key_values.layers):
         assert (mine.keys - theirs.keys).abs().max() <= tolerance
         assert (mine.values - theirs.values).abs().max() <= tolerance

@@ -108,7 +108,7 @@ def finfo(type=None):
     """torch.finfo of a traced dtype (transformers' eager mask asks it of the hidden states'
     dtype): the example's, a decision the graph guards as a branch on it."""
     if isinstance(type, fx.Proxy):
-        value = type.tracer.decidable(type) if type.tracer.example is not None else MISSING
+        value = type.tracer.decidable(type)  # MISSING without example values
         if value is MISSING or not bool(type == value):  # bool() guards the dtype in the graph
             raise TraceError(f"torch.finfo of {type.node.name}, whose dtype is not known before it runs")
         type = value
