@@ -565,16 +565,19 @@ def test_inline_rel_idx_of_another_form_is_kept_with_why(models, rel_idx, why):
     assert why in site.unsupported
 
 
-def test_rel_idx_rewritten_by_a_split_function_is_kept_with_why(models):
+def test_rel_idx_rewritten_by_a_split_function_converts(models):
+    """radial_split writes sign(d) * 2 + 5 of the radial differences d: buckets 3, 5, 7, two
+    thresholds at 0.0 and two at the least positive float."""
     model, inputs = models.Contextual(split_func=models.radial_split).eval(), scene()
     [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
-    assert "(a split function rewrites it): less its casts, clamps and added numbers it is made by a `.clone()` call" \
-        in site.unsupported
-    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    assert site.unsupported is None and site.info.rel_pos == "contextual, axis 2 split into buckets 3 to 7"
+    tiny = float(torch.finfo(torch.float32).smallest_normal) * 2.0 ** -23
+    assert site.args[-1] == (2, 3, (0.0, 0.0, tiny, tiny))
+    converted = lowconv.convert(model, FLOAT32, inputs)
     [decision] = [d for d in converted.lowconv_plan.decisions if d.fqn == site.fqn]
-    assert decision.op == "keep" and "a split function rewrites it" in decision.reason
+    assert decision.op == "sparse_attention"
     with torch.no_grad():
-        assert torch.equal(converted(*inputs), model(*inputs))
+        torch.testing.assert_close(converted(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
 
 
 def function_apply_takes_keywords() -> bool:

@@ -64,15 +64,29 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COORD_LIMIT = 128
 
 
+class SplitAxis(NamedTuple):
+    """One axis's relative index taken from per-point values instead of coordinates, as a split
+    function computes it (SphereFormer's radial axis): buckets of the pair's difference,
+    r_axis = first + #{t in thresholds : t <= values[i] - values[j]} for query i and key j, the
+    difference in values' dtype. values (N,) floating in the rows' order, thresholds (T,)
+    non-decreasing in values' dtype; the tables need first + T + 1 rows (and still 2G-1 for the
+    other axes: L = 2G-1 or 2G)."""
+    axis: int
+    values: torch.Tensor
+    thresholds: torch.Tensor
+    first: int
+
+
 def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coords=None,
-                     tables=None, dtype=None, backend="auto", validate=True):
+                     tables=None, split=None, dtype=None, backend="auto", validate=True):
     """Self-attention within each window (see the module doc), differentiable for q, k, v and tables.
 
     The windows come as offsets (W+1,) integer (window w is rows offsets[w]:offsets[w+1], empty
     windows allowed) or as row_windows = (start, end), each (N,) integer; give one of them.
     coords (N, 3) integer in [0, G-1] and tables = (tq, tk, tv), each (L, 3, h, d) with
-    L = 2G-1, turn on relative position (G <= 128 on Triton); pass both or neither. `scale`
-    None is d^-0.5.
+    L = 2G-1, turn on relative position (G <= 128 on Triton); pass both or neither. `split`
+    (a SplitAxis, with relative position only) computes one axis's index from per-point values;
+    the torch reference only, for now. `scale` None is d^-0.5.
     `dtype` None computes in q's dtype. `backend` "auto" runs Triton on CUDA and the torch
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
     `validate` checks the values of offsets, row_windows and coords, which reads them back from
@@ -81,14 +95,14 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     and on Triton one outside [0, 1023] also corrupts the point's other coordinates, which are
     packed with it in 10 bits each).
     """
-    check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, backend)
+    check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, split, dtype, backend)
     if validate:
         check_values(q.shape[0], offsets, row_windows, coords, tables)
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if not use_triton:
         return window_attention_reference(q, k, v, offsets, row_windows=row_windows, scale=scale,
-                                          coords=coords, tables=tables, dtype=dtype)
-    check_triton_inputs(q, dtype, tables)
+                                          coords=coords, tables=tables, split=split, dtype=dtype)
+    check_triton_inputs(q, dtype, tables, split)
     out_dtype, dtype = q.dtype, dtype or q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if offsets is None:
@@ -106,7 +120,7 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
 
 
 def window_attention_reference(q, k, v, offsets=None, *, row_windows=None, scale=None,
-                               coords=None, tables=None, dtype=None):
+                               coords=None, tables=None, split=None, dtype=None):
     """The torch reference of `window_attention` (same arguments, no checks), over the pair
     list: memory O(sum(n_w^2) * h * d), fine for tests and as the "SpTr in torch" baseline."""
     dtype = dtype or q.dtype
@@ -122,6 +136,9 @@ def window_attention_reference(q, k, v, offsets=None, *, row_windows=None, scale
     else:
         g = (tables[0].shape[0] + 1) // 2
         rel = (coords[query] - coords[key] + g - 1).long()
+        if split is not None:
+            difference = split.values[query] - split.values[key]
+            rel[:, split.axis] = split.first + torch.searchsorted(split.thresholds, difference, right=True)
         tq, tk, tv = (relative_sum(t.to(dtype).to(acc), rel) for t in tables)
         logits = (q_pair * (k_pair + tq)).sum(-1) + (k_pair * tk).sum(-1)
         v_pair = v_pair + tv
@@ -165,7 +182,7 @@ def segment_softmax(logits, query, n):
     return e / torch.zeros_like(row_max).index_add(0, query, e)[query]
 
 
-def check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, backend):
+def check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, split, dtype, backend):
     """Raise ValueError naming what is wrong with window_attention's arguments (their types,
     shapes and devices; check_values reads the values)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -187,7 +204,7 @@ def check_inputs(q, k, v, offsets, row_windows, scale, coords, tables, dtype, ba
                          f"got {dtype}")
     if backend not in BACKENDS:
         raise ValueError(f"window_attention: backend must be one of {BACKENDS}, got {backend!r}")
-    check_relative_position(q, coords, tables)
+    check_relative_position(q, coords, tables, split)
 
 
 def check_windows(q, offsets, row_windows):
@@ -211,11 +228,13 @@ def check_windows(q, offsets, row_windows):
                          f"({n},) tensors on {q.device}, got {got}")
 
 
-def check_relative_position(q, coords, tables):
+def check_relative_position(q, coords, tables, split=None):
     if (coords is None) != (tables is None):
         raise ValueError("window_attention: relative position needs both coords and tables "
                          f"(got {'coords' if tables is None else 'tables'} only)")
     if tables is None:
+        if split is not None:
+            raise ValueError("window_attention: a split axis needs relative position (coords and tables)")
         return
     n, h, d = q.shape
     if not is_int_tensor(coords) or tuple(coords.shape) != (n, 3) or coords.device != q.device:
@@ -229,9 +248,30 @@ def check_relative_position(q, coords, tables):
             raise ValueError(f"window_attention: table {name} must be a floating-point "
                              f"(L, 3, {h}, {d}) tensor on {q.device}, got {describe(t)}")
     length = tables[0].shape[0]
-    if any(t.shape[0] != length for t in tables) or length % 2 == 0:
+    if any(t.shape[0] != length for t in tables) or (length % 2 == 0 and split is None):
         raise ValueError(f"window_attention: the tables must share one odd L = 2G-1, got "
                          f"{[t.shape[0] for t in tables]}")
+    if split is not None:
+        check_split(q, split, length)
+
+
+def check_split(q, split, length):
+    if not isinstance(split, SplitAxis) or split.axis not in (0, 1, 2):
+        raise ValueError(f"window_attention: split must be a SplitAxis on axis 0, 1 or 2, got {split!r}")
+    n = q.shape[0]
+    values, thresholds = split.values, split.thresholds
+    if (not isinstance(values, torch.Tensor) or not values.is_floating_point() or tuple(values.shape) != (n,)
+            or values.device != q.device):
+        raise ValueError(f"window_attention: split.values must be a floating-point ({n},) tensor on "
+                         f"{q.device}, got {describe(values)}")
+    if (not isinstance(thresholds, torch.Tensor) or thresholds.dtype != values.dtype or thresholds.dim() != 1
+            or thresholds.device != q.device):
+        raise ValueError(f"window_attention: split.thresholds must be a 1-D {values.dtype} tensor on "
+                         f"{q.device}, got {describe(thresholds)}")
+    last = split.first + len(thresholds)
+    if split.first < 0 or last >= length:
+        raise ValueError(f"window_attention: the split's buckets {split.first} to {last} are not table rows "
+                         f"(L = {length})")
 
 
 def check_values(n, offsets, row_windows, coords, tables):
@@ -262,8 +302,11 @@ def check_values(n, offsets, row_windows, coords, tables):
             raise ValueError(f"window_attention: {message}")
 
 
-def check_triton_inputs(q, dtype, tables):
+def check_triton_inputs(q, dtype, tables, split=None):
     d = q.shape[-1]
+    if split is not None:
+        raise ValueError("window_attention: the Triton backend does not compute a split axis yet "
+                         "(the torch reference does: backend='reference')")
     if (dtype or q.dtype) not in TRITON_DTYPES:
         raise ValueError(f"window_attention: the Triton backend computes in {TRITON_DTYPES}, "
                          f"got {dtype or q.dtype}")

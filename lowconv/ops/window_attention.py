@@ -15,9 +15,13 @@ import torch
 from torch import nn
 
 from lowconv.compat import sptr
-from lowconv.kernels.window_attention import TRITON_DTYPES, window_attention
+from lowconv.kernels.window_attention import TRITON_DTYPES, SplitAxis, window_attention
 from lowconv.ops.attention_calls import SparseAttentionOptions, compute_dtype
 from lowconv.site import Site, dtype_name
+
+
+# Where forward takes split_values and split (passes/window_attention.py builds the args).
+SPLIT_VALUES_ARG, SPLIT_ARG = 14, 15
 
 
 class SparseWindowAttention(nn.Module):
@@ -31,6 +35,8 @@ class SparseWindowAttention(nn.Module):
     Relative position comes as what rel_idx was made from: the points' xyz with window_size,
     quant_size, quant_grid_length and shift_win (compat's relative_position_index), or `coords`, the
     per-point whole-number coordinates that SpTr's inline rel_idx differences, with quant_grid_length.
+    Where a split function rewrote one column, `split` = (axis, first, thresholds) and `split_values`
+    (N,) give it as buckets of split_values' pair differences (kernels.window_attention.SplitAxis).
     """
 
     def __init__(self, compute_dtype: torch.dtype | None = None):
@@ -39,7 +45,7 @@ class SparseWindowAttention(nn.Module):
 
     def forward(self, q, k, v, index_0_offsets=None, index_1=None, xyz=None, window_size=None, quant_size=None,
                 quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None, coords=None,
-                row_windows=None):
+                split_values=None, split=None, row_windows=None):
         if row_windows is None:
             row_windows = sptr.row_windows_from_pairs(index_0_offsets, index_1)
         tables = None
@@ -47,28 +53,39 @@ class SparseWindowAttention(nn.Module):
             coords = sptr.quantized_coordinates(xyz, window_size, quant_size, quant_grid_length, shift_win)
         elif coords is not None:
             coords = sptr.coordinates_in_window(coords, row_windows[0], quant_grid_length)
+        if split is not None:
+            axis, first, thresholds = split
+            split = SplitAxis(axis, split_values, split_values.new_tensor(thresholds), first)
         if coords is not None:
-            tables = table_rows_read(quant_grid_length, table_q, table_k, table_v)
+            last = None if split is None else split.first + len(split.thresholds)
+            tables = table_rows_read(quant_grid_length, last, table_q, table_k, table_v)
         # The windows and coordinates are valid by construction: no check that reads them back.
         # (window_attention returns q's dtype.)
         return window_attention(q, k, v, row_windows=row_windows, scale=1.0, coords=coords,
-                                tables=tables, dtype=self.compute_dtype or q.dtype,
+                                tables=tables, split=split, dtype=self.compute_dtype or q.dtype,
                                 validate=False)  # q is pre-scaled, as SpTr's
 
     def extra_repr(self) -> str:
         return f"compute_dtype={self.compute_dtype}"
 
 
-def table_rows_read(quant_grid_length, *tables) -> tuple:
-    """The first 2G-1 rows of each table: all that rel_idx, in [0, 2G-2], reads, and what the kernel
-    takes (it reads G off the tables' length). Tables of fewer rows are refused, from their shapes
-    (no device sync): the kernel runs unchecked (validate=False), and would read out-of-range
-    coordinates and give wrong output, with no error on CUDA."""
+def table_rows_read(quant_grid_length, split_last, *tables) -> tuple:
+    """The first 2G-1 rows of each table (2G where a split's last bucket is 2G-1): all that rel_idx,
+    in [0, 2G-2], reads, and what the kernel takes (it reads G off the tables' length). Tables of
+    fewer rows are refused, from their shapes (no device sync): the kernel runs unchecked
+    (validate=False), and would read out-of-range coordinates and give wrong output, with no error
+    on CUDA. So is a split whose buckets pass 2G-1."""
     rows = 2 * quant_grid_length - 1
+    if split_last is not None:
+        if split_last > rows:
+            raise ValueError(f"SparseWindowAttention: the split's last bucket is {split_last}, past 2G-1 = {rows} "
+                             f"(G = quant_grid_length = {quant_grid_length})")
+        rows = max(rows, split_last + 1)
     lengths = [t.shape[0] for t in tables]
     if any(length < rows for length in lengths):
         raise ValueError(f"SparseWindowAttention: the relative position tables (query, key, value) have "
-                         f"{', '.join(map(str, lengths))} rows; rel_idx needs 2G-1 = {rows} "
+                         f"{', '.join(map(str, lengths))} rows; rel_idx needs "
+                         f"{f'2G-1 = {rows}' if rows == 2 * quant_grid_length - 1 else rows} "
                          f"(G = quant_grid_length = {quant_grid_length})")
     return tuple(t[:rows] for t in tables)
 
@@ -82,6 +99,10 @@ def window_site_problem(site: Site, options: SparseAttentionOptions) -> str | No
         return ('backend "sdpa" is for ordinary attention sites; an SpTr window chain runs the '
                 'window-attention kernels (use backend "auto" or "triton")')
     if site_may_run_on_cuda(site):
+        if len(site.args) > SPLIT_ARG and site.args[SPLIT_ARG] is not None:
+            return ("the window-attention kernel on CUDA does not compute a split axis yet (rel_idx's column "
+                    "rewritten by a split function, as SphereFormer's radial split); the torch reference "
+                    "does, off CUDA")
         return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
     return None
 

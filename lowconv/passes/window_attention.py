@@ -28,9 +28,14 @@ position, the tables and what rel_idx was made from: the points' xyz and quantiz
 The rel_idx nodes (and the index casts only the chain reads) go with the chain, so nothing of size
 M x 3 is computed either; after the rewrite, a get_indices_params whose pair layout only converted
 chains read is replaced by get_window_rows, and the op then takes its row windows (`row_windows`)
-in place of index_0_offsets and index_1 (ops/window_rows.py). A rel_idx of another form (SphereFormer's
-split function rewrites it) has no per-point coordinates: its chain is found but kept, and the site
-says why. So are tables whose propagated shapes have fewer than the 2G-1 rows that rel_idx reads,
+in place of index_0_offsets and index_1 (ops/window_rows.py).
+
+Either form with one column rewritten by a split function (SphereFormer's exponential split of the
+radial axis: rel_idx.clone(), one column written in place, then clamped to [0, 2G-1]) is read when
+that column is buckets of a per-pair difference s[index_0] - s[index_1] (passes/rel_idx_split.py):
+the op then takes s and the buckets' thresholds, and computes the column from them. A rel_idx of
+another form has no per-point coordinates: its chain is found but kept, and the site says why. So
+are tables whose propagated shapes have fewer rows than rel_idx reads (2G-1, or a split's buckets),
 where G is a known number (the op checks the same when it runs).
 
 Assumed, not checked: the chain's index tensors are SpTr's pair layout (compat/sptr.py), each
@@ -51,8 +56,10 @@ import torch.fx as fx
 
 from lowconv.compat import sptr
 from lowconv.compat.sptr_install import as_compat
+from lowconv.ops.window_attention import SPLIT_VALUES_ARG
 from lowconv.passes.attention import attention_site
 from lowconv.passes.fx_nodes import call_args, is_number, mutates, op_is
+from lowconv.passes.rel_idx_split import RelIdxSplit, rel_idx_split
 from lowconv.passes.trace import Region
 from lowconv.site import Site, WindowInfo, tensor_meta
 
@@ -160,7 +167,8 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
                               unread_arguments_problem(softmax, scores, SOFTMAX_ARGS),
                               unread_arguments_problem(step2, second, second_names)) if why]
     if unread:  # what the chain computes is not known: nothing more to say of it
-        return window_site(region, first.get("q"), step2, contextual, unread, (), [step1, softmax, step2], names)
+        return window_site(region, first.get("q"), step2, "contextual" if contextual else "none", unread, (),
+                           [step1, softmax, step2], names)
     problems = []
     if len(step1.users) > 1 or len(softmax.users) > 1:
         problems.append("the attention scores or probabilities are also used elsewhere")
@@ -175,30 +183,44 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
                    for cast in casts(arg)]
     nodes = [*index_casts, step1, softmax, step2]
     args = [first["q"], first["k"], second["v"], uncast(first["index_0_offsets"]), uncast(first["index_1"])]
+    split = None
     if contextual:
         rel_idx = first["rel_idx"]
         tables = [first["table_q"], first["table_k"], second["table_v"]]
+        split = rel_idx_split(rel_idx, first["index_0"], first["index_1"], uncast)
+        base = split.base if isinstance(split, RelIdxSplit) else rel_idx
+        grid_length = None
         if second["rel_idx"] is not rel_idx:
             problems.append("the query/key and the value side take different rel_idx")
-        elif calls(rel_idx, sptr.relative_position_index):
-            made = call_args(rel_idx, REL_IDX_ARGS)
+        elif isinstance(split, str):
+            problems.append(f"rel_idx is rewritten by a split function that lowconv cannot read: {split}")
+        elif calls(base, sptr.relative_position_index):
+            made = call_args(base, REL_IDX_ARGS)
             if uncast(made.get("index_0")) is not uncast(first["index_0"]) or \
                     uncast(made.get("index_1")) is not uncast(first["index_1"]):
                 problems.append("rel_idx is relative_position_index(...) of other index tensors than the chain's "
                                 "index_0 and index_1, in that order")
-            args += [made["xyz"], made["window_size"], made["quant_size"], made["quant_grid_length"],
+            grid_length = made["quant_grid_length"]
+            args += [made["xyz"], made["window_size"], made["quant_size"], grid_length,
                      made.get("shift_win", False), *tables]
-            nodes.append(rel_idx)
-            problems += short_tables(tables, made["quant_grid_length"])
-        elif isinstance(inline := inline_rel_idx(rel_idx, first["index_0"], first["index_1"]), InlineRelIdx):
+            nodes.append(base)
+        elif isinstance(inline := inline_rel_idx(base, first["index_0"], first["index_1"]), InlineRelIdx):
             # The op's xyz form is left empty (xyz, window_size, quant_size; shift_win False): coords last.
-            args += [None, None, None, inline.grid_length, False, *tables, inline.coords]
+            grid_length = inline.grid_length
+            args += [None, None, None, grid_length, False, *tables, inline.coords]
             nodes += inline.nodes
-            problems += short_tables(tables, inline.grid_length)
         else:
             problems.append(f"rel_idx is not relative_position_index(...) of the points, nor SpTr's inline "
-                            f"P[index_0] - P[index_1] + G - 1 of per-point whole-number coordinates P "
-                            f"(a split function rewrites it): {inline}; so it has no per-point coordinates")
+                            f"P[index_0] - P[index_1] + G - 1 of per-point whole-number coordinates P, "
+                            f"nor one of those with a column rewritten by a split function: {inline}; so it "
+                            f"has no per-point coordinates")
+        if grid_length is not None and isinstance(split, RelIdxSplit):
+            args += [None] * (SPLIT_VALUES_ARG - len(args))  # the xyz form takes no coords
+            args += [split.values, (split.axis, split.first, split.thresholds)]
+            nodes += split.nodes
+            problems += split_problems(split, grid_length)
+        if grid_length is not None:
+            problems += short_tables(tables, grid_length, split.last if isinstance(split, RelIdxSplit) else None)
     v_meta, q_meta = tensor_meta(second["v"]), tensor_meta(first["q"])
     if v_meta and q_meta and v_meta.shape[1:] != q_meta.shape[1:]:
         problems.append(f"v's (heads, head_dim) {list(v_meta.shape[1:])} are not q's and k's {list(q_meta.shape[1:])}")
@@ -206,18 +228,30 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     if changed:
         problems.append(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} changed in place while the "
                         "chain runs; the op reads them once, where the chain ends")
-    return window_site(region, first["q"], step2, contextual, problems, args, nodes, names)
+    rel_pos = "none" if not contextual else "contextual" if not isinstance(split, RelIdxSplit) else \
+        f"contextual, axis {split.axis} split into buckets {split.first} to {split.last}"
+    return window_site(region, first["q"], step2, rel_pos, problems, args, nodes, names)
+
+
+def split_problems(split: RelIdxSplit, grid_length) -> list[str]:
+    """Why a split's clamps and casts (after its write) could change the columns it did not write:
+    clamps to narrower bounds than [0, 2G-2]."""
+    if not isinstance(grid_length, int):
+        return [f"the split's quant_grid_length is not a number ({made_by(grid_length)})"]
+    return [f"a clamp ({made_by(clamp)}) of the split rel_idx to other bounds than [0, {2 * grid_length - 2}] "
+            f"or wider can change its other columns" for clamp in split.outer
+            if op_is(clamp, CLAMPS, CLAMP_METHODS) and not clamps_wider(clamp, 0, 2 * grid_length - 2)]
 
 
 def changed_in_place(inputs: list[fx.Node], chain: list[fx.Node], end: fx.Node) -> list[str]:
     """The inputs of a chain (q, k, v, xyz, rel_idx, ...) that an in-place op changes between the
     chain's first node and its last: the chain's ops read them before, the op at the end after."""
-    start = min(chain)  # fx nodes order as they stand in the graph
+    start, own = min(chain), set(chain)  # fx nodes order as they stand in the graph
     return [node.name for node in dict.fromkeys([*inputs, *chain]) for user in node.users
-            if mutates(user) and user.args[0] is node and start < user < end]
+            if mutates(user) and user.args[0] is node and start < user < end and user not in own]
 
 
-def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: list[str], args, nodes,
+def window_site(region: Region, q, step2: fx.Node, rel_pos: str, problems: list[str], args, nodes,
                 names: dict[str, set[str]]) -> Site:
     q_meta = tensor_meta(q)
     info = WindowInfo(
@@ -226,27 +260,28 @@ def window_site(region: Region, q, step2: fx.Node, contextual: bool, problems: l
         kv_heads=q_meta.shape[1] if q_meta else None,
         head_dim=q_meta.shape[2] if q_meta else None,
         scale=1.0,  # SpTr's q comes pre-scaled
-        rel_pos="contextual" if contextual else "none",
+        rel_pos=rel_pos,
     )
     order = {node: i for i, node in enumerate(region.graph.graph.nodes)}
     return attention_site(region, step2, names, info=info, input=q_meta, problems=problems, args=tuple(args),
                           nodes=sorted(set(nodes), key=order.__getitem__))  # graph order: erased last first
 
 
-def short_tables(tables, grid_length) -> list[str]:
-    """Why tables (query, key, value nodes) cannot serve rel_idx in [0, 2G-2] when their lengths
-    (shape propagation) and G (a whole number) are known: fewer than 2G-1 rows. The original indexes
-    past such tables wherever a pair's rel_idx reaches their length; the op, reading G off the tables,
-    would compute something else (it refuses them when it runs)."""
+def short_tables(tables, grid_length, split_last=None) -> list[str]:
+    """Why tables (query, key, value nodes) cannot serve rel_idx in [0, 2G-2] (and a split's buckets
+    up to split_last) when their lengths (shape propagation) and G (a whole number) are known: fewer
+    rows. The original indexes past such tables wherever a pair's rel_idx reaches their length; the
+    op would compute something else (it refuses them when it runs)."""
     if not (isinstance(grid_length, int) and not isinstance(grid_length, bool)):
         return []
-    rows = 2 * grid_length - 1
+    rows = max(2 * grid_length - 1, (split_last or 0) + 1)
     lengths = [meta.shape[0] if (meta := tensor_meta(t)) is not None and meta.shape else None for t in tables]
     if not any(length is not None and length < rows for length in lengths):
         return []
     return [f"the relative position tables (query, key, value) have "
             f"{', '.join('?' if length is None else str(length) for length in lengths)} rows; "
-            f"rel_idx needs 2G-1 = {rows} (G = {grid_length})"]
+            f"rel_idx needs {f'2G-1 = {rows}' if rows == 2 * grid_length - 1 else rows} (G = {grid_length}"
+            f"{'' if split_last is None else f', buckets of the split to {split_last}'})"]
 
 
 @dataclass
