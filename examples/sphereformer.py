@@ -55,10 +55,12 @@ def exponential_split(xyz, index_0, index_1, relative_position_index, a=RADIAL_S
 
 class SphereAttention(nn.Module):
     """Multi-head attention, the first half of the heads within cubic windows of xyz, the second
-    within spherical windows (radial split), each with its own relative position tables."""
+    within spherical windows (radial split), each with its own relative position tables;
+    `rel_pos` False leaves relative position out, `radial_split` False the split (for benchmarks)."""
 
-    def __init__(self, dim, level):
+    def __init__(self, dim, level, rel_pos=True, radial_split=True):
         super().__init__()
+        self.rel_pos, self.radial_split = rel_pos, radial_split
         self.heads, head_dim = dim // 16, 16
         self.scale = head_dim ** -0.5
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
@@ -75,7 +77,8 @@ class SphereAttention(nn.Module):
         index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = layout
         return sptr.sparse_self_attention(
             q, k, v, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx, window, False,
-            pe_type="contextual", rel_query=True, rel_key=True, rel_value=True, quant_size=window / GRID,
+            pe_type="contextual" if self.rel_pos else "none", rel_query=True, rel_key=True, rel_value=True,
+            quant_size=window / GRID,
             quant_grid_length=GRID, relative_pos_query_table=tables[0], relative_pos_key_table=tables[1],
             relative_pos_value_table=tables[2], split_func=split_func)
 
@@ -84,15 +87,16 @@ class SphereAttention(nn.Module):
         q, k, v = self.qkv(feats).reshape(n, 3, self.heads, c // self.heads).unbind(1)
         q, half = q * self.scale, self.heads // 2
         cubic = self.branch(q[:, :half], k[:, :half], v[:, :half], xyz, batch, self.cubic_window, self.cubic_tables)
+        split = partial(exponential_split, a=RADIAL_SPLIT) if self.radial_split else None
         sphere = self.branch(q[:, half:], k[:, half:], v[:, half:], cartesian_to_spherical(xyz), batch,
-                             self.sphere_window, self.sphere_tables, partial(exponential_split, a=RADIAL_SPLIT))
+                             self.sphere_window, self.sphere_tables, split)
         return self.proj(torch.cat([cubic, sphere], 1).reshape(n, c))
 
 
 class SphereFormerBlock(nn.Module):
-    def __init__(self, dim, level):
+    def __init__(self, dim, level, **attention):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), SphereAttention(dim, level)
+        self.norm1, self.attn = nn.LayerNorm(dim), SphereAttention(dim, level, **attention)
         self.norm2, self.mlp = nn.LayerNorm(dim), Mlp(dim, 4 * dim)
 
     def forward(self, feats, xyz, batch):

@@ -14,9 +14,12 @@ H100_SHARED_BYTES = 232448  # per block
 POINTER = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 WINDOW_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
 # SphereFormer's grid (G = 24: L = 47) in every dtype, and a small grid (G = 4, the CPU tests' grid) whose
-# narrow per-axis blocks once failed to compile.
-WINDOW_CASES = ([(kernel, dtype, rel, 24) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
-                 for rel in (False, True)] + [(kernel, "fp16", True, 4) for kernel in WINDOW_KERNELS])
+# narrow per-axis blocks once failed to compile; a split axis (last field: -1 none) as SphereFormer's
+# radial one (axis 2, L = 48), and on axis 0 of the small grid.
+WINDOW_CASES = ([(kernel, dtype, rel, 24, -1) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
+                 for rel in (False, True)] + [(kernel, "fp16", True, 4, -1) for kernel in WINDOW_KERNELS]
+                + [(kernel, "fp16", True, 24, 2) for kernel in WINDOW_KERNELS]
+                + [(kernel, "fp32", True, 4, 0) for kernel in WINDOW_KERNELS])
 FP8_CASES = ([("amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide in (False, True)]
              + [("cast", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1) for mode in ("dynamic", "count")]
              + [("cast_transposed", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1, 2)
@@ -65,17 +68,19 @@ def compile_for_sm90(kernel, types, constexprs, num_warps, num_stages=None):
     return compiled.metadata.shared
 
 
-def window_case(kernel_name, dtype, rel, g):
-    """A window-attention kernel with its tile_config, on a grid of G coordinates per axis."""
+def window_case(kernel_name, dtype, rel, g, split):
+    """A window-attention kernel with its tile_config, on a grid of G coordinates per axis, with a
+    split axis (split >= 0: tables of 2G rows) or none."""
     import lowconv.kernels.window_attention as wa
 
     kernel = getattr(wa, kernel_name)
     tiles = wa.tile_config(kernel, rel)
-    constexprs = dict(D=16, REL=rel, **wa.padded_widths(g), PRECISION="tf32x3" if dtype == "fp32" else "tf32",
-                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
-    types = {"*": POINTER[dtype], "N": "i32", "H": "i32", "G": "i32", "scale": "fp32",
+    constexprs = dict(D=16, REL=rel, SPLIT=split, **wa.padded_widths(g, 2 * g if split >= 0 else None),
+                      PRECISION="tf32x3" if dtype == "fp32" else "tf32", BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                      **({} if split >= 0 else {"split_values": None, "thresholds": None}))
+    types = {"*": POINTER[dtype], "scale": "fp32", **{name: "i32" for name in ("N", "H", "G", "L", "T", "FIRST")},
              **{name: "*i32" for name in ("start", "end", "coords")},
-             **{name: "*fp32" for name in ("lse", "delta", "dtq", "dtk", "dtv")}}
+             **{name: "*fp32" for name in ("lse", "delta", "dtq", "dtk", "dtv", "split_values", "thresholds")}}
     return compile_for_sm90(kernel, types, constexprs, tiles.num_warps)
 
 
@@ -220,7 +225,7 @@ def test_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__":
-    results = {f"window {k} {d} rel={r} G={g}": window_case(k, d, r, g) for k, d, r, g in WINDOW_CASES}
+    results = {f"window {k} {d} rel={r} G={g} split={a}": window_case(k, d, r, g, a) for k, d, r, g, a in WINDOW_CASES}
     results.update({f"block {k} {t} d={d} mask={m} {v}": block_case(k, t, d, m, v)
                     for k, t, d, m, v in BLOCK_CASES})
     results.update({f"fp16acc bias={b} fp32={c} block_m={m}": fp16acc_case(b, c, m) for b, c, m in FP16ACC_CASES})

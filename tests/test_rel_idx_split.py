@@ -87,15 +87,15 @@ def test_reference_reads_the_split_axis_from_the_values():
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_triton_and_bad_splits_are_refused():
+def test_bad_splits_are_refused():
     q = torch.randn(4, 1, 16)
     tables = tuple(torch.randn(7, 3, 1, 16) for _ in range(3))
     coords = torch.zeros(4, 3, dtype=torch.int64)
     split = SplitAxis(2, torch.zeros(4), torch.zeros(7), 0)  # buckets 0 to 7: 8 rows
     with pytest.raises(ValueError, match="the split's buckets 0 to 7 are not table rows"):
         window_attention(q, q, q, torch.tensor([0, 4]), coords=coords, tables=tables, split=split)
-    split = SplitAxis(2, torch.zeros(4), torch.zeros(2), 0)
-    with pytest.raises(ValueError, match="does not compute a split axis yet"):
+    split = SplitAxis(2, torch.zeros(4, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="takes a split axis of float32 values"):
         window_attention(q, q, q, torch.tensor([0, 4]), coords=coords, tables=tables, split=split, backend="triton")
 
 
@@ -160,14 +160,16 @@ def test_a_split_of_two_values_is_kept_with_why():
         "computed from placeholder" in site.unsupported
 
 
-def test_a_split_site_is_kept_on_cuda(monkeypatch):
-    """The Triton kernel takes no split axis yet: a model on CUDA keeps the chain, saying why."""
+def test_a_split_of_float64_values_is_kept_on_cuda(monkeypatch):
+    """The Triton kernel buckets float32 differences: a model in float64 on CUDA keeps the chain."""
     from lowconv.ops import window_attention as window_op
-    model, inputs = Radial(radial_buckets).eval(), scene()
+    model = Radial(radial_buckets).double().eval()
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in scene())
     [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
+    assert site.unsupported is None
     monkeypatch.setattr(window_op, "site_may_run_on_cuda", lambda site: True)
-    options = window_op.SparseAttentionOptions()
-    assert "does not compute a split axis yet" in window_op.window_site_problem(site, options)
+    problem = window_op.window_site_problem(site, window_op.SparseAttentionOptions(dtype="float32"))
+    assert "takes a split function's values in float32" in problem and "not float64" in problem
 
 
 def test_sphereformer_example_converts_all_ten_chains_exactly():

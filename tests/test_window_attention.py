@@ -3,7 +3,7 @@ on the CPU) against a float64 dense computation, window by window."""
 import pytest
 import torch
 
-from lowconv.kernels.window_attention import (COORD_LIMIT, launch_row_windows, row_windows_from_offsets,
+from lowconv.kernels.window_attention import (COORD_LIMIT, SplitAxis, launch_row_windows, row_windows_from_offsets,
                                               window_attention, window_attention_reference)
 
 # On the CPU, the Triton kernels run in Triton's interpreter (switched on in conftest.py). Where
@@ -274,3 +274,29 @@ def test_row_windows_from_sptr_pairs_match_offsets():
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     got = sptr.row_windows_from_pairs(index_0_offsets, index_1)
     assert [t.tolist() for t in got] == [t.tolist() for t in row_windows_from_offsets(offsets, n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("axis", [0, 2])
+def test_split_axis_matches_float64(dtype, axis):
+    """A split axis (SplitAxis: one axis's index from per-point values, buckets 0 to 2G-1 over
+    tables of 2G rows) on Triton, forward and every gradient, against the torch reference in
+    float64."""
+    q, k, v, offsets, coords, _, grad_out = make_problem()
+    gen = torch.Generator().manual_seed(1)
+    tables = tuple(0.5 * torch.randn(2 * G, 3, 2, 16, generator=gen, dtype=torch.float64).to(DEVICE) for _ in range(3))
+    values = torch.randn(q.shape[0], generator=gen).to(DEVICE)
+    thresholds = torch.tensor([-1.0, -0.5, -0.1, 0.0, 0.0, 0.4, 1.2]).to(DEVICE)  # buckets 0 to 7
+    problem = q, k, v, offsets, coords, tables, grad_out
+
+    def with_split(backend, compute):
+        def fn(q, k, v, offsets, coords, tables):
+            split = SplitAxis(axis, values, thresholds, 0)
+            return window_attention(q, k, v, offsets, coords=coords, tables=tables, split=split, dtype=compute,
+                                    backend=backend)
+        return fn
+
+    expected = outputs_and_grads(with_split("reference", torch.float64), problem)
+    got = outputs_and_grads(with_split("triton", dtype), problem)
+    errors = [rel_error(x, ref) for x, ref in zip(got, expected)]
+    assert max(errors) < TOLERANCE[dtype], errors

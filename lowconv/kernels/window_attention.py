@@ -85,8 +85,8 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     windows allowed) or as row_windows = (start, end), each (N,) integer; give one of them.
     coords (N, 3) integer in [0, G-1] and tables = (tq, tk, tv), each (L, 3, h, d) with
     L = 2G-1, turn on relative position (G <= 128 on Triton); pass both or neither. `split`
-    (a SplitAxis, with relative position only) computes one axis's index from per-point values;
-    the torch reference only, for now. `scale` None is d^-0.5.
+    (a SplitAxis, with relative position only) computes one axis's index from per-point values
+    (float32 on Triton). `scale` None is d^-0.5.
     `dtype` None computes in q's dtype. `backend` "auto" runs Triton on CUDA and the torch
     reference elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before import.
     `validate` checks the values of offsets, row_windows and coords, which reads them back from
@@ -115,7 +115,10 @@ def window_attention(q, k, v, offsets=None, *, row_windows=None, scale=None, coo
     else:
         coords = pack_coords(coords)
         tq, tk, tv = (as_operand(t, dtype) for t in tables)
-    out, _ = torch.ops.lowconv.window_attention_forward(q, k, v, tq, tk, tv, start, end, coords, scale)
+    values, thresholds, axis, first = (None, None, -1, 0) if split is None else (
+        split.values.contiguous(), split.thresholds.contiguous(), split.axis, split.first)
+    out, _ = torch.ops.lowconv.window_attention_forward(q, k, v, tq, tk, tv, start, end, coords, values, thresholds,
+                                                        axis, first, scale)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -304,9 +307,9 @@ def check_values(n, offsets, row_windows, coords, tables):
 
 def check_triton_inputs(q, dtype, tables, split=None):
     d = q.shape[-1]
-    if split is not None:
-        raise ValueError("window_attention: the Triton backend does not compute a split axis yet "
-                         "(the torch reference does: backend='reference')")
+    if split is not None and split.values.dtype != torch.float32:
+        raise ValueError(f"window_attention: the Triton backend takes a split axis of float32 values "
+                         f"(differences in their own dtype), got {split.values.dtype}")
     if (dtype or q.dtype) not in TRITON_DTYPES:
         raise ValueError(f"window_attention: the Triton backend computes in {TRITON_DTYPES}, "
                          f"got {dtype or q.dtype}")
@@ -370,23 +373,27 @@ def tile_config(kernel, rel):
     return Tiles(64, 64, 4) if kernel is _backward_key_kernel else Tiles(64, 32, 4)
 
 
-def padded_widths(g):
-    """GP and LP: G and L = 2G-1 padded to powers of two, the widths of the kernels' per-axis
-    blocks by coordinate and by relative index; at least 8 and 16: the compiler cannot lay out
-    register gathers along narrower rows of our tiles, and those by relative index gather from
-    two halves of LP/2 (_products_by_relative)."""
+def padded_widths(g, rows=None):
+    """GP and LP: G and L (the tables' rows: 2G-1, or 2G with a split axis) padded to powers of
+    two, the widths of the kernels' per-axis blocks by coordinate and by relative index; at least 8
+    and 16: the compiler cannot lay out register gathers along narrower rows of our tiles, and
+    those by relative index gather from two halves of LP/2 (_products_by_relative)."""
     return {"GP": max(8, triton.next_power_of_2(g)),
-            "LP": max(16, triton.next_power_of_2(2 * g - 1))}
+            "LP": max(16, triton.next_power_of_2(rows or 2 * g - 1))}
 
 
 class Launch:
-    """The arguments and tile sizes every attention kernel of this file shares."""
+    """The arguments and tile sizes every attention kernel of this file shares. `split` is a
+    SplitAxis with float32 values and thresholds, or None."""
 
-    def __init__(self, q, tq, start, end, coords, scale):
+    def __init__(self, q, tq, start, end, coords, scale, split=None):
         self.n, self.heads, self.head_dim = q.shape
         self.rel = tq is not None
-        self.g = (tq.shape[0] + 1) // 2 if self.rel else 1
-        self.shared = (start, end, coords)
+        self.rows = tq.shape[0] if self.rel else 1  # L
+        self.g = (self.rows + 1) // 2
+        values, thresholds = (None, None) if split is None else (split.values, split.thresholds)
+        self.shared = (start, end, coords, values, thresholds)
+        self.split = (-1, 0, 0) if split is None else (split.axis, len(split.thresholds), split.first)
         self.scale = scale
         self.precision = dot_precision(q.dtype, q.is_cuda)
 
@@ -403,10 +410,11 @@ class Launch:
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         if launcher is kernel:
             options["maxnreg"] = tiles.maxnreg
+        axis, count, first = self.split
         launcher[(triton.cdiv(self.n, tile), self.heads)](
-            *tensors, *self.shared, self.n, self.heads, self.g, self.scale, D=self.head_dim, REL=self.rel,
-            **padded_widths(self.g), PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            **options)
+            *tensors, *self.shared, self.n, self.heads, self.g, self.rows, count, first, self.scale, D=self.head_dim,
+            REL=self.rel, SPLIT=axis, **padded_widths(self.g, self.rows), PRECISION=self.precision,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **options)
 
 
 @triton.jit
@@ -519,12 +527,12 @@ def _table_entry(r, axis, head, H, D: tl.constexpr):
 
 
 @triton.jit
-def _add_to_table(grad, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr, block):
-    """One fp32 atomic add per element of a tile's (LP, D) gradient block of T[:, axis], relaxed:
-    nothing reads the sums before the kernel ends, so the adds need no ordering (acq_rel, the
-    default, fences every one)."""
+def _add_to_table(grad, axis: tl.constexpr, head, H, D: tl.constexpr, L, LP: tl.constexpr, block):
+    """One fp32 atomic add per element of a tile's (LP, D) gradient block of T[:, axis] (L rows),
+    relaxed: nothing reads the sums before the kernel ends, so the adds need no ordering (acq_rel,
+    the default, fences every one)."""
     r = tl.arange(0, LP)[:, None]
-    tl.atomic_add(grad + _table_entry(r, axis, head, H, D), block, mask=r < 2 * G - 1, sem="relaxed")
+    tl.atomic_add(grad + _table_entry(r, axis, head, H, D), block, mask=r < L, sem="relaxed")
 
 
 @triton.jit
@@ -539,26 +547,25 @@ def _one_hot(c, GP: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, ROWS: tl.constexpr,
+def _axis_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, L, ROWS: tl.constexpr,
                 FIRST: tl.constexpr = 0):
-    """T[FIRST:FIRST+ROWS, axis] of a table (L, 3, H, D) for one head: (ROWS, D), zero past
-    L = 2G-1."""
+    """T[FIRST:FIRST+ROWS, axis] of a table (L, 3, H, D) for one head: (ROWS, D), zero past L."""
     r = FIRST + tl.arange(0, ROWS)[:, None]
-    return tl.load(table + _table_entry(r, axis, head, H, D), mask=r < 2 * G - 1, other=0.0)
+    return tl.load(table + _table_entry(r, axis, head, H, D), mask=r < L, other=0.0)
 
 
 @triton.jit
-def _halved_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+def _halved_table(table, axis: tl.constexpr, head, H, D: tl.constexpr, L, LP: tl.constexpr):
     """T[:, axis] as its two (LP/2, D) halves."""
-    return (_axis_table(table, axis, head, H, D, G, LP // 2),
-            _axis_table(table, axis, head, H, D, G, LP // 2, LP // 2))
+    return (_axis_table(table, axis, head, H, D, L, LP // 2),
+            _axis_table(table, axis, head, H, D, L, LP // 2, LP // 2))
 
 
 @triton.jit
-def _halved_tables(table, head, H, D: tl.constexpr, G, LP: tl.constexpr):
+def _halved_tables(table, head, H, D: tl.constexpr, L, LP: tl.constexpr):
     """_halved_table on the three axes."""
-    return (_halved_table(table, 0, head, H, D, G, LP), _halved_table(table, 1, head, H, D, G, LP),
-            _halved_table(table, 2, head, H, D, G, LP))
+    return (_halved_table(table, 0, head, H, D, L, LP), _halved_table(table, 1, head, H, D, L, LP),
+            _halved_table(table, 2, head, H, D, L, LP))
 
 
 @triton.jit
@@ -605,10 +612,17 @@ def _pick_axis(x_by_p, partner):
 
 
 @triton.jit
-def _pick(x_by_p, partner):
-    """(rows, partners): sum over the axes of _pick_axis, e.g. <qs_i, sum_a tq[r_a, a]>."""
-    return (_pick_axis(x_by_p[0], partner[0]) + _pick_axis(x_by_p[1], partner[1])
-            + _pick_axis(x_by_p[2], partner[2]))
+def _pick(x_by_p, partner, SPLIT: tl.constexpr):
+    """(rows, partners): sum over the axes but SPLIT of _pick_axis, e.g. <qs_i, sum_a tq[r_a, a]>."""
+    if SPLIT != 0:
+        total = _pick_axis(x_by_p[0], partner[0])
+    else:
+        total = _pick_axis(x_by_p[1], partner[1])
+    if SPLIT != 0 and SPLIT != 1:
+        total += _pick_axis(x_by_p[1], partner[1])
+    if SPLIT != 2:
+        total += _pick_axis(x_by_p[2], partner[2])
+    return total
 
 
 @triton.jit
@@ -622,12 +636,89 @@ def _pair_term_axis(x, table, own, partner, IS_QUERY: tl.constexpr, G, PRECISION
 
 
 @triton.jit
-def _pair_term(x, tables, own, partner, IS_QUERY: tl.constexpr, G, PRECISION: tl.constexpr):
-    """(rows, partners): sum over the axes of _pair_term_axis (tables: _halved_tables), e.g.
-    <k_j, sum_a tk[r_a, a]>."""
-    return (_pair_term_axis(x, tables[0], own[0], partner[0], IS_QUERY, G, PRECISION)
-            + _pair_term_axis(x, tables[1], own[1], partner[1], IS_QUERY, G, PRECISION)
-            + _pair_term_axis(x, tables[2], own[2], partner[2], IS_QUERY, G, PRECISION))
+def _pair_term(x, tables, own, partner, IS_QUERY: tl.constexpr, G, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """(rows, partners): sum over the axes but SPLIT of _pair_term_axis (tables: _halved_tables),
+    e.g. <k_j, sum_a tk[r_a, a]>."""
+    if SPLIT != 0:
+        total = _pair_term_axis(x, tables[0], own[0], partner[0], IS_QUERY, G, PRECISION)
+    else:
+        total = _pair_term_axis(x, tables[1], own[1], partner[1], IS_QUERY, G, PRECISION)
+    if SPLIT != 0 and SPLIT != 1:
+        total += _pair_term_axis(x, tables[1], own[1], partner[1], IS_QUERY, G, PRECISION)
+    if SPLIT != 2:
+        total += _pair_term_axis(x, tables[2], own[2], partner[2], IS_QUERY, G, PRECISION)
+    return total
+
+
+@triton.jit
+def _split_index(values, thresholds, own_rows, own_ok, partner_rows, partner_ok, T, FIRST,
+                 IS_QUERY: tl.constexpr):
+    """(own, partners) int32: the split axis's relative index of each pair, FIRST + the number of
+    thresholds at or below d = values[query] - values[key] (fp32, as the split computed it)."""
+    own = tl.load(values + own_rows, mask=own_ok, other=0.0)
+    partner = tl.load(values + partner_rows, mask=partner_ok, other=0.0)
+    d = own[:, None] - partner[None, :] if IS_QUERY else partner[None, :] - own[:, None]
+    r = tl.zeros(d.shape, tl.int32) + FIRST
+    for m in range(T):
+        r += (d >= tl.load(thresholds + m)).to(tl.int32)
+    return r
+
+
+@triton.jit
+def _split_term(x_by_r, r):
+    """(own, partners): x_by_r (_products_by_relative of the own rows) at each pair's split index."""
+    return _gather_relative(x_by_r, r)
+
+
+@triton.jit
+def _histogram(x, r, LP: tl.constexpr):
+    """(own, LP) fp32 as four (own, LP/4) chunks: column w of chunk c sums x (own, partners) over
+    the partners whose split index r is c * LP/4 + w. A pair's index depends on the pair, not on
+    its partner alone, so no one-hot matrix of the partners can sum it: each chunk compares every
+    pair with LP/4 indices (chunks bound the registers of the (own, partners, LP/4) comparison)."""
+    W: tl.constexpr = LP // 4
+    w = tl.arange(0, W)[None, None, :]
+    values, index = x.to(tl.float32)[:, :, None], r[:, :, None]
+    return (tl.sum(tl.where(index == w, values, 0.0), 1), tl.sum(tl.where(index == w + W, values, 0.0), 1),
+            tl.sum(tl.where(index == w + 2 * W, values, 0.0), 1),
+            tl.sum(tl.where(index == w + 3 * W, values, 0.0), 1))
+
+
+@triton.jit
+def _scaled_add(chunks, alpha, more):
+    """chunks * alpha (per row) + more, chunk by chunk (_histogram's chunks)."""
+    a = alpha[:, None]
+    return (chunks[0] * a + more[0], chunks[1] * a + more[1], chunks[2] * a + more[2], chunks[3] * a + more[3])
+
+
+@triton.jit
+def _added(chunks, more):
+    """chunks + more, chunk by chunk (_histogram's chunks)."""
+    return chunks[0] + more[0], chunks[1] + more[1], chunks[2] + more[2], chunks[3] + more[3]
+
+
+@triton.jit
+def _side_by_side(a, b):
+    """(rows, 2W): a's columns, then b's (both (rows, W))."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _joined(chunks):
+    """_histogram's four (own, W) chunks as one (own, 4W) block, in order."""
+    return _side_by_side(_side_by_side(chunks[0], chunks[1]), _side_by_side(chunks[2], chunks[3]))
+
+
+@triton.jit
+def _with_split(by_r, split_by_r, SPLIT: tl.constexpr):
+    """by_r (three (rows, LP) blocks by relative index) with axis SPLIT's replaced, if any."""
+    if SPLIT == 0:
+        return split_by_r, by_r[1], by_r[2]
+    if SPLIT == 1:
+        return by_r[0], split_by_r, by_r[2]
+    if SPLIT == 2:
+        return by_r[0], by_r[1], split_by_r
+    return by_r
 
 
 @triton.jit
@@ -664,37 +755,43 @@ def _by_relative(x, c, IS_QUERY: tl.constexpr, G, GP: tl.constexpr, LP: tl.const
 
 
 @triton.jit
-def _times_table(by_r, table, head, H, D: tl.constexpr, G, LP: tl.constexpr,
+def _times_table(by_r, table, head, H, D: tl.constexpr, L, LP: tl.constexpr,
                  PRECISION: tl.constexpr):
     """sum_a by_r[a] @ T[:, a] (by_r: _by_relative's blocks): (rows, D)."""
-    return (_split_dot(by_r[0], _axis_table(table, 0, head, H, D, G, LP), PRECISION)
-            + _split_dot(by_r[1], _axis_table(table, 1, head, H, D, G, LP), PRECISION)
-            + _split_dot(by_r[2], _axis_table(table, 2, head, H, D, G, LP), PRECISION))
+    return (_split_dot(by_r[0], _axis_table(table, 0, head, H, D, L, LP), PRECISION)
+            + _split_dot(by_r[1], _axis_table(table, 1, head, H, D, L, LP), PRECISION)
+            + _split_dot(by_r[2], _axis_table(table, 2, head, H, D, L, LP), PRECISION))
 
 
 @triton.jit
-def _add_table_grad(grad, by_r, rows, head, H, D: tl.constexpr, G, LP: tl.constexpr,
+def _add_table_grad(grad, by_r, rows, head, H, D: tl.constexpr, L, LP: tl.constexpr,
                     PRECISION: tl.constexpr):
     """Adds by_r[a]^T @ rows (by_r: _by_relative's blocks) to the gradient of T[:, a]."""
-    _add_to_table(grad, 0, head, H, D, G, LP, _split_dot(tl.trans(by_r[0]), rows, PRECISION))
-    _add_to_table(grad, 1, head, H, D, G, LP, _split_dot(tl.trans(by_r[1]), rows, PRECISION))
-    _add_to_table(grad, 2, head, H, D, G, LP, _split_dot(tl.trans(by_r[2]), rows, PRECISION))
+    _add_to_table(grad, 0, head, H, D, L, LP, _split_dot(tl.trans(by_r[0]), rows, PRECISION))
+    _add_to_table(grad, 1, head, H, D, L, LP, _split_dot(tl.trans(by_r[1]), rows, PRECISION))
+    _add_to_table(grad, 2, head, H, D, L, LP, _split_dot(tl.trans(by_r[2]), rows, PRECISION))
 
 
 @triton.jit
-def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, scale,
-                    D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One tile of BLOCK_M sorted query rows, one head: online softmax over the tile's key span."""
+def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, split_values, thresholds, N, H, G, L, T,
+                    FIRST, scale, D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr,
+                    LP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile of BLOCK_M sorted query rows, one head: online softmax over the tile's key span.
+    SPLIT >= 0: that axis's relative index is the split's (SplitAxis), per pair."""
     dtype = q.dtype.element_ty
     head = tl.program_id(1)
     rows, row_ok, row_window, lo, hi = _tile(start, end, tl.program_id(0) * BLOCK_M, N, BLOCK_M, -1)
     qs = _load_scaled(q, rows, row_ok, head, H, D, scale)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_p = _by_partner(qs, _halved_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
-        tk_halves = _halved_tables(tk, head, H, D, G, LP)
+        tq_halves = _halved_tables(tq, head, H, D, L, LP)
+        q_by_p = _by_partner(qs, tq_halves, qc, True, G, GP, PRECISION)
+        tk_halves = _halved_tables(tk, head, H, D, L, LP)
         v_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)  # sum_j p_ij [c_j = c], by column c
+        if SPLIT >= 0:
+            q_by_r = _products_by_relative(qs, tq_halves[SPLIT], PRECISION)
+            zero = tl.zeros([BLOCK_M, LP // 4], tl.float32)
+            v_split = (zero, zero, zero, zero)  # sum_j p_ij [r_ij = r], by column r
     m = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: masked rows never give inf - inf
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -704,7 +801,11 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _pick(q_by_p, kc) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION))
+            s += _pick(q_by_p, kc, SPLIT) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION, SPLIT))
+            if SPLIT >= 0:
+                r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True)
+                k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
+                s += _split_term(q_by_r, r) + tl.trans(_split_term(k_by_r, tl.trans(r)))
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -714,9 +815,14 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
         acc = acc * alpha[:, None] + _dot(p_rounded, vb, PRECISION)
         if REL:
             v_rel = v_rel * alpha[:, None] + _dot(p_rounded, k_hot, PRECISION)
+            if SPLIT >= 0:
+                v_split = _scaled_add(v_split, alpha, _histogram(p_rounded, r, LP))
         m = m_new
     if REL:
-        acc += _times_table(_by_relative(v_rel, qc, True, G, GP, LP), tv, head, H, D, G, LP, PRECISION)
+        by_r = _by_relative(v_rel, qc, True, G, GP, LP)
+        if SPLIT >= 0:
+            by_r = _with_split(by_r, _joined(v_split), SPLIT)
+        acc += _times_table(by_r, tv, head, H, D, L, LP, PRECISION)
     l = tl.where(l > 0, l, 1.0)  # only padding rows have no key
     _store_rows(out, rows, row_ok, head, H, D, acc / l[:, None])
     tl.store(lse + rows * H + head, m + tl.log(l), mask=row_ok)
@@ -724,8 +830,8 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, N, H, G, 
 
 @triton.jit
 def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
-                           start, end, coords, N, H, G, scale,
-                           D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr,
+                           start, end, coords, split_values, thresholds, N, H, G, L, T, FIRST, scale,
+                           D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr,
                            LP: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one query tile and head, the tile's share of dtq and dtv, and the tile's
@@ -740,11 +846,18 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
     row_lse = tl.load(lse + rows * H + head, mask=row_ok, other=0.0)
     if REL:
         qc = _load_coords(coords, rows, row_ok)
-        q_by_p = _by_partner(qs, _halved_tables(tq, head, H, D, G, LP), qc, True, G, GP, PRECISION)
-        do_by_p = _by_partner(dob, _halved_tables(tv, head, H, D, G, LP), qc, True, G, GP, PRECISION)
-        tk_halves = _halved_tables(tk, head, H, D, G, LP)
+        tq_halves = _halved_tables(tq, head, H, D, L, LP)
+        tv_halves = _halved_tables(tv, head, H, D, L, LP)
+        q_by_p = _by_partner(qs, tq_halves, qc, True, G, GP, PRECISION)
+        do_by_p = _by_partner(dob, tv_halves, qc, True, G, GP, PRECISION)
+        tk_halves = _halved_tables(tk, head, H, D, L, LP)
         ds_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
         p_rel = tl.zeros([BLOCK_M, 4 * GP], tl.float32)
+        if SPLIT >= 0:
+            q_by_r = _products_by_relative(qs, tq_halves[SPLIT], PRECISION)
+            do_by_r = _products_by_relative(dob, tv_halves[SPLIT], PRECISION)
+            zero = tl.zeros([BLOCK_M, LP // 4], tl.float32)
+            ds_split, p_split = (zero, zero, zero, zero), (zero, zero, zero, zero)
     dqs = tl.zeros([BLOCK_M, D], tl.float32)
     for first in range(lo, hi, BLOCK_N):
         cols, col_ok, col_window, kb, vb = _key_block(k, v, start, first, hi, head, H, D, BLOCK_N)
@@ -753,8 +866,13 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         if REL:
             kc = _load_coords(coords, cols, col_ok)
             k_hot = _one_hot(kc, GP, dtype)
-            s += _pick(q_by_p, kc) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION))
-            dp += _pick(do_by_p, kc)
+            s += _pick(q_by_p, kc, SPLIT) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION, SPLIT))
+            dp += _pick(do_by_p, kc, SPLIT)
+            if SPLIT >= 0:
+                r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True)
+                k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
+                s += _split_term(q_by_r, r) + tl.trans(_split_term(k_by_r, tl.trans(r)))
+                dp += _split_term(do_by_r, r)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds = (p * (dp - row_delta[:, None])).to(dtype)
@@ -762,18 +880,25 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
         if REL:
             ds_rel += _dot(ds, k_hot, PRECISION)
             p_rel += _dot(p.to(dtype), k_hot, PRECISION)
+            if SPLIT >= 0:
+                ds_split = _added(ds_split, _histogram(ds, r, LP))
+                p_split = _added(p_split, _histogram(p.to(dtype), r, LP))
     if REL:
         ds_by_r = _by_relative(ds_rel, qc, True, G, GP, LP)
-        dqs += _times_table(ds_by_r, tq, head, H, D, G, LP, PRECISION)
-        _add_table_grad(dtq, ds_by_r, qs, head, H, D, G, LP, PRECISION)
-        _add_table_grad(dtv, _by_relative(p_rel, qc, True, G, GP, LP), dob, head, H, D, G, LP, PRECISION)
+        p_by_r = _by_relative(p_rel, qc, True, G, GP, LP)
+        if SPLIT >= 0:
+            ds_by_r = _with_split(ds_by_r, _joined(ds_split), SPLIT)
+            p_by_r = _with_split(p_by_r, _joined(p_split), SPLIT)
+        dqs += _times_table(ds_by_r, tq, head, H, D, L, LP, PRECISION)
+        _add_table_grad(dtq, ds_by_r, qs, head, H, D, L, LP, PRECISION)
+        _add_table_grad(dtv, p_by_r, dob, head, H, D, L, LP, PRECISION)
     _store_rows(dq, rows, row_ok, head, H, D, dqs * scale)
 
 
 @triton.jit
 def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
-                         start, end, coords, N, H, G, scale,
-                         D: tl.constexpr, REL: tl.constexpr, GP: tl.constexpr,
+                         start, end, coords, split_values, thresholds, N, H, G, L, T, FIRST, scale,
+                         D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr,
                          LP: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv for one tile of BLOCK_N keys and one head (its query span, mirrored), and the
@@ -785,10 +910,15 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
     vb = _load_rows(v, cols, col_ok, head, H, D)
     if REL:
         kc = _load_coords(coords, cols, col_ok)
-        k_by_p = _by_partner(kb, _halved_tables(tk, head, H, D, G, LP), kc, False, G, GP, PRECISION)
-        tq_halves = _halved_tables(tq, head, H, D, G, LP)
-        tv_halves = _halved_tables(tv, head, H, D, G, LP)
+        tk_halves = _halved_tables(tk, head, H, D, L, LP)
+        k_by_p = _by_partner(kb, tk_halves, kc, False, G, GP, PRECISION)
+        tq_halves = _halved_tables(tq, head, H, D, L, LP)
+        tv_halves = _halved_tables(tv, head, H, D, L, LP)
         ds_rel = tl.zeros([BLOCK_N, 4 * GP], tl.float32)
+        if SPLIT >= 0:
+            k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
+            zero = tl.zeros([BLOCK_N, LP // 4], tl.float32)
+            ds_split = (zero, zero, zero, zero)
     dkb = tl.zeros([BLOCK_N, D], tl.float32)
     dvb = tl.zeros([BLOCK_N, D], tl.float32)
     for first in range(lo, hi, BLOCK_M):
@@ -803,8 +933,14 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         if REL:
             qc = _load_coords(coords, rows, row_ok)
             q_hot = _one_hot(qc, GP, dtype)
-            s += _pair_term(qs, tq_halves, qc, kc, True, G, PRECISION) + tl.trans(_pick(k_by_p, qc))
-            dp += _pair_term(dob, tv_halves, qc, kc, True, G, PRECISION)
+            s += _pair_term(qs, tq_halves, qc, kc, True, G, PRECISION, SPLIT) + tl.trans(_pick(k_by_p, qc, SPLIT))
+            dp += _pair_term(dob, tv_halves, qc, kc, True, G, PRECISION, SPLIT)
+            if SPLIT >= 0:
+                r_t = _split_index(split_values, thresholds, cols, col_ok, rows, row_ok, T, FIRST, False)
+                r = tl.trans(r_t)
+                s += (_split_term(_products_by_relative(qs, tq_halves[SPLIT], PRECISION), r)
+                      + tl.trans(_split_term(k_by_r, r_t)))
+                dp += _split_term(_products_by_relative(dob, tv_halves[SPLIT], PRECISION), r)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))
@@ -812,10 +948,14 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         dkb += _dot(ds_t, qs, PRECISION)
         if REL:
             ds_rel += _dot(ds_t, q_hot, PRECISION)
+            if SPLIT >= 0:
+                ds_split = _added(ds_split, _histogram(ds_t, r_t, LP))
     if REL:
         ds_by_r = _by_relative(ds_rel, kc, False, G, GP, LP)
-        dkb += _times_table(ds_by_r, tk, head, H, D, G, LP, PRECISION)
-        _add_table_grad(dtk, ds_by_r, kb, head, H, D, G, LP, PRECISION)
+        if SPLIT >= 0:
+            ds_by_r = _with_split(ds_by_r, _joined(ds_split), SPLIT)
+        dkb += _times_table(ds_by_r, tk, head, H, D, L, LP, PRECISION)
+        _add_table_grad(dtk, ds_by_r, kb, head, H, D, L, LP, PRECISION)
     _store_rows(dk, cols, col_ok, head, H, D, dkb)
     _store_rows(dv, cols, col_ok, head, H, D, dvb)
 
@@ -842,21 +982,30 @@ def window_row_windows(offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, tor
 @triton_op("lowconv::window_attention_forward", mutates_args=())
 def window_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor | None,
                              tk: torch.Tensor | None, tv: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor,
-                             coords: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             coords: torch.Tensor | None, split_values: torch.Tensor | None,
+                             thresholds: torch.Tensor | None, split_axis: int, split_first: int,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: out, and each row's log-sum-exp (N, h) fp32, which the backward reads;
-    autograd (register_autograd below) gives q, k, v and the tables their gradients."""
+    autograd (register_autograd below) gives q, k, v and the tables their gradients. A split axis
+    comes as its values and thresholds (float32, contiguous), axis and first bucket (else Nones)."""
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-    Launch(q, tq, start, end, coords, scale).run(_forward_kernel, q, k, v, out, lse, tq, tk, tv,
-                                                 launcher=wrap(_forward_kernel))
+    Launch(q, tq, start, end, coords, scale, split_axis_of(split_values, thresholds, split_axis, split_first)).run(
+        _forward_kernel, q, k, v, out, lse, tq, tk, tv, launcher=wrap(_forward_kernel))
     return out, lse
+
+
+def split_axis_of(values, thresholds, axis, first) -> SplitAxis | None:
+    return None if values is None else SplitAxis(axis, values, thresholds, first)
 
 
 @triton_op("lowconv::window_attention_backward", mutates_args=())
 def window_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               tq: torch.Tensor | None, tk: torch.Tensor | None, tv: torch.Tensor | None,
-                              start: torch.Tensor, end: torch.Tensor, coords: torch.Tensor | None, out: torch.Tensor,
-                              lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+                              start: torch.Tensor, end: torch.Tensor, coords: torch.Tensor | None,
+                              split_values: torch.Tensor | None, thresholds: torch.Tensor | None, split_axis: int,
+                              split_first: int, out: torch.Tensor, lse: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the tables' gradients (empty tensors without tables), from the forward's
     inputs, output and lse and the output's gradient (in the compute dtype, contiguous)."""
     delta = torch.empty_like(lse)  # written by the query kernel, read by the key kernel
@@ -865,7 +1014,7 @@ def window_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     # The kernels add to the table gradients with fp32 atomics.
     dtq, dtk, dtv = ((torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (tq, tk, tv))
                      if rel else (None, None, None))
-    launch = Launch(q, tq, start, end, coords, scale)
+    launch = Launch(q, tq, start, end, coords, scale, split_axis_of(split_values, thresholds, split_axis, split_first))
     launch.run(_backward_query_kernel, q, k, v, out, grad_out, lse, delta, dq, tq, tk, tv, dtq, dtv,
                launcher=wrap(_backward_query_kernel))
     launch.run(_backward_key_kernel, q, k, v, grad_out, lse, delta, dk, dv, tq, tk, tv, dtk,
@@ -876,17 +1025,18 @@ def window_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 def save_for_backward(ctx, inputs, output):
-    *tensors, scale = inputs
+    *tensors, split_axis, split_first, scale = inputs
     ctx.save_for_backward(*tensors, *output)
-    ctx.scale = scale
+    ctx.split, ctx.scale = (split_axis, split_first), scale
     ctx.mark_non_differentiable(output[1])
 
 
 def attention_backward(ctx, grad_out, _):
-    q, k, v, tq, tk, tv, start, end, coords, out, lse = ctx.saved_tensors
+    q, k, v, tq, tk, tv, start, end, coords, split_values, thresholds, out, lse = ctx.saved_tensors
     dq, dk, dv, *table_grads = torch.ops.lowconv.window_attention_backward(
-        as_operand(grad_out, q.dtype), q, k, v, tq, tk, tv, start, end, coords, out, lse, ctx.scale)
-    return dq, dk, dv, *(table_grads if tq is not None else (None,) * 3), None, None, None, None
+        as_operand(grad_out, q.dtype), q, k, v, tq, tk, tv, start, end, coords, split_values, thresholds,
+        *ctx.split, out, lse, ctx.scale)
+    return dq, dk, dv, *(table_grads if tq is not None else (None,) * 3), *(None,) * 8
 
 
 window_attention_forward.register_autograd(attention_backward, setup_context=save_for_backward)

@@ -17,7 +17,7 @@ from torch import nn
 from lowconv.compat import sptr
 from lowconv.kernels.window_attention import TRITON_DTYPES, SplitAxis, window_attention
 from lowconv.ops.attention_calls import SparseAttentionOptions, compute_dtype
-from lowconv.site import Site, dtype_name
+from lowconv.site import Site, dtype_name, tensor_meta
 
 
 # Where forward takes split_values and split (passes/window_attention.py builds the args).
@@ -39,9 +39,14 @@ class SparseWindowAttention(nn.Module):
     (N,) give it as buckets of split_values' pair differences (kernels.window_attention.SplitAxis).
     """
 
-    def __init__(self, compute_dtype: torch.dtype | None = None):
+    def __init__(self, compute_dtype: torch.dtype | None = None, split_thresholds: tuple[float, ...] | None = None):
         super().__init__()
         self.compute_dtype = compute_dtype  # None: q's dtype
+        # A split's thresholds on the module's device (float64 holds any float32 threshold exactly);
+        # not in the state dict: the plan's site holds them.
+        thresholds = torch.tensor(split_thresholds or (), dtype=torch.float64)
+        self.register_buffer("split_thresholds", thresholds if split_thresholds is not None else None,
+                             persistent=False)
 
     def forward(self, q, k, v, index_0_offsets=None, index_1=None, xyz=None, window_size=None, quant_size=None,
                 quant_grid_length=None, shift_win=False, table_q=None, table_k=None, table_v=None, coords=None,
@@ -54,8 +59,8 @@ class SparseWindowAttention(nn.Module):
         elif coords is not None:
             coords = sptr.coordinates_in_window(coords, row_windows[0], quant_grid_length)
         if split is not None:
-            axis, first, thresholds = split
-            split = SplitAxis(axis, split_values, split_values.new_tensor(thresholds), first)
+            axis, first, _ = split  # the thresholds are the module's
+            split = SplitAxis(axis, split_values, self.split_thresholds.to(split_values.dtype), first)
         if coords is not None:
             last = None if split is None else split.first + len(split.thresholds)
             tables = table_rows_read(quant_grid_length, last, table_q, table_k, table_v)
@@ -99,17 +104,23 @@ def window_site_problem(site: Site, options: SparseAttentionOptions) -> str | No
         return ('backend "sdpa" is for ordinary attention sites; an SpTr window chain runs the '
                 'window-attention kernels (use backend "auto" or "triton")')
     if site_may_run_on_cuda(site):
-        if len(site.args) > SPLIT_ARG and site.args[SPLIT_ARG] is not None:
-            return ("the window-attention kernel on CUDA does not compute a split axis yet (rel_idx's column "
-                    "rewritten by a split function, as SphereFormer's radial split); the torch reference "
-                    "does, off CUDA")
+        values = tensor_meta(site.args[SPLIT_VALUES_ARG]) if split_of(site) is not None else None
+        if values is not None and values.dtype != "float32":
+            return (f"the window-attention kernel on CUDA takes a split function's values in float32 (it "
+                    f"buckets their differences as float32), not {values.dtype}")
         return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
     return None
 
 
 def window_module(site: Site, options: SparseAttentionOptions, params: dict | None = None) -> SparseWindowAttention:
     """The site's module (no parameters: from_site and empty alike)."""
-    return SparseWindowAttention(compute_dtype(options))
+    split = split_of(site)
+    return SparseWindowAttention(compute_dtype(options), None if split is None else split[2])
+
+
+def split_of(site: Site) -> tuple | None:
+    """The site's split (axis, first, thresholds), where a split function rewrote its rel_idx."""
+    return site.args[SPLIT_ARG] if len(site.args) > SPLIT_ARG else None
 
 
 def window_kernel_problem(head_dim: int | None, dtype: torch.dtype) -> str | None:
