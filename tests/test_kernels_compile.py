@@ -74,14 +74,17 @@ def window_case(kernel_name, dtype, rel, g, split):
     import lowconv.kernels.window_attention as wa
 
     kernel = getattr(wa, kernel_name)
-    tiles = wa.tile_config(kernel, rel)
-    constexprs = dict(D=16, REL=rel, SPLIT=split, **wa.padded_widths(g, 2 * g if split >= 0 else None),
+    tiles = wa.tile_config(kernel, rel, split >= 0)
+    rows = 2 * g if split >= 0 else 2 * g - 1
+    widths = wa.padded_widths(g, rows)
+    constexprs = dict(D=16, REL=rel, SPLIT=split, **widths, **wa.split_widths(rows - 1 if split >= 0 else 0, rows,
+                                                                             widths["LP"]),
                       PRECISION="tf32x3" if dtype == "fp32" else "tf32", BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                       **({} if split >= 0 else {"split_values": None, "thresholds": None}))
     types = {"*": POINTER[dtype], "scale": "fp32", **{name: "i32" for name in ("N", "H", "G", "L", "T", "FIRST")},
              **{name: "*i32" for name in ("start", "end", "coords")},
              **{name: "*fp32" for name in ("lse", "delta", "dtq", "dtk", "dtv", "split_values", "thresholds")}}
-    return compile_for_sm90(kernel, types, constexprs, tiles.num_warps)
+    return compile_for_sm90(kernel, types, constexprs, tiles.num_warps, tiles.num_stages)
 
 
 def block_case(kernel_name, dtype, d, mask, variant):

@@ -356,14 +356,20 @@ class Tiles(NamedTuple):
     num_stages: int = 3  # Triton's software pipelining of the partner loop's loads (3: its default)
 
 
-def tile_config(kernel, rel):
+def tile_config(kernel, rel, split=False):
     """The Tiles of a kernel: the fastest of those tried on an H100 at N = 268,720, h = 1 and 4,
     d = 16, G = 24, fp16 (scripts/tune_window_attention.py; BENCHMARKS.md); bf16 and fp32 use the
     same (fp32 without relative position measured the same order). Relative position holds
     per-axis fp32 blocks per row in registers, so it runs best on small tiles; there the forward
     and the key kernel ran 6-7% faster capped at 168 registers (3 programs per SM, not 2; the
     spills it costs fall mostly outside the loop), the forward 1-4% faster without pipelining
-    its loop (about 3 steps per tile), and the query kernel the same either way (within 2%)."""
+    its loop (about 3 steps per tile), and the query kernel the same either way (within 2%).
+    With a split axis, whose per-pair comparisons (_histogram) hold a (rows, partners, LP/4) block,
+    narrower tiles: on an H200 (dense scene, h = 4, fp16, 47 thresholds) the forward took 5.6 ms at
+    (16, 32, 2 warps) against 13.9 at the (32, 16) tile, forward and backward 24.5 ms against 48.8
+    with the query kernel at (16, 32, 2 warps) and the key kernel at (32, 16)."""
+    if split:
+        return Tiles(32, 16, 4) if kernel is _backward_key_kernel else Tiles(16, 32, 2)
     if rel:
         if kernel is _backward_key_kernel:
             return Tiles(16, 32, 4, maxnreg=168)
@@ -380,6 +386,13 @@ def padded_widths(g, rows=None):
     those by relative index gather from two halves of LP/2 (_products_by_relative)."""
     return {"GP": max(8, triton.next_power_of_2(g)),
             "LP": max(16, triton.next_power_of_2(rows or 2 * g - 1))}
+
+
+def split_widths(count, rows, lp):
+    """TP, the split's thresholds padded to a power of two above their count (at least 16, for the
+    register gathers of _split_index), and CHUNKS, _histogram's chunks of LP/4 that hold the L
+    table rows."""
+    return {"TP": max(16, triton.next_power_of_2(count + 1)), "CHUNKS": triton.cdiv(rows, lp // 4)}
 
 
 class Launch:
@@ -404,17 +417,18 @@ class Launch:
         takes num_warps and num_stages, not maxnreg, as launch options."""
         if self.n == 0:
             return
-        tiles = tile_config(kernel, self.rel)
+        tiles = tile_config(kernel, self.rel, self.split[0] >= 0)
         tile = tiles.block_n if kernel is _backward_key_kernel else tiles.block_m
         launcher = launcher or kernel
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         if launcher is kernel:
             options["maxnreg"] = tiles.maxnreg
         axis, count, first = self.split
+        widths = padded_widths(self.g, self.rows)
         launcher[(triton.cdiv(self.n, tile), self.heads)](
             *tensors, *self.shared, self.n, self.heads, self.g, self.rows, count, first, self.scale, D=self.head_dim,
-            REL=self.rel, SPLIT=axis, **padded_widths(self.g, self.rows), PRECISION=self.precision,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **options)
+            REL=self.rel, SPLIT=axis, **split_widths(count, self.rows, widths["LP"]), **widths,
+            PRECISION=self.precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **options)
 
 
 @triton.jit
@@ -652,16 +666,23 @@ def _pair_term(x, tables, own, partner, IS_QUERY: tl.constexpr, G, PRECISION: tl
 
 @triton.jit
 def _split_index(values, thresholds, own_rows, own_ok, partner_rows, partner_ok, T, FIRST,
-                 IS_QUERY: tl.constexpr):
+                 IS_QUERY: tl.constexpr, TP: tl.constexpr):
     """(own, partners) int32: the split axis's relative index of each pair, FIRST + the number of
-    thresholds at or below d = values[query] - values[key] (fp32, as the split computed it)."""
+    thresholds at or below d = values[query] - values[key] (fp32, as the split computed it): a
+    binary search of log2(TP) steps over the T thresholds held in registers (padded to TP with
+    +inf), one register gather per pair and step."""
     own = tl.load(values + own_rows, mask=own_ok, other=0.0)
     partner = tl.load(values + partner_rows, mask=partner_ok, other=0.0)
     d = own[:, None] - partner[None, :] if IS_QUERY else partner[None, :] - own[:, None]
-    r = tl.zeros(d.shape, tl.int32) + FIRST
-    for m in range(T):
-        r += (d >= tl.load(thresholds + m)).to(tl.int32)
-    return r
+    m = tl.arange(0, TP)
+    sorted_thresholds = tl.load(thresholds + m, mask=m < T, other=float("inf"))
+    table = tl.broadcast_to(sorted_thresholds[None, :], (d.shape[0], TP))
+    count = tl.zeros(d.shape, tl.int32)  # thresholds[:count] are at or below d
+    for i in tl.static_range(9):  # steps TP/2, TP/4, ..., 1 (TP <= 512)
+        if (TP >> (i + 1)) > 0:  # sorted: thresholds[count + step - 1] <= d puts step more below d
+            below = tl.gather(table, count + ((TP >> (i + 1)) - 1), 1) <= d
+            count += tl.where(below, TP >> (i + 1), 0)
+    return count + FIRST
 
 
 @triton.jit
@@ -671,17 +692,25 @@ def _split_term(x_by_r, r):
 
 
 @triton.jit
-def _histogram(x, r, LP: tl.constexpr):
+def _histogram_chunk(values, index, C: tl.constexpr, W: tl.constexpr, CHUNKS: tl.constexpr):
+    """Chunk C of _histogram: (own, W), zeros for a chunk past the tables' rows."""
+    if C < CHUNKS:
+        w = C * W + tl.arange(0, W)[None, None, :]
+        return tl.sum(tl.where(index == w, values, 0.0), 1)
+    return tl.zeros([values.shape[0], W], tl.float32)
+
+
+@triton.jit
+def _histogram(x, r, LP: tl.constexpr, CHUNKS: tl.constexpr):
     """(own, LP) fp32 as four (own, LP/4) chunks: column w of chunk c sums x (own, partners) over
-    the partners whose split index r is c * LP/4 + w. A pair's index depends on the pair, not on
-    its partner alone, so no one-hot matrix of the partners can sum it: each chunk compares every
-    pair with LP/4 indices (chunks bound the registers of the (own, partners, LP/4) comparison)."""
+    the partners whose split index r is c * LP/4 + w; the first CHUNKS chunks hold the tables'
+    rows, the others are zeros. A pair's index depends on the pair, not on its partner alone, so
+    no one-hot matrix of the partners can sum it: each chunk compares every pair with LP/4 indices
+    (chunks bound the registers of the (own, partners, LP/4) comparison)."""
     W: tl.constexpr = LP // 4
-    w = tl.arange(0, W)[None, None, :]
     values, index = x.to(tl.float32)[:, :, None], r[:, :, None]
-    return (tl.sum(tl.where(index == w, values, 0.0), 1), tl.sum(tl.where(index == w + W, values, 0.0), 1),
-            tl.sum(tl.where(index == w + 2 * W, values, 0.0), 1),
-            tl.sum(tl.where(index == w + 3 * W, values, 0.0), 1))
+    return (_histogram_chunk(values, index, 0, W, CHUNKS), _histogram_chunk(values, index, 1, W, CHUNKS),
+            _histogram_chunk(values, index, 2, W, CHUNKS), _histogram_chunk(values, index, 3, W, CHUNKS))
 
 
 @triton.jit
@@ -774,8 +803,9 @@ def _add_table_grad(grad, by_r, rows, head, H, D: tl.constexpr, L, LP: tl.conste
 
 @triton.jit
 def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, split_values, thresholds, N, H, G, L, T,
-                    FIRST, scale, D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr,
-                    LP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    FIRST, scale, D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, TP: tl.constexpr,
+                    CHUNKS: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile of BLOCK_M sorted query rows, one head: online softmax over the tile's key span.
     SPLIT >= 0: that axis's relative index is the split's (SplitAxis), per pair."""
     dtype = q.dtype.element_ty
@@ -803,7 +833,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, split_val
             k_hot = _one_hot(kc, GP, dtype)
             s += _pick(q_by_p, kc, SPLIT) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION, SPLIT))
             if SPLIT >= 0:
-                r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True)
+                r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True, TP)
                 k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
                 s += _split_term(q_by_r, r) + tl.trans(_split_term(k_by_r, tl.trans(r)))
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
@@ -816,7 +846,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, split_val
         if REL:
             v_rel = v_rel * alpha[:, None] + _dot(p_rounded, k_hot, PRECISION)
             if SPLIT >= 0:
-                v_split = _scaled_add(v_split, alpha, _histogram(p_rounded, r, LP))
+                v_split = _scaled_add(v_split, alpha, _histogram(p_rounded, r, LP, CHUNKS))
         m = m_new
     if REL:
         by_r = _by_relative(v_rel, qc, True, G, GP, LP)
@@ -831,7 +861,8 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, split_val
 @triton.jit
 def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
                            start, end, coords, split_values, thresholds, N, H, G, L, T, FIRST, scale,
-                           D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr,
+                           D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, TP: tl.constexpr,
+                           CHUNKS: tl.constexpr, GP: tl.constexpr,
                            LP: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq for one query tile and head, the tile's share of dtq and dtv, and the tile's
@@ -869,7 +900,7 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
             s += _pick(q_by_p, kc, SPLIT) + tl.trans(_pair_term(kb, tk_halves, kc, qc, False, G, PRECISION, SPLIT))
             dp += _pick(do_by_p, kc, SPLIT)
             if SPLIT >= 0:
-                r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True)
+                r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True, TP)
                 k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
                 s += _split_term(q_by_r, r) + tl.trans(_split_term(k_by_r, tl.trans(r)))
                 dp += _split_term(do_by_r, r)
@@ -881,8 +912,8 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
             ds_rel += _dot(ds, k_hot, PRECISION)
             p_rel += _dot(p.to(dtype), k_hot, PRECISION)
             if SPLIT >= 0:
-                ds_split = _added(ds_split, _histogram(ds, r, LP))
-                p_split = _added(p_split, _histogram(p.to(dtype), r, LP))
+                ds_split = _added(ds_split, _histogram(ds, r, LP, CHUNKS))
+                p_split = _added(p_split, _histogram(p.to(dtype), r, LP, CHUNKS))
     if REL:
         ds_by_r = _by_relative(ds_rel, qc, True, G, GP, LP)
         p_by_r = _by_relative(p_rel, qc, True, G, GP, LP)
@@ -898,8 +929,8 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
 @triton.jit
 def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
                          start, end, coords, split_values, thresholds, N, H, G, L, T, FIRST, scale,
-                         D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, GP: tl.constexpr,
-                         LP: tl.constexpr, PRECISION: tl.constexpr,
+                         D: tl.constexpr, REL: tl.constexpr, SPLIT: tl.constexpr, TP: tl.constexpr,
+                         CHUNKS: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dk, dv for one tile of BLOCK_N keys and one head (its query span, mirrored), and the
     tile's share of dtk."""
@@ -936,7 +967,7 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
             s += _pair_term(qs, tq_halves, qc, kc, True, G, PRECISION, SPLIT) + tl.trans(_pick(k_by_p, qc, SPLIT))
             dp += _pair_term(dob, tv_halves, qc, kc, True, G, PRECISION, SPLIT)
             if SPLIT >= 0:
-                r_t = _split_index(split_values, thresholds, cols, col_ok, rows, row_ok, T, FIRST, False)
+                r_t = _split_index(split_values, thresholds, cols, col_ok, rows, row_ok, T, FIRST, False, TP)
                 r = tl.trans(r_t)
                 s += (_split_term(_products_by_relative(qs, tq_halves[SPLIT], PRECISION), r)
                       + tl.trans(_split_term(k_by_r, r_t)))
@@ -949,7 +980,7 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
         if REL:
             ds_rel += _dot(ds_t, q_hot, PRECISION)
             if SPLIT >= 0:
-                ds_split = _added(ds_split, _histogram(ds_t, r_t, LP))
+                ds_split = _added(ds_split, _histogram(ds_t, r_t, LP, CHUNKS))
     if REL:
         ds_by_r = _by_relative(ds_rel, kc, False, G, GP, LP)
         if SPLIT >= 0:
