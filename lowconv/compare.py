@@ -70,11 +70,26 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     for name, ref, test in paired_outputs(checked, traced):
         metrics = reports.tensor_metrics(ref, test)
         if not metrics.sqnr_db >= TRACE_FIDELITY_DB:
-            raise LowconvError(
-                f"the traced model does not compute what the model does on these inputs ({name}: "
-                f"SQNR {metrics.sqnr_db:.1f} dB): code that depends on data, on self.training or on "
-                f"arguments was frozen by tracing; the plan lists the traced regions")
+            raise LowconvError(unfaithful_trace(original, args, kwargs, reference, name, metrics.sqnr_db))
     return reference, calls
+
+
+def unfaithful_trace(original: nn.Module, args, kwargs, reference, name: str, sqnr_db: float) -> str:
+    """Why the traced copy's output `name` differs from the model's: the model itself, where a
+    second run of it differs from its first as much (its own kernels are nondeterministic, e.g. a
+    library's multithreaded CPU convolutions), else tracing."""
+    again = dict(reports.flatten_outputs(run_eval(original, args, kwargs)))
+    first = dict(reports.flatten_outputs(reference))
+    itself = reports.tensor_metrics(first[name], again[name]).sqnr_db if name in first and name in again else math.inf
+    if not itself >= TRACE_FIDELITY_DB:
+        return (f"the model does not compute the same {name} twice on these inputs (SQNR {itself:.1f} dB between "
+                f"two runs of the unconverted model), so no conversion's accuracy can be measured: its own "
+                f"computation is nondeterministic (randomness in eval mode, or kernels whose sums depend on "
+                f"threads, as spconv's on the CPU); make it repeat itself (e.g. torch.set_num_threads(1) in "
+                f"the model file) and convert again")
+    return (f"the traced model does not compute what the model does on these inputs ({name}: "
+            f"SQNR {sqnr_db:.1f} dB): code that depends on data, on self.training or on "
+            f"arguments was frozen by tracing; the plan lists the traced regions")
 
 
 

@@ -241,3 +241,23 @@ def test_model_writing_into_its_inputs(how, recipe, tmp_path):
     if recipe == "keep-all":
         assert torch.equal(converted(x.clone(), scale=scale.clone()), expected)
     assert torch.equal(again(x.clone(), scale=scale.clone()), converted(x.clone(), scale=scale.clone()))
+
+
+def test_a_model_that_does_not_repeat_itself_is_named_as_the_cause():
+    """A model whose output changes from run to run (here a counter of its calls; spconv's threaded
+    CPU convolutions in SphereFormer) is refused as such, not as a tracing problem."""
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return self.fc(x) + 0.1 * self.calls
+
+    model, x = Noisy().eval(), torch.randn(8, 16)
+    converted = lowconv.convert(model, "fp8-dynamic", x)
+    with pytest.raises(LowconvError, match=r"does not compute the same output twice on these inputs \(SQNR [\d.]+ "
+                                           r"dB between two runs of the unconverted model\)"):
+        lowconv.compare(model, converted, x)
