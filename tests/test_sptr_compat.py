@@ -1,5 +1,8 @@
 """lowconv.compat.sptr against SpTr's layout and a dense per-window float64 reference."""
+import importlib
 import operator
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -572,3 +575,25 @@ def test_the_examples_relative_position_moves_its_output_past_the_report_gate():
             if name.endswith("_table"):
                 table.zero_()
         assert tensor_metrics(example.model(*example.inputs), without(*example.inputs)).sqnr_db < 20
+
+
+def test_install_as_stands_for_an_sptr_package():
+    """SphereFormer imports SpTr as `third_party.SparseTransformer.sptr`: after install_as, that
+    import gives compat, and a package already imported under the name is refused."""
+    name = "vendored_for_test.SparseTransformer.sptr"
+    sptr.install_as(name)
+    try:
+        imported = importlib.import_module(name)
+        assert imported is sptr
+        namespace = {}
+        exec(f"from {name} import to_3d_numpy, SparseTrTensor, sparse_self_attention, get_indices_params", namespace)
+        assert namespace["sparse_self_attention"] is sptr.sparse_self_attention
+        sptr.install_as(name)  # again: already this module
+    finally:
+        del sys.modules[name]
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        with pytest.raises(ValueError, match=rf"{name} is imported already .*call it before the model's code imports"):
+            sptr.install_as(name)
+    finally:
+        del sys.modules[name]

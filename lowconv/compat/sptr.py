@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import sys
 
 import numpy as np
 import torch
@@ -41,6 +42,21 @@ import torch.fx
 from torch import nn
 
 PE_TYPES = ("none", "contextual")
+
+
+def install_as(package: str = "sptr") -> None:
+    """Make `import <package>` give this module, so that a model written against SpTr's package runs
+    on these ops with no CUDA build of SpTr: SphereFormer's model does
+    `from third_party.SparseTransformer.sptr import to_3d_numpy, SparseTrTensor, ...`, which after
+    `install_as("third_party.SparseTransformer.sptr")` imports them from here. The package itself
+    only (SpTr's submodules, functional and utils, are not stood for). Call it before the model's
+    code imports the package; a package already imported is refused by name."""
+    this = sys.modules[__name__]
+    loaded = sys.modules.get(package)
+    if loaded is not None and loaded is not this:
+        raise ValueError(f"install_as({package!r}): {package} is imported already ({loaded!r}); call it before "
+                         f"the model's code imports {package}")
+    sys.modules[package] = this
 
 
 def to_3d(size) -> tuple[float, float, float]:
