@@ -16,6 +16,7 @@ from lowconv.passes.trace import Region
 MATMULS = (operator.matmul, torch.matmul)
 ADDS = (operator.add, torch.add)
 CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous")
+INT_CASTS = ("int", "long")
 
 
 def op_is(node, functions=(), methods=()) -> bool:
@@ -39,6 +40,21 @@ def is_cast(node: fx.Node) -> bool:
         return False
     dtypes = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
     return all(d.is_floating_point for d in dtypes)
+
+
+def casts(node) -> list[fx.Node]:
+    """The chain of integer casts (`.int()`, `.long()`) that node is, outermost first."""
+    found = []
+    while op_is(node, (), INT_CASTS):
+        found.append(node)
+        node = node.args[0]
+    return found
+
+
+def uncast(node):
+    """node less its integer casts (SpTr passes `index_0_offsets.long()` where its op took it)."""
+    chain = casts(node)
+    return chain[-1].args[0] if chain else node
 
 
 def mutates(node: fx.Node) -> bool:

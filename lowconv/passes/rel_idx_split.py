@@ -25,10 +25,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from lowconv.passes.fx_nodes import mutates, op_is
+from lowconv.passes.fx_nodes import INT_CASTS, casts, mutates, op_is, uncast
 from lowconv.site import tensor_meta
 
-INT_CASTS = ("int", "long")
 CLAMPS, CLAMP_METHODS = (torch.clamp, torch.clip), ("clamp", "clip")
 SUBS = (operator.sub, torch.sub)
 # The float dtypes whose order the thresholds are searched in, with the unsigned ints of their width.
@@ -59,10 +58,10 @@ class RelIdxSplit:
         return self.first + len(self.thresholds)
 
 
-def rel_idx_split(rel_idx, index_0, index_1, uncast) -> RelIdxSplit | str | None:
+def rel_idx_split(rel_idx, index_0, index_1) -> RelIdxSplit | str | None:
     """rel_idx read as a split function's rewrite of one column (see the module doc); None where it
     is no such rewrite (no clone written in place under its casts and clamps), else why it cannot be
-    read. `uncast` strips an index tensor's integer casts."""
+    read."""
     outer, node = [], rel_idx
     while op_is(node, CLAMPS, CLAMP_METHODS + INT_CASTS):
         outer.append(node)
@@ -79,7 +78,7 @@ def rel_idx_split(rel_idx, index_0, index_1, uncast) -> RelIdxSplit | str | None
         return f"a split function writes rel_idx at {index!r}, not at one whole column [:, a]"
     if outer and set(node.users) != {write, outer[-1]}:
         return "the rel_idx a split function rewrote is also read before its clamps and casts"
-    cone = pair_function(value, index_0, index_1, uncast)
+    cone = pair_function(value, index_0, index_1)
     if isinstance(cone, str):
         return cone
     differences, between, inputs = cone
@@ -112,7 +111,7 @@ def column_of(index) -> int | None:
     return None
 
 
-def pair_function(value, index_0, index_1, uncast):
+def pair_function(value, index_0, index_1):
     """How `value` is computed from differences s[index_0] - s[index_1] of one per-point tensor s
     and from numbers alone: (the difference nodes, the nodes from them to value, the differences'
     getitems and index casts), each in graph order; else why not."""
@@ -121,7 +120,7 @@ def pair_function(value, index_0, index_1, uncast):
         node = todo.pop()
         if node in between or node in differences:
             continue
-        if is_difference(node, index_0, index_1, uncast):
+        if is_difference(node, index_0, index_1):
             differences.add(node)
             continue
         if node.op not in ("call_function", "call_method"):
@@ -137,19 +136,11 @@ def pair_function(value, index_0, index_1, uncast):
     if any(mutates(user) and user.args[0] is node and user not in between for node in between for user in node.users):
         return "a tensor the split function computes is changed in place"
     getitems = [g for d in differences for g in d.args]
-    inputs = [*getitems, *(cast for g in getitems for cast in casts_of(g.args[1]))]
+    inputs = [*getitems, *(cast for g in getitems for cast in casts(g.args[1]))]
     return sorted(differences), sorted(between), sorted(set(inputs))
 
 
-def casts_of(node) -> list[fx.Node]:
-    found = []
-    while op_is(node, (), INT_CASTS):
-        found.append(node)
-        node = node.args[0]
-    return found
-
-
-def is_difference(node, index_0, index_1, uncast) -> bool:
+def is_difference(node, index_0, index_1) -> bool:
     """Whether node is s[index_0] - s[index_1] (the index tensors with any integer casts)."""
     if not (op_is(node, SUBS) and not node.kwargs and len(node.args) == 2
             and all(op_is(a, (operator.getitem,)) for a in node.args)):

@@ -58,7 +58,7 @@ from lowconv.compat import sptr
 from lowconv.compat.sptr_install import as_compat
 from lowconv.ops.window_attention import SPLIT_VALUES_ARG
 from lowconv.passes.attention import attention_site
-from lowconv.passes.fx_nodes import call_args, is_number, mutates, op_is
+from lowconv.passes.fx_nodes import INT_CASTS, call_args, casts, is_number, mutates, op_is, uncast
 from lowconv.passes.rel_idx_split import RelIdxSplit, rel_idx_split
 from lowconv.passes.trace import Region
 from lowconv.site import Site, WindowInfo, tensor_meta
@@ -73,7 +73,6 @@ STEP2_REL_ARGS = ("attn", "v", "index_0", "index_0_offsets", "n_max", "index_1",
                   "rel_idx")
 REL_IDX_ARGS = ("xyz", "index_0", "index_1", "window_size", "quant_size", "quant_grid_length", "shift_win")
 SHARED = ("index_0", "index_0_offsets", "index_1", "index_1_offsets")
-INT_CASTS = ("int", "long")
 CLAMPS, CLAMP_METHODS = (torch.clamp, torch.clip), ("clamp", "clip")
 ADDS, SUBS = (operator.add, torch.add), (operator.sub, torch.sub)
 # What makes whole numbers of any tensor (torch.div and .div only with a rounding mode).
@@ -84,21 +83,6 @@ ROUNDING_METHODS = ("floor_divide", "floor", "ceil", "trunc") + INT_CASTS
 def calls(node, function) -> bool:
     """Whether node calls `function`, a lowconv.compat.sptr function, or a real SpTr op standing for it."""
     return isinstance(node, fx.Node) and node.op == "call_function" and as_compat(node.target) is function
-
-
-def casts(node) -> list[fx.Node]:
-    """The chain of integer casts (`.int()`, `.long()`) that node is, outermost first."""
-    found = []
-    while op_is(node, (), INT_CASTS):
-        found.append(node)
-        node = node.args[0]
-    return found
-
-
-def uncast(node):
-    """node less its integer casts: real SpTr passes `index_0_offsets.long()` to the softmax."""
-    chain = casts(node)
-    return chain[-1].args[0] if chain else node
 
 
 def op_args(node: fx.Node, names: tuple[str, ...]) -> dict:
@@ -187,7 +171,7 @@ def chain_site(region: Region, step2: fx.Node, names: dict[str, set[str]]) -> Si
     if contextual:
         rel_idx = first["rel_idx"]
         tables = [first["table_q"], first["table_k"], second["table_v"]]
-        split = rel_idx_split(rel_idx, first["index_0"], first["index_1"], uncast)
+        split = rel_idx_split(rel_idx, first["index_0"], first["index_1"])
         base = split.base if isinstance(split, RelIdxSplit) else rel_idx
         grid_length = None
         if second["rel_idx"] is not rel_idx:
