@@ -15,11 +15,10 @@ POINTER = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 WINDOW_KERNELS = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
 # SphereFormer's grid (G = 24: L = 47) in every dtype, and a small grid (G = 4, the CPU tests' grid) whose
 # narrow per-axis blocks once failed to compile; a split axis (last field: -1 none) as SphereFormer's
-# radial one (axis 2, L = 48), and on axis 0 of the small grid.
+# radial one (axis 2, L = 48).
 WINDOW_CASES = ([(kernel, dtype, rel, 24, -1) for kernel in WINDOW_KERNELS for dtype in ("fp16", "bf16", "fp32")
                  for rel in (False, True)] + [(kernel, "fp16", True, 4, -1) for kernel in WINDOW_KERNELS]
-                + [(kernel, "fp16", True, 24, 2) for kernel in WINDOW_KERNELS]
-                + [(kernel, "fp32", True, 4, 0) for kernel in WINDOW_KERNELS])
+                + [(kernel, "fp16", True, 24, 2) for kernel in WINDOW_KERNELS])
 FP8_CASES = ([("amax", "e4m3", mul, wide) for mul in (0, 1, 2) for wide in (False, True)]
              + [("cast", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1) for mode in ("dynamic", "count")]
              + [("cast_transposed", fp8, mul, mode) for fp8 in ("e4m3", "e5m2") for mul in (0, 1, 2)
