@@ -99,7 +99,7 @@ class Problem:
 
 
 def use_config(module, config):
-    module.tile_config = lambda kernel, rel: config
+    module.tile_config = lambda kernel, rel, split=False: config
 
 
 def run_jobs(selected, heads, measure, baseline):

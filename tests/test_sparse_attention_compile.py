@@ -177,10 +177,15 @@ def window_problem(rel=True):
     return q, k, v, tables, start, end, None if coords is None else pack_coords(coords), offsets
 
 
-@pytest.mark.parametrize("rel", [True, False])
-def test_window_ops_pass_opcheck(rel):
+@pytest.mark.parametrize("rel, split", [(True, False), (False, False), (True, True)])
+def test_window_ops_pass_opcheck(rel, split):
     q, k, v, tables, start, end, coords, offsets = window_problem(rel)
-    args = (q, k, v, *tables, start, end, coords, 0.25)
+    split_args = (None, None, -1, 0)
+    if split:  # axis 1 from per-point values, buckets 0 to 2G-1: tables of 2G rows
+        tables = tuple(torch.cat([t, t[-1:]]).detach().requires_grad_() for t in tables)
+        values = torch.randn(q.shape[0], generator=torch.Generator().manual_seed(7))
+        split_args = (values, torch.tensor([-0.8, -0.2, 0.0, 0.1, 0.5, 0.9, 1.3]), 1, 0)
+    args = (q, k, v, *tables, start, end, coords, *split_args, 0.25)
     torch.library.opcheck(torch.ops.lowconv.window_attention_forward.default, args)
     out, lse = torch.ops.lowconv.window_attention_forward(*args)
     detached = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args[:-1])
@@ -265,7 +270,8 @@ def kernels_written_when_traced():
     wq, wk, wv, tables, start, end, coords, offsets = window_problem(True)
 
     def window(q, k, v, tq, tk, tv, start, end, coords):
-        out, _ = torch.ops.lowconv.window_attention_forward(q, k, v, tq, tk, tv, start, end, coords, 0.25)
+        out, _ = torch.ops.lowconv.window_attention_forward(q, k, v, tq, tk, tv, start, end, coords, None, None, -1, 0,
+                                                            0.25)
         return torch.autograd.grad(out.square().sum(), (q, k, v, tq, tk, tv))
 
     return {"block": written(block, q, k, v, keep, padding, *blocks,
