@@ -686,12 +686,6 @@ def _split_index(values, thresholds, own_rows, own_ok, partner_rows, partner_ok,
 
 
 @triton.jit
-def _split_term(x_by_r, r):
-    """(own, partners): x_by_r (_products_by_relative of the own rows) at each pair's split index."""
-    return _gather_relative(x_by_r, r)
-
-
-@triton.jit
 def _histogram_chunk(values, index, C: tl.constexpr, W: tl.constexpr, CHUNKS: tl.constexpr):
     """Chunk C of _histogram: (own, W), zeros for a chunk past the tables' rows."""
     if C < CHUNKS:
@@ -835,7 +829,7 @@ def _forward_kernel(q, k, v, out, lse, tq, tk, tv, start, end, coords, split_val
             if SPLIT >= 0:
                 r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True, TP)
                 k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
-                s += _split_term(q_by_r, r) + tl.trans(_split_term(k_by_r, tl.trans(r)))
+                s += _gather_relative(q_by_r, r) + tl.trans(_gather_relative(k_by_r, tl.trans(r)))
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -902,8 +896,8 @@ def _backward_query_kernel(q, k, v, o, do, lse, delta, dq, tq, tk, tv, dtq, dtv,
             if SPLIT >= 0:
                 r = _split_index(split_values, thresholds, rows, row_ok, cols, col_ok, T, FIRST, True, TP)
                 k_by_r = _products_by_relative(kb, tk_halves[SPLIT], PRECISION)
-                s += _split_term(q_by_r, r) + tl.trans(_split_term(k_by_r, tl.trans(r)))
-                dp += _split_term(do_by_r, r)
+                s += _gather_relative(q_by_r, r) + tl.trans(_gather_relative(k_by_r, tl.trans(r)))
+                dp += _gather_relative(do_by_r, r)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds = (p * (dp - row_delta[:, None])).to(dtype)
@@ -969,9 +963,9 @@ def _backward_key_kernel(q, k, v, do, lse, delta, dk, dv, tq, tk, tv, dtk,
             if SPLIT >= 0:
                 r_t = _split_index(split_values, thresholds, cols, col_ok, rows, row_ok, T, FIRST, False, TP)
                 r = tl.trans(r_t)
-                s += (_split_term(_products_by_relative(qs, tq_halves[SPLIT], PRECISION), r)
-                      + tl.trans(_split_term(k_by_r, r_t)))
-                dp += _split_term(_products_by_relative(dob, tv_halves[SPLIT], PRECISION), r)
+                s += (_gather_relative(_products_by_relative(qs, tq_halves[SPLIT], PRECISION), r)
+                      + tl.trans(_gather_relative(k_by_r, r_t)))
+                dp += _gather_relative(_products_by_relative(dob, tv_halves[SPLIT], PRECISION), r)
         s = tl.where(row_window[:, None] == col_window[None, :], s, float("-inf"))
         p = tl.exp(s - row_lse[:, None])
         ds_t = tl.trans((p * (dp - row_delta[:, None])).to(dtype))

@@ -15,6 +15,8 @@ from lowconv.passes.trace import Region
 
 MATMULS = (operator.matmul, torch.matmul)
 ADDS = (operator.add, torch.add)
+SUBS = (operator.sub, torch.sub)
+CLAMPS, CLAMP_METHODS = (torch.clamp, torch.clip), ("clamp", "clip")
 CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous")
 INT_CASTS = ("int", "long")
 

@@ -25,11 +25,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from lowconv.passes.fx_nodes import INT_CASTS, casts, mutates, op_is, uncast
+from lowconv.passes.fx_nodes import CLAMP_METHODS, CLAMPS, INT_CASTS, SUBS, casts, mutates, op_is, uncast
 from lowconv.site import tensor_meta
 
-CLAMPS, CLAMP_METHODS = (torch.clamp, torch.clip), ("clamp", "clip")
-SUBS = (operator.sub, torch.sub)
 # The float dtypes whose order the thresholds are searched in, with the unsigned ints of their width.
 UINTS = {torch.float16: np.uint16, torch.float32: np.uint32, torch.float64: np.uint64}
 NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}

@@ -58,7 +58,8 @@ from lowconv.compat import sptr
 from lowconv.compat.sptr_install import as_compat
 from lowconv.ops.window_attention import SPLIT_VALUES_ARG
 from lowconv.passes.attention import attention_site
-from lowconv.passes.fx_nodes import INT_CASTS, call_args, casts, is_number, mutates, op_is, uncast
+from lowconv.passes.fx_nodes import (ADDS, CLAMP_METHODS, CLAMPS, INT_CASTS, SUBS, call_args, casts, is_number,
+                                     mutates, op_is, uncast)
 from lowconv.passes.rel_idx_split import RelIdxSplit, rel_idx_split
 from lowconv.passes.trace import Region
 from lowconv.site import Site, WindowInfo, tensor_meta
@@ -73,8 +74,6 @@ STEP2_REL_ARGS = ("attn", "v", "index_0", "index_0_offsets", "n_max", "index_1",
                   "rel_idx")
 REL_IDX_ARGS = ("xyz", "index_0", "index_1", "window_size", "quant_size", "quant_grid_length", "shift_win")
 SHARED = ("index_0", "index_0_offsets", "index_1", "index_1_offsets")
-CLAMPS, CLAMP_METHODS = (torch.clamp, torch.clip), ("clamp", "clip")
-ADDS, SUBS = (operator.add, torch.add), (operator.sub, torch.sub)
 # What makes whole numbers of any tensor (torch.div and .div only with a rounding mode).
 ROUNDINGS = (operator.floordiv, torch.floor_divide, torch.floor, torch.ceil, torch.trunc)
 ROUNDING_METHODS = ("floor_divide", "floor", "ceil", "trunc") + INT_CASTS
