@@ -152,6 +152,18 @@ def test_a_radial_split_converts_equal_to_the_original():
         torch.testing.assert_close(converted(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
 
 
+def test_the_split_survives_a_cast_of_the_converted_model():
+    """model.half() casts floating buffers: the op keeps its thresholds as integers (their bits)."""
+    model, inputs = Radial(radial_buckets).eval(), scene()
+    converted = lowconv.convert(model, FLOAT32, inputs)
+    [op] = [m for m in converted.modules() if hasattr(m, "split_thresholds")]
+    before = op.split_thresholds.view(torch.float64).clone()
+    converted.half().float()
+    assert torch.equal(op.split_thresholds.view(torch.float64), before)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(*inputs), model(*inputs), rtol=1e-2, atol=1e-2)
+
+
 def test_a_split_of_two_values_is_kept_with_why():
     model, inputs = Radial(two_differences).eval(), scene()
     [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])

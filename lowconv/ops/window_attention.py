@@ -42,9 +42,10 @@ class SparseWindowAttention(nn.Module):
     def __init__(self, compute_dtype: torch.dtype | None = None, split_thresholds: tuple[float, ...] | None = None):
         super().__init__()
         self.compute_dtype = compute_dtype  # None: q's dtype
-        # A split's thresholds on the module's device (float64 holds any float32 threshold exactly);
-        # not in the state dict: the plan's site holds them.
-        thresholds = torch.tensor(split_thresholds or (), dtype=torch.float64)
+        # A split's thresholds on the module's device, as the bits of float64s (which hold any float32
+        # threshold exactly): integers, so that model.half() leaves them whole. Not in the state
+        # dict: the plan's site holds them.
+        thresholds = torch.tensor(split_thresholds or (), dtype=torch.float64).view(torch.int64)
         self.register_buffer("split_thresholds", thresholds if split_thresholds is not None else None,
                              persistent=False)
 
@@ -60,7 +61,8 @@ class SparseWindowAttention(nn.Module):
             coords = sptr.coordinates_in_window(coords, row_windows[0], quant_grid_length)
         if split is not None:
             axis, first, _ = split  # the thresholds are the module's
-            split = SplitAxis(axis, split_values, self.split_thresholds.to(split_values.dtype), first)
+            thresholds = self.split_thresholds.view(torch.float64).to(split_values.dtype)
+            split = SplitAxis(axis, split_values, thresholds, first)
         if coords is not None:
             last = None if split is None else split.first + len(split.thresholds)
             tables = table_rows_read(quant_grid_length, last, table_q, table_k, table_v)
