@@ -41,6 +41,14 @@ padding it to a power of two); after the loop it splits into the three axes' (ro
 each re-indexed per row to (rows, L) by r (`_by_relative`), then multiplied with the table or
 with the rows: per axis an (L, d) table-gradient block per tile, added with one relaxed fp32
 atomic per element. The kernels read the coordinates packed one int per point (`pack_coords`).
+
+A split axis (SplitAxis: SphereFormer's radial axis, as its split function computes it) takes
+r from per-point values instead: r = first + #{thresholds <= values_i - values_j}, the difference
+in fp32 and the count a binary search over the thresholds held in registers (`_split_index`), so
+the tables may have 2G rows. Such an r depends on the pair, not on a coordinate of each point:
+its logit terms gather each pair's entry from the products by r on both sides, and its sums over
+pairs compare every pair with every r (`_histogram`, chunks of (rows, partners, LP/4)) where the
+other axes take one MMA with the one-hot coordinates; the split kernels run on narrower tiles.
 They are the custom ops torch.ops.lowconv.window_attention_forward, _backward and
 window_row_windows (at the end of the file), which torch.compile takes whole.
 (scripts/tune_window_attention.py measures the alternatives and what each of these choices gains.)
