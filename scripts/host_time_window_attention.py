@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-import lowconv.kernels.window_attention as wa  # noqa: E402
+import lowconv.kernels.window_attention_triton as wa  # noqa: E402
 from scripts.bench_sparse_attention import (FULL_POINTS, build_scene, forward_call, lowconv_peer,  # noqa: E402
                                             make_inputs, train_call)
 from scripts.bench_common import host_ms  # noqa: E402

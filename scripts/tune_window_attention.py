@@ -2,7 +2,7 @@
 """Tile sizes of the window-attention kernels, measured: each kernel alone, for each candidate
 Tiles (BLOCK_M, BLOCK_N, num_warps), on the dense scene of bench_sparse_attention.py (268,720
 voxels, head_dim 16, G = 24), with and without relative position. The fastest per kernel go
-into lowconv.kernels.window_attention.tile_config by hand.
+into lowconv.kernels.window_attention_triton.tile_config by hand.
 
 Compiling every candidate takes minutes, so worker processes compile them in parallel first
 (into Triton's cache, with the same shapes as the timed run); the timing is then one process.
@@ -27,7 +27,8 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-import lowconv.kernels.window_attention as wa  # noqa: E402
+import lowconv.kernels.window_attention_triton as wa  # noqa: E402
+from lowconv.kernels.window_attention import pack_coords  # noqa: E402
 from scripts.bench_sparse_attention import DTYPES, FULL_POINTS, build_scene, make_inputs  # noqa: E402
 
 KERNELS = {"forward": "_forward_kernel", "backward query": "_backward_query_kernel",
@@ -73,8 +74,7 @@ class Problem:
         self.tables = tuple(t.detach() for t in x.tables)
         self.do = x.grad_out
         self.start, self.end = scene.row_windows
-        # Modules before pack_coords took the (N, 3) coordinates as they are.
-        self.coords = module.pack_coords(scene.coords) if hasattr(module, "pack_coords") else scene.coords
+        self.coords = pack_coords(scene.coords)
         self.out = torch.empty_like(self.q)
         self.lse = torch.empty(self.q.shape[:2], dtype=torch.float32, device="cuda")
         self.delta = torch.empty_like(self.lse)

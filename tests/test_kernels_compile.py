@@ -70,7 +70,7 @@ def compile_for_sm90(kernel, types, constexprs, num_warps, num_stages=None):
 def window_case(kernel_name, dtype, rel, g, split):
     """A window-attention kernel with its tile_config, on a grid of G coordinates per axis, with a
     split axis (split >= 0: tables of 2G rows) or none."""
-    import lowconv.kernels.window_attention as wa
+    import lowconv.kernels.window_attention_triton as wa
 
     kernel = getattr(wa, kernel_name)
     tiles = wa.tile_config(kernel, rel, split >= 0)

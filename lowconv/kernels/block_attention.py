@@ -35,7 +35,7 @@ import triton.language as tl
 
 from lowconv.kernels.triton_ops import triton_op, wrap
 from lowconv.kernels.operands import as_operand
-from lowconv.kernels.window_attention import _dot, dot_precision
+from lowconv.kernels.window_attention_triton import _dot, dot_precision
 
 MASK_KINDS = ("none", "additive", "keep", "drop")  # keep: True attends; drop: True is masked out
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
