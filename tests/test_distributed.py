@@ -68,6 +68,9 @@ def sharded_run(rank, name, port, out):
         path = lowconv.save(converted, out / "checkpoint")
         if rank == 0:
             (out / "losses.json").write_text(json.dumps({"losses": (losses / WORLD).tolist(), "path": str(path)}))
+        # Both ranks done before either tears its group down (a full CI run once saw rank 0 abort in
+        # gloo's teardown, "terminate called without an active exception").
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
