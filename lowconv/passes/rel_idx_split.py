@@ -121,6 +121,9 @@ def pair_function(value, index_0, index_1):
         if is_difference(node, index_0, index_1):
             differences.add(node)
             continue
+        if is_difference(node, index_0, index_1, same=False):
+            return ("the column a split function writes reads s[index_0] - t[index_1] of two different "
+                    "per-point tensors, not the difference of one")
         if node.op not in ("call_function", "call_method"):
             return (f"the column a split function writes is computed from {node.op} `{node.target}`, not "
                     "from differences s[index_0] - s[index_1] of per-point values alone")
@@ -138,13 +141,14 @@ def pair_function(value, index_0, index_1):
     return sorted(differences), sorted(between), sorted(set(inputs))
 
 
-def is_difference(node, index_0, index_1) -> bool:
-    """Whether node is s[index_0] - s[index_1] (the index tensors with any integer casts)."""
+def is_difference(node, index_0, index_1, same=True) -> bool:
+    """Whether node is s[index_0] - s[index_1] (the index tensors with any integer casts); with
+    `same` False, s[index_0] - t[index_1] of another tensor t."""
     if not (op_is(node, SUBS) and not node.kwargs and len(node.args) == 2
             and all(op_is(a, (operator.getitem,)) for a in node.args)):
         return False
     (s, i), (s_k, j) = (a.args for a in node.args)
-    return isinstance(s, fx.Node) and same_value(s, s_k) and uncast(i) is uncast(index_0) \
+    return isinstance(s, fx.Node) and same_value(s, s_k) == same and uncast(i) is uncast(index_0) \
         and uncast(j) is uncast(index_1)
 
 
