@@ -35,8 +35,8 @@ from tabulate import tabulate  # noqa: E402
 
 from scripts.bench_common import (BudgetedRun, add_rounds_argument, add_run_arguments, first_line,  # noqa: E402
                                   no_grad_call, run_device, run_header, status_cell, write_outputs)
-from lowconv.kernels.block_attention import (BAND_TILES, block_attention,  # noqa: E402
-                                             block_attention_reference)
+from lowconv.kernels.block_attention import block_attention, block_attention_reference  # noqa: E402
+from lowconv.kernels.block_attention_triton import BAND_TILES  # noqa: E402
 
 BATCH, HEADS = 8, 16
 SEQS = (1024, 4096, 16384)

@@ -3,7 +3,7 @@
 alone, for each candidate Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), at batch 8 x heads 16,
 causal and local (W = 256) bands, by head_dim. Each candidate's output (or gradients) on batch 0,
 head 0 is checked against the float64 reference first. The fastest per kernel and head_dim go
-into lowconv.kernels.block_attention.BAND_TILES by hand.
+into lowconv.kernels.block_attention_triton.BAND_TILES by hand.
 
 Compiling every candidate takes minutes, so worker processes compile them in parallel first
 (into Triton's cache, with the same shapes as the timed run); the timing is then one process.
@@ -23,8 +23,9 @@ import triton.testing  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import lowconv.kernels.block_attention as ba  # noqa: E402
+import lowconv.kernels.block_attention_triton as bat  # noqa: E402
 
-Tiles = ba.Tiles
+Tiles = bat.Tiles
 CANDIDATES = {
     "_forward_kernel": [Tiles(64, 64, 4), Tiles(128, 64, 4), Tiles(128, 64, 8), Tiles(128, 128, 8),
                         Tiles(128, 128, 4), Tiles(128, 32, 4), Tiles(128, 64, 4, 4), Tiles(128, 64, 8, 2)],
@@ -49,9 +50,9 @@ class Problem:
         layout, window = BANDS[band]
         self.layout, self.window = layout, window
         lower, upper = ba.band(layout, window, seq, seq)
-        self.launch = ba.Launch(self.q, self.k, None, None, None, None, None, None, lower, upper, True, d ** -0.5)
+        self.launch = bat.Launch(self.q, self.k, None, None, None, None, None, None, lower, upper, True, d ** -0.5)
         self.out = torch.empty_like(self.q)
-        self.stats = torch.empty((ba.STATS, *self.q.shape[:3]), device="cuda")
+        self.stats = torch.empty((bat.STATS, *self.q.shape[:3]), device="cuda")
         self.delta = torch.empty(self.q.shape[:3], device="cuda")
         self.dq, self.dk, self.dv = (torch.empty_like(self.q) for _ in range(3))
         self.call("_forward_kernel")()
@@ -75,7 +76,7 @@ class Problem:
 
 
 def use(kernel_name, d, tiles):
-    ba.BAND_TILES[kernel_name] = {**ba.BAND_TILES[kernel_name], d: tiles}
+    bat.BAND_TILES[kernel_name] = {**bat.BAND_TILES[kernel_name], d: tiles}
 
 
 def compile_jobs(jobs, seq, dtype_name):

@@ -91,7 +91,7 @@ def block_case(kernel_name, dtype, d, mask, variant):
     an additive (fp32) one; variant "dense" (no band), "band" (a band alone, as causal and local
     run) or "listed" (a band, listed tiles and key padding)."""
     import torch
-    import lowconv.kernels.block_attention as ba
+    import lowconv.kernels.block_attention_triton as ba
 
     kernel = getattr(ba, kernel_name)
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
