@@ -27,7 +27,7 @@ from lowconv.passes.rewrite import freeze_named, rewrite, swap_module
 from lowconv.passes.fuse_activation import FUSED_NOTE, fuse_activations, restore_activation
 from lowconv.passes.trace import release_graphs
 from lowconv.plan import PLAN_ATTR, Plan
-from lowconv.recipe import Recipe, load_recipe, parse_options
+from lowconv.recipe import Recipe, load_recipe
 from lowconv.replay import cast_floating, cast_like, decided_by_inputs, floating_dtypes, read_plan, refind_sites
 from lowconv.site import FLOAT_DTYPES
 from lowconv.site_timing import slower_sites
@@ -115,8 +115,8 @@ def revert(converted: nn.Module, ops: str | Iterable[str] | None = None) -> nn.M
             module = reverted.get_submodule(decision.fqn)
             linear = linear_holding(module.linear_weight().detach(), module.bias)
             restore_activation(reverted, decision.fqn)  # an nn.Linear takes no activation
-            swap_module(reverted, decision.fqn, freeze_named(linear, decision.site.get("frozen", [])))
-            decision = replace(decision, op="dense", options={}, rule=None,
+            swap_module(reverted, decision.fqn, freeze_named(linear, decision.site.frozen))
+            decision = replace(decision, op="dense", options=OPS["dense"].options(), rule=None,
                                reason=f"reverted from {decision.op} by lowconv.revert (converted because: "
                                       f"{decision.reason})",
                                note="; ".join(n for n in decision.note.split("; ") if FUSED_NOTE not in n))
@@ -190,9 +190,8 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     modules = {}
     for decision in plan.converted():
         op = OPS[decision.op]
-        options = parse_options(op.options, decision.options, f"{path}: {decision.fqn}")
         site = sites[decision.fqn]
-        modules[site.fqn] = freeze_named(op.empty(site, options), site.frozen).to(site_device(site, work))
+        modules[site.fqn] = freeze_named(op.empty(site, decision.options), site.frozen).to(site_device(site, work))
     mark_shared_inputs(modules, decision_groups(plan.converted(), sites))
     converted, _ = fuse_activations(rewrite(work, trace, list(sites.values()), modules), modules)
     release_graphs(trace, converted)

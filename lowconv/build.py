@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -51,7 +51,7 @@ def carried_out(decision: Decision, module: nn.Module | None, timing: SiteTiming
     """A converted decision as convert carried it out: kept where never-slower measured its op
     slower (no module), else with the notes of what was measured, chosen and moved into it."""
     if module is None:
-        return replace(decision, op="keep", options=asdict(OPS["keep"].options()),
+        return replace(decision, op="keep", options=OPS["keep"].options(),
                        reason=f"{decision.reason}, but kept: {timing.describe(decision.op)}; "
                               f"force = true in the rule converts it anyway")
     notes = [hf_attention.PLAN_NOTE if served else "", module.plan_note() if isinstance(module, NotesThePlan) else "",
@@ -85,7 +85,7 @@ def op_module(decision: Decision, site: Site, params: dict[str, torch.Tensor], d
     """The decision's op module for the site, built from its original tensors (`params`, as
     Op.from_site takes them), on `device` with its own buffers."""
     op = OPS[decision.op]
-    return freeze_named(op.from_site(site, op.options(**decision.options), params), site.frozen).to(device)
+    return freeze_named(op.from_site(site, decision.options, params), site.frozen).to(device)
 
 
 def timing_key(decision: Decision, site: Site, params: dict[str, torch.Tensor], sharers: int) -> tuple:

@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
 from lowconv.recipe import builtin_recipes, load_recipe
 from lowconv.stream import stream_convert
-from lowconv.site import FLOAT_DTYPES
+from lowconv.site import FLOAT_DTYPES, SiteRecord, TensorMeta
 
 DESCRIPTION = ("Convert a PyTorch model's linear and attention layers to faster, smaller ops "
                "(FP8, 2:4 sparse, fp16 accumulation, lowconv attention), and report what it costs in accuracy.")
@@ -67,25 +68,24 @@ def pick_device(name: str) -> str:
     return name
 
 
-def shape(meta: dict | None) -> str:
-    return "x".join(map(str, meta["shape"])) if meta else "?"
+def shape(meta: TensorMeta | None) -> str:
+    return "x".join(map(str, meta.shape)) if meta else "?"
 
 
-def site_details(site: dict) -> str:
-    hidden = {"type", "form", "weight", "bias_name", "dtype"}
-    if site["info"]["form"] == "mha":  # its masks are call arguments, not part of the site
+def site_details(site: SiteRecord) -> str:
+    hidden = {"form", "weight", "bias_name", "dtype"}
+    if site.info.form == "mha":  # its masks are call arguments, not part of the site
         hidden |= {"mask", "causal", "scale"}
-    info = {k: v for k, v in site["info"].items() if k not in hidden}
-    if site["kind"] == "attention":
+    info = {k: v for k, v in asdict(site.info).items() if k not in hidden}
+    if site.kind == "attention":
         info = {k: v for k, v in info.items() if v is not None}
     details = ", ".join(f"{k}={v}" for k, v in info.items())
-    return details + (f"; cannot convert: {site['unsupported']}" if site["unsupported"] else "")
+    return details + (f"; cannot convert: {site.unsupported}" if site.unsupported else "")
 
 
 def sites_table(plan: Plan) -> str:
-    rows = [[d.fqn, d.site["kind"], d.site["info"]["form"], shape(d.site["input"]), shape(d.site["output"]),
-             (d.site["input"] or d.site["output"] or {}).get("dtype") or d.site["info"]["dtype"] or "?",
-             site_details(d.site)]
+    rows = [[d.fqn, d.site.kind, d.site.info.form, shape(d.site.input), shape(d.site.output),
+             (d.site.input or d.site.output or d.site.info).dtype or "?", site_details(d.site)]
             for d in plan.decisions]
     return tabulate(rows, ["site", "kind", "form", "input", "output", "dtype", "details"])
 
@@ -93,9 +93,9 @@ def sites_table(plan: Plan) -> str:
 def plan_table(plan: Plan) -> str:
     rows = []
     for d in plan.decisions:
-        options = ", ".join(f"{k}={v}" for k, v in d.options.items())
+        options = ", ".join(f"{k}={v}" for k, v in asdict(d.options).items())
         reason = f"{d.reason}; {d.note}" if d.note else d.reason
-        rows.append([d.fqn, d.site["kind"], d.op, options, d.rule or "-", reason])
+        rows.append([d.fqn, d.site.kind, d.op, options, d.rule or "-", reason])
     return tabulate(rows, ["site", "kind", "op", "options", "rule", "reason"])
 
 
@@ -278,7 +278,7 @@ def parameters_not_from(original: torch.nn.Module, converted: torch.nn.Module, p
     """Names of the parameters outside every converted site (kept as they were) whose values
     differ between the original model and the one rebuilt from a checkpoint (NaN equal to NaN).
     Buffers are left out: one made with torch.empty holds other bytes on every build."""
-    sites = [d.site["fqn"] + "." for d in plan.converted()]
+    sites = [d.fqn + "." for d in plan.converted()]
     rebuilt = dict(converted.named_parameters())
     return [name for name, t in original.named_parameters()
             if not any(name.startswith(site) for site in sites) and name in rebuilt

@@ -28,6 +28,7 @@ tensor, where lowconv scales each row: there transformers computes another model
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from torch import nn
@@ -35,6 +36,7 @@ from torch import nn
 from lowconv.errors import LowconvError
 from lowconv.kernels.fp8 import BLOCK, LINEAR_GRANULARITIES
 from lowconv.plan import Plan
+from lowconv.site import LinearInfo
 
 # What the plan records of a transformers model (Plan.model): its config, and the local directory
 # it came from, whose tokenizer and generation files the folder copies.
@@ -90,13 +92,13 @@ def quantization_config(plan: Plan) -> dict | None:
     for decision in plan.converted():
         # a 2:4 FP8 layer's checkpoint is an fp8 one of the pruned weight, its x scaled dynamically
         # (ops/fp8_semi_sparse.py)
-        scheme = fp8_scheme(decision.options) if decision.op in ("fp8", "fp8_semi_sparse") else None
-        if decision.site["info"].get("weight_layout") == "in_out":  # a Conv1D: lowconv stores it (out, in)
+        scheme = fp8_scheme(asdict(decision.options)) if decision.op in ("fp8", "fp8_semi_sparse") else None
+        if isinstance(decision.site.info, LinearInfo) and decision.site.info.weight_layout == "in_out":  # a Conv1D: lowconv stores it (out, in)
             scheme, what = None, f"{decision.op}, a Conv1D stored (out, in) under its (in, out) name"
-        elif decision.op == "dense" and decision.site["module_backed"]:  # plain weights under the module's names
+        elif decision.op == "dense" and decision.site.module_backed:  # plain weights under the module's names
             continue
         else:
-            what = decision.op if decision.site["module_backed"] else f"{decision.op}, a functional site made a module"
+            what = decision.op if decision.site.module_backed else f"{decision.op}, a functional site made a module"
         if scheme is None:
             unserved.append(f"{decision.fqn} ({what})")
             continue
@@ -114,7 +116,7 @@ def quantization_config(plan: Plan) -> dict | None:
 
 
 def fp8_scheme(options: dict) -> dict | None:
-    """compressed-tensors' weights and input_activations of an fp8 site's options (module doc);
+    """compressed-tensors' weights and input_activations of an fp8 site's options as a dict (module doc);
     options without `scaling` (fp8_semi_sparse's) scale x dynamically."""
     scaling = options.get("scaling", "dynamic")
     if options.get("training") or scaling not in ("dynamic", "static"):

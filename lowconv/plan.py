@@ -9,16 +9,18 @@ from dataclasses import asdict, dataclass, field
 from lowconv.errors import LowconvError
 from lowconv.model_file import checked_cast
 from lowconv.inputs import is_constant
-from lowconv.site import fits, type_name
+from lowconv.ops import OPS
+from lowconv.options import parse_options
+from lowconv.site import SiteRecord, description_problem, fits, type_name
 
 PLAN_ATTR = "lowconv_plan"  # where a converted model keeps its plan
 
 
 @dataclass(frozen=True)
 class Decision:
-    site: dict  # Site.describe()
+    site: SiteRecord
     op: str  # the op that converts the site; "keep" when it stays as written
-    options: dict  # the op's options, every field spelled out
+    options: typing.Any  # the op's Options dataclass (OPS[op].options)
     rule: int | None  # 1-based index of the recipe rule that decided, None when none matched
     reason: str  # why, in words
     note: str = ""  # what the op module measured or chose when it was built (e.g. a 2:4 layer's backend)
@@ -26,7 +28,7 @@ class Decision:
 
     @property
     def fqn(self) -> str:
-        return self.site["fqn"]
+        return self.site.fqn
 
     @property
     def converted(self) -> bool:
@@ -56,11 +58,14 @@ class Plan:
         return [d for d in self.decisions if d.converted]
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        data["decisions"] = [{**asdict(d), "site": d.site.to_json()} for d in self.decisions]
+        return json.dumps(data, indent=1)
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        """The plan of to_json's text; ValueError naming the first field that is not as written."""
+        """The plan of to_json's text; ValueError naming the first field that is not as written
+        (PlanError where the message names what is wrong in the user's words)."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("the plan is not a JSON object")
@@ -74,8 +79,30 @@ class Plan:
         problem = traced_args_problem(data) or model_problem(data.get("model", {}))
         if problem:
             raise ValueError(problem)
-        data["decisions"] = [Decision(**d) for d in data["decisions"]]
+        unknown = sorted({d["op"] for d in data.get("decisions", [])} - set(OPS))
+        if unknown:
+            raise PlanError(f"the plan uses ops this lowconv does not have: {', '.join(unknown)} "
+                            f"(known: {', '.join(OPS)})")
+        data["decisions"] = [decision_from_json(d) for d in data.get("decisions", [])]
         return Plan(**data)
+
+
+class PlanError(ValueError):
+    """A plan's JSON that is not as lowconv writes it, said in words complete in themselves."""
+
+
+def decision_from_json(data: dict) -> Decision:
+    """A Decision from its JSON object (decision_problem found nothing wrong with it): its site's
+    record and its op's Options, each checked."""
+    fqn = data["site"]["fqn"]
+    problem = description_problem(data["site"])
+    if problem:
+        raise PlanError(f"the plan is not valid: the site {fqn}: {problem}")
+    try:
+        options = parse_options(OPS[data["op"]].options, data["options"], fqn)
+    except LowconvError as err:
+        raise PlanError(str(err)) from None
+    return Decision(**{**data, "site": SiteRecord.from_json(data["site"]), "options": options})
 
 
 def decision_problem(decision) -> str | None:

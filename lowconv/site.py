@@ -2,7 +2,7 @@
 
 Sites are plain data. The fields after `info` point into the fx graph that the site was found
 in; they are what the rewrite needs and are never serialized (`describe()` gives the
-JSON-able part that the plan stores).
+SiteRecord that the plan stores).
 """
 from __future__ import annotations
 
@@ -75,6 +75,49 @@ class WindowInfo(AttentionInfo):
     rel_pos: str = "none"  # "none" | "contextual" (SpTr's relative position tables)
 
 
+@dataclass(frozen=True)
+class GraphSignature:
+    """The graph nodes the rewrite touches, by name: a site found again in a new trace of the same
+    model is the same site exactly when these match."""
+
+    args: list[str]
+    output: str | None
+    nodes: list[str]
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """What the plan keeps of a Site (Site.describe): its plain fields, no graph handles. It becomes
+    JSON only in the plan's file (to_json / from_json)."""
+
+    kind: str
+    fqn: str
+    region: str
+    classes: list[str]
+    info: LinearInfo | AttentionInfo
+    input: TensorMeta | None
+    output: TensorMeta | None
+    unsupported: str | None
+    module_backed: bool
+    reads_parameter_device: bool
+    frozen: list[str]
+    graph: GraphSignature
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "info": {"type": type(self.info).__name__, **asdict(self.info)}}
+
+    @staticmethod
+    def from_json(data: dict) -> SiteRecord:
+        """The record of to_json's dict, which description_problem found nothing wrong with; older
+        plans lack the fields after `unsupported` (their defaults) or hold older info records."""
+        meta = {key: TensorMeta(tuple(data[key]["shape"]), data[key]["dtype"]) if data[key] else None
+                for key in ("input", "output")}
+        return SiteRecord(data["kind"], data["fqn"], data["region"], data["classes"], Site.info_from_dict(data["info"]),
+                          meta["input"], meta["output"], data.get("unsupported"), data.get("module_backed", False),
+                          data.get("reads_parameter_device", False), data.get("frozen", []),
+                          GraphSignature(**data["graph"]))
+
+
 @dataclass
 class Site:
     kind: str  # "linear" | "attention"
@@ -101,34 +144,19 @@ class Site:
         meta = self.input or self.output
         return meta.dtype if meta else (self.info.dtype or "float32")
 
-    def describe(self) -> dict:
-        """The JSON-able part: what `inspect` prints and the plan stores."""
-        return {
-            "kind": self.kind,
-            "fqn": self.fqn,
-            "region": self.region,
-            "classes": self.classes,
-            "info": {"type": type(self.info).__name__, **asdict(self.info)},
-            "input": asdict(self.input) if self.input else None,
-            "output": asdict(self.output) if self.output else None,
-            "unsupported": self.unsupported,
-            "module_backed": self.module_backed,
-            "reads_parameter_device": self.reads_parameter_device,
-            "frozen": self.frozen,
-            "graph": self.graph_signature(),
-        }
+    def describe(self) -> SiteRecord:
+        """What `inspect` prints and the plan stores."""
+        return SiteRecord(self.kind, self.fqn, self.region, self.classes, self.info, self.input, self.output,
+                          self.unsupported, self.module_backed, self.reads_parameter_device, self.frozen,
+                          self.graph_signature())
 
-    def graph_signature(self) -> dict:
-        """The graph nodes the rewrite touches, by name: a site found again in a new trace of the
-        same model is the same site exactly when these match."""
+    def graph_signature(self) -> GraphSignature:
         def name(a):
             return a.name if isinstance(a, fx.Node) else repr(a)
 
-        return {
-            "args": [name(a) for a in self.args],
-            "output": name(self.output_node) if self.output_node is not None else None,
-            "nodes": [n.name for n in self.nodes],
-        }
+        return GraphSignature([name(a) for a in self.args],
+                              name(self.output_node) if self.output_node is not None else None,
+                              [n.name for n in self.nodes])
 
     @staticmethod
     def info_from_dict(d: dict) -> LinearInfo | AttentionInfo:
@@ -154,9 +182,9 @@ def legacy_info(info: dict) -> dict:
 
 
 def description_problem(site: dict) -> str | None:
-    """What in a site's description (Site.describe, as a plan stores it) is not as lowconv writes
-    it, where replaying it would fail inside lowconv (None: nothing found): its info's type and
-    fields, its input and output shapes and dtypes."""
+    """What in a site's description (SiteRecord.to_json, as a plan stores it) is not as lowconv
+    writes it, where replaying it would fail inside lowconv (None: nothing found): its info's type
+    and fields, its plain fields and graph, its input and output shapes and dtypes."""
     missing = [key for key in ("kind", "fqn", "region", "info", "input", "output", "graph") if key not in site]
     if missing:
         return f"it has no {', '.join(missing)}"
@@ -171,9 +199,13 @@ def description_problem(site: dict) -> str | None:
     wrong = [name for name in sorted(names) if not fits(info[name], hints[name])]
     if wrong:
         return f"its {info['type']}.{wrong[0]} {str(info[wrong[0]])[:40]!r} is not a {type_name(hints[wrong[0]])}"
-    for key, kind in SITE_FIELDS.items():
+    plain = {key: hint for key, hint in typing.get_type_hints(SiteRecord).items() if key not in ("info", "input", "output")}
+    for key, kind in plain.items():
         if key in site and not fits(site[key], kind):
             return f"its {key} {str(site[key])[:40]!r} is not a {type_name(kind)}"
+    graph = typing.get_type_hints(GraphSignature)
+    if set(site["graph"]) != set(graph) or not all(fits(site["graph"][key], hint) for key, hint in graph.items()):
+        return f"its graph is not the names of its nodes (args, output, nodes): {str(site['graph'])[:80]}"
     if info.get("dtype") is not None and not is_dtype_name(info["dtype"]):
         return f"its info's dtype {str(info['dtype'])[:40]!r} is not a torch dtype"
     for key in ("input", "output"):
@@ -187,9 +219,6 @@ def description_problem(site: dict) -> str | None:
     return None
 
 
-# The types of the plain fields of Site.describe (the info's come from its dataclass)
-SITE_FIELDS = {"kind": str, "fqn": str, "region": str, "classes": list[str], "unsupported": str | None,
-               "module_backed": bool, "reads_parameter_device": bool, "frozen": list[str], "graph": dict}
 
 
 def fits(value, hint) -> bool:

@@ -40,7 +40,7 @@ import os
 import shutil
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -83,8 +83,8 @@ class Source:
 
 def stream_problem(decision: Decision, module: nn.Module) -> str | None:
     """Why the stream cannot carry out a converted decision (None: it can)."""
-    if decision.site["kind"] != "linear":
-        return f"its site is of kind {decision.site['kind']!r}, and the stream converts linear sites only"
+    if decision.site.kind != "linear":
+        return f"its site is of kind {decision.site.kind!r}, and the stream converts linear sites only"
     if isinstance(module, NotesThePlan):
         return f"{decision.op} measures and chooses its kernels as it is built, which the stream does not"
     return None
@@ -95,7 +95,7 @@ def check_streamable(plan: Plan, modules: dict[str, nn.Module], recipe: Recipe) 
         problem = stream_problem(decision, modules[decision.fqn])
         if problem:
             raise LowconvError(f"--stream cannot carry out recipe {recipe.name!r}, rule {decision.rule} "
-                               f"(op {decision.op}, options {decision.options}) on {decision.fqn}: {problem}; "
+                               f"(op {decision.op}, options {asdict(decision.options)}) on {decision.fqn}: {problem}; "
                                f"convert without --stream (in memory), or leave those sites to a rule with another op")
 
 
@@ -279,7 +279,7 @@ def op_modules(plan: Plan, sites: dict[str, Site]) -> dict[str, nn.Module]:
     with torch.device("meta"):
         for decision in plan.converted():
             op, site = OPS[decision.op], sites[decision.fqn]
-            modules[site.fqn] = freeze_named(op.empty(site, op.options(**decision.options)), site.frozen)
+            modules[site.fqn] = freeze_named(op.empty(site, decision.options), site.frozen)
     return modules
 
 

@@ -71,10 +71,10 @@ def attention_modules(model: nn.Module) -> set[str]:
 
 def site_owner(decision) -> str:
     """The module a site belongs to: a linear's weight owner, an attention op's enclosing module."""
-    info = decision.site["info"]
-    if decision.site["kind"] == "linear":
-        return info["weight"].removesuffix(".weight")
-    return decision.fqn if decision.site["module_backed"] else decision.fqn.rpartition(".")[0]
+    info = decision.site.info
+    if decision.site.kind == "linear":
+        return info.weight.removesuffix(".weight")
+    return decision.fqn if decision.site.module_backed else decision.fqn.rpartition(".")[0]
 
 
 def short_reason(reason: str) -> str:
@@ -92,7 +92,7 @@ def measure(row: Row, device: str) -> dict:
         converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
         report = lowconv.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
         decisions = converted.lowconv_plan.decisions
-        found = {kind: [d for d in decisions if d.site["kind"] == kind] for kind in ("linear", "attention")}
+        found = {kind: [d for d in decisions if d.site.kind == kind] for kind in ("linear", "attention")}
         owners = {site_owner(d) for d in decisions}
         result["found linears"] = len(linears & owners)
         result["found attention"] = len(attentions & owners)

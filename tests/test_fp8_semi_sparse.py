@@ -83,9 +83,10 @@ def test_a_loaded_weight_that_is_not_2_4_is_named():
 
 
 def test_the_checkpoint_is_served_as_an_fp8_one():
-    options = {"granularity": "row", "fast_accum": True, "backend": "auto"}
-    decision = Decision(site={"fqn": "mlp.fc1", "module_backed": True, "info": {}}, op="fp8_semi_sparse",
-                        options=options, rule=1, reason="")
+    options = Fp8SemiSparseOptions(granularity="row", fast_accum=True, backend="auto")
+    site = linear_site(64, 64, fqn="mlp.fc1")
+    site.module_backed = True
+    decision = Decision(site=site.describe(), op="fp8_semi_sparse", options=options, rule=1, reason="")
     config = quantization_config(Plan("r", "", [decision], [], {}, []))
     group = config["config_groups"]["group_0"]
     assert config["quant_method"] == "compressed-tensors" and group["targets"] == ["mlp.fc1"]

@@ -60,7 +60,7 @@ def test_window_sites_the_kernel_cannot_run_are_kept_on_cuda():
         model = model.to("cuda", dtype).eval()
         inputs = (torch.randn(n, embed_dim, device="cuda", dtype=dtype), xyz, batch)
         converted = lowconv.convert(model, recipe(option), inputs)
-        [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+        [decision] = [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
         return model, inputs, converted, decision
 
     _, _, _, decision = plan(48, torch.float32, "auto")

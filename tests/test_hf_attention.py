@@ -57,7 +57,7 @@ def test_converted_attention_keeps_the_class_and_answers_every_call(family, atte
     model = build(family, attention)
     ids, mask = padded(2, 12, 3)
     converted = lowconv.convert(model, exact, {"input_ids": ids, "attention_mask": mask})
-    attention_sites = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    attention_sites = [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
     assert len(attention_sites) == 2 and all(d.converted for d in attention_sites)
     assert all(d.note.startswith("called through transformers' attention interface") for d in attention_sites)
     implementation = {"sdpa": "lowconv", "eager": "lowconv_eager"}[attention]

@@ -39,7 +39,7 @@ def test_site_matched_with_shapes_loads_and_compares(tmp_path):
     model, inputs = MupAttention().eval(), (torch.randn(2, 8, 64),)
     converted = roundtrip(model, inputs, "sparse-attention-bf16", tmp_path, load_inputs=inputs)
     [decision] = converted.lowconv_plan.converted()
-    assert decision.site["info"]["scale"] == 1 / 16
+    assert decision.site.info.scale == 1 / 16
     report = lowconv.compare(model, converted, inputs)
     assert report.sites[0].alone.sqnr_db > 40
     # Without inputs the site is found again by its graph; the scale comes from the plan.
@@ -166,7 +166,7 @@ def test_argument_that_was_none_is_traced_as_none():
     model, q = Masked().eval(), torch.randn(2, 4, 8, 16)
     converted = lowconv.convert(model, "sparse-attention-bf16", (q,))
     [attention] = converted.lowconv_plan.converted()
-    assert attention.site["info"]["causal"] and converted.lowconv_plan.none_args == {"": ["mask"]}
+    assert attention.site.info.causal and converted.lowconv_plan.none_args == {"": ["mask"]}
     assert lowconv.compare(model, converted, (q,)).outputs[0].metrics.sqnr_db > 40
     with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
         converted(q, torch.ones(8, 8, dtype=torch.bool))
@@ -192,9 +192,9 @@ class NanoGPTAttention(nn.Module):
 def test_nanogpt_causal_buffer_becomes_causal(tmp_path):
     model, inputs = NanoGPTAttention().eval(), (torch.randn(2, 12, 64),)
     converted = roundtrip(model, inputs, "mixed", tmp_path)
-    attention = next(d for d in converted.lowconv_plan.converted() if d.site["kind"] == "attention")
-    assert attention.site["info"]["causal"] and attention.site["info"]["mask"] == "none"
-    assert attention.site["info"]["scale"] is None  # 1/sqrt(head_dim), found from the code
+    attention = next(d for d in converted.lowconv_plan.converted() if d.site.kind == "attention")
+    assert attention.site.info.causal and attention.site.info.mask == "none"
+    assert attention.site.info.scale is None  # 1/sqrt(head_dim), found from the code
     assert "bias" in converted.state_dict()  # the user's buffer stays
     assert lowconv.compare(model, converted, inputs).outputs[0].metrics.sqnr_db > 20
 
@@ -233,8 +233,8 @@ class ReadsWeights(nn.Module):
 def test_a_linear_whose_parameters_other_code_reads_is_kept():
     model, inputs = ReadsWeights().eval(), (torch.randn(4, 16),)
     converted = lowconv.convert(model, "fp8-row", inputs)
-    decisions = {d.site["fqn"]: d for d in converted.lowconv_plan.decisions}
-    assert [d.site["fqn"] for d in converted.lowconv_plan.converted()] == ["free"]
+    decisions = {d.site.fqn: d for d in converted.lowconv_plan.decisions}
+    assert [d.site.fqn for d in converted.lowconv_plan.converted()] == ["free"]
     assert "fc.weight is also read by other code" in decisions["fc"].reason
     assert "inner.0.bias is also read by other code" in decisions["inner.0"].reason
     with torch.no_grad():
@@ -326,7 +326,7 @@ class ReadsWeightDevice(nn.Module):
 def test_a_linear_whose_weight_device_other_code_reads_converts_where_the_op_keeps_a_weight():
     model, inputs = ReadsWeightDevice().eval(), (torch.randn(4, 16),)
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
-    assert [d.site["fqn"] for d in converted.lowconv_plan.converted()] == ["fc"]
+    assert [d.site.fqn for d in converted.lowconv_plan.converted()] == ["fc"]
     with torch.no_grad():
         assert torch.isfinite(converted(*inputs)).all()
     recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "semi_sparse"\n', "r.toml")
@@ -574,7 +574,7 @@ def test_a_causal_mask_sliced_to_the_queries_holds_at_a_decoding_step(sdpa):
     recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
     converted = lowconv.convert(model, recipe, qkv(8, 8))
     [decision] = converted.lowconv_plan.converted()
-    assert decision.site["info"]["causal"] and decision.site["info"]["causal_from_mask"]
+    assert decision.site.info.causal and decision.site.info.causal_from_mask
     for queries, keys in ((8, 8), (1, 9)):
         inputs = qkv(queries, keys)
         assert torch.allclose(converted(*inputs), model(*inputs), atol=1e-5)
@@ -600,7 +600,7 @@ class BroadcastMemory(nn.Module):
 def test_attention_whose_operands_broadcast_is_kept_with_the_reason(sdpa):
     model, inputs = BroadcastMemory(sdpa).eval(), (torch.randn(2, 4, 8, 16),)
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
-    [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    [decision] = [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
     assert decision.op == "keep" and ("broadcast against each other" in decision.reason
                                       or "of one rank" in decision.reason)
     assert torch.equal(converted(*inputs), model(*inputs))
@@ -634,7 +634,7 @@ class SharedMha(nn.Module):
 def test_attention_modules_that_share_parameters_are_kept():
     model, inputs = SharedMha().eval(), (torch.randn(2, 8, 32),)
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
-    decisions = {d.fqn: d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"}
+    decisions = {d.fqn: d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"}
     assert decisions["a"].op == decisions["b"].op == "keep"
     assert "b.in_proj_weight" in decisions["a"].reason and "a.in_proj_weight" in decisions["b"].reason
     assert converted.a.in_proj_weight is converted.b.in_proj_weight
@@ -656,7 +656,7 @@ def test_dropped_out_probabilities_read_twice_are_not_a_site():
     """The op would draw its own dropout mask, and the second product would see another."""
     model, inputs = SharedDropout().eval(), [torch.randn(1, 1, 8, 16) for _ in range(3)]
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
-    assert not [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    assert not [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
 
 
 class DropoutSwitchedOff(nn.Module):
@@ -676,7 +676,7 @@ def test_a_dropout_whose_training_argument_is_false_drops_nothing():
     recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
     converted = lowconv.convert(model, recipe, inputs).train()
     [decision] = converted.lowconv_plan.converted()
-    assert decision.site["info"]["dropout"] == 0.0
+    assert decision.site.info.dropout == 0.0
     assert torch.allclose(converted(*inputs), model.train()(*inputs), atol=1e-5)
 
 
@@ -704,7 +704,7 @@ def test_a_finite_fill_averages_the_rows_it_masks_whole(fill):
     recipe = lowconv.recipe.parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }\n', "r")
     converted = lowconv.convert(model, recipe, (*inputs, keep))
     [decision] = converted.lowconv_plan.converted()
-    assert decision.site["info"]["finite_fill"] == (fill != float("-inf"))
+    assert decision.site.info.finite_fill == (fill != float("-inf"))
     expected = model(*inputs, keep)
     if fill == float("-inf"):  # the original's rows are NaN; the op gives zeros (its rule)
         expected = expected.nan_to_num(0.0)
@@ -715,7 +715,7 @@ def test_a_finite_fill_among_other_scores_steps_is_not_folded_into_an_added_mask
     inputs = [torch.randn(2, 4, 6, 16) for _ in range(3)]
     model, keep = FiniteFill(-1e4, bias=True).eval(), torch.rand(2, 1, 6, 6) > 0.3
     converted = lowconv.convert(model, "sparse-attention-bf16", (*inputs, keep))
-    [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    [decision] = [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
     assert decision.op == "keep" and "more than one attention mask" in decision.reason
 
 

@@ -31,7 +31,7 @@ def linear_names(model: nn.Module) -> set[str]:
 
 
 def found_linears(plan) -> set[str]:
-    return {d.site["info"]["weight"].removesuffix(".weight") for d in plan.decisions if d.site["kind"] == "linear"}
+    return {d.site.info.weight.removesuffix(".weight") for d in plan.decisions if d.site.kind == "linear"}
 
 
 @pytest.mark.parametrize("spec", HF_MODELS)
@@ -42,19 +42,19 @@ def test_hf_models_every_site_found_and_each_recipe_passes_its_gate(transformers
         converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
         plan = converted.lowconv_plan
         assert found_linears(plan) == linear_names(loaded.model)
-        attention = [d for d in plan.decisions if d.site["kind"] == "attention"]
-        assert len(attention) == layers and all(d.site["unsupported"] is None for d in attention)
+        attention = [d for d in plan.decisions if d.site.kind == "attention"]
+        assert len(attention) == layers and all(d.site.unsupported is None for d in attention)
         report = lowconv.compare(loaded.model, converted, loaded.inputs)
         assert report.passed, lowconv.report.report_to_table(report)
         if recipe == "sparse-attention-bf16":
             assert len(plan.converted()) == layers and report.outputs[0].metrics.sqnr_db > 40
         elif recipe == "fp8-dynamic":  # every linear but an LM head (the recipe keeps it; GPT-2's is tied too)
-            kept = {d.fqn: d.reason for d in plan.decisions if d.site["kind"] == "linear" and not d.converted}
+            kept = {d.fqn: d.reason for d in plan.decisions if d.site.kind == "linear" and not d.converted}
             head = "unsupported: weight is tied" if "gpt2" in spec else "rule 1 says keep"
             assert list(kept) == (["lm_head"] if hasattr(loaded.model, "lm_head") else []), kept
             assert all(reason.startswith(head) for reason in kept.values()), kept
         else:  # semi-sparse: the MLP linears, each of them
-            linears = [d for d in plan.decisions if d.site["kind"] == "linear"]
+            linears = [d for d in plan.decisions if d.site.kind == "linear"]
             mlp = {d.fqn for d in linears if re.search(r"mlp\.|intermediate\.dense|layer\.\d+\.output\.dense", d.fqn)}
             assert {d.fqn for d in plan.converted()} == mlp and len(mlp) == 2 * layers * (1.5 if "llama" in spec else 1)
 
@@ -70,9 +70,9 @@ def test_llama_padding_mask_gqa_and_rotary_trace_whole(transformers):
     assert plan.regions == [""] and plan.untraced == []
     assert plan.constant_args[""] == {"use_cache": False, "logits_to_keep": 0}
     assert any("sdpa_attention.py" in d for d in plan.decided[""])
-    info = plan.converted()[0].site["info"]
-    assert (info["form"], info["mask"], info["causal"]) == ("sdpa", "keep", True)  # causal=True, and the padding
-    assert (info["heads"], info["kv_heads"]) == (4, 2)  # repeat_kv is taken back: the op gets the 2 kv heads
+    info = plan.converted()[0].site.info
+    assert (info.form, info.mask, info.causal) == ("sdpa", "keep", True)  # causal=True, and the padding
+    assert (info.heads, info.kv_heads) == (4, 2)  # repeat_kv is taken back: the op gets the 2 kv heads
     assert type(converted) is type(loaded.model) and converted.config._attn_implementation == "lowconv"
     assert not any(isinstance(m, torch.fx.GraphModule) for m in converted.modules())
     assert loaded.model.config._attn_implementation == "sdpa"
@@ -92,10 +92,10 @@ def test_eager_attention_is_found_with_its_additive_mask_and_gqa(transformers, s
     loaded = load_model(spec)
     model = loaded.model.__class__._from_config(loaded.model.config, attn_implementation="eager").eval()
     converted = lowconv.convert(model, "sparse-attention-bf16", loaded.inputs)
-    infos = [d.site["info"] for d in converted.lowconv_plan.converted()]
-    assert len(infos) == 2 and {i["form"] for i in infos} == {"handwritten"} and {i["mask"] for i in infos} == {mask}
+    infos = [d.site.info for d in converted.lowconv_plan.converted()]
+    assert len(infos) == 2 and {i.form for i in infos} == {"handwritten"} and {i.mask for i in infos} == {mask}
     if "llama" in spec:  # repeat_kv is taken back: the op gets the 2 kv heads
-        assert {(i["heads"], i["kv_heads"]) for i in infos} == {(4, 2)}
+        assert {(i.heads, i.kv_heads) for i in infos} == {(4, 2)}
     assert lowconv.compare(model, converted, loaded.inputs).outputs[0].metrics.sqnr_db > 40
 
 
@@ -149,7 +149,7 @@ def test_transformer_encoder_with_padding_mask(recipe):
     loaded = load_model("nn:transformer-encoder")
     converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
     plan = converted.lowconv_plan
-    assert sum(d.site["kind"] == "attention" for d in plan.decisions) == 2
+    assert sum(d.site.kind == "attention" for d in plan.decisions) == 2
     out_proj = [d for d in plan.decisions if d.fqn.endswith("out_proj")]
     assert len(out_proj) == 2
     if recipe != "fp8-dynamic":  # no rule for the projections: the MHA modules stay, their projections kept
@@ -337,7 +337,7 @@ def test_hf_models_as_users_call_them_convert_and_answer(transformers, family, a
     ids = torch.randint(0, 128, (2, 16))
     for recipe, min_db in (("sparse-attention-bf16", 40), ("fp8-row", 20)):
         converted = lowconv.convert(model, recipe, (ids,))
-        assert sum(d.converted for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention") == (
+        assert sum(d.converted for d in converted.lowconv_plan.decisions if d.site.kind == "attention") == (
             2 if recipe == "sparse-attention-bf16" else 0)
         for length in (16, 24):
             x = torch.randint(0, 128, (2, length))
@@ -370,7 +370,7 @@ def test_a_decode_step_over_a_static_cache_converts_its_attention(transformers):
     step(model, 16)  # the cache's slot 16 written: the state convert sees
     converted = lowconv.convert(model, "sparse-attention-bf16",
                                 {"input_ids": ids, "past_key_values": cache, "cache_position": torch.tensor([16])})
-    attention = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    attention = [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
     assert [d.converted for d in attention] == [True, True], [d.reason for d in attention]
     # the conversion ran on copies of the cache (4.3 GB at the bench's decode); none stays in a graph
     metas = [n.meta.get("tensor_meta") for m in converted.modules() if isinstance(m, torch.fx.GraphModule)

@@ -37,11 +37,11 @@ def check_coverage_and_gates(spec: str, attention_modules: int):
     for recipe in RECIPES:
         converted = lowconv.convert(loaded.model, recipe, loaded.inputs)
         plan = converted.lowconv_plan
-        found = {d.site["info"]["weight"].removesuffix(".weight") for d in plan.decisions if d.site["kind"] == "linear"}
+        found = {d.site.info.weight.removesuffix(".weight") for d in plan.decisions if d.site.kind == "linear"}
         expanded = {f"{fqn}.in_proj" for fqn in plan.expanded_mha}  # nn.MultiheadAttention's packed projection
         assert found == linears | expanded, sorted((linears | expanded) ^ found)
-        attention = [d for d in plan.decisions if d.site["kind"] == "attention"]
-        assert len(attention) == attention_modules and not any(d.site["unsupported"] for d in attention)
+        attention = [d for d in plan.decisions if d.site.kind == "attention"]
+        assert len(attention) == attention_modules and not any(d.site.unsupported for d in attention)
         report = lowconv.compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
         assert report.passed, lowconv.report.report_to_table(report)
         if recipe == "sparse-attention-bf16":

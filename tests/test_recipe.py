@@ -38,7 +38,7 @@ options = { granularity = "row" }
     got = {d.fqn: (d.op, d.rule) for d in plan.decisions}
     assert got == {"blocks.0.mlp.fc1": ("semi_sparse", 2), "blocks.0.attn.qkv": ("fp8", 3),
                    "head": ("keep", 1), "blocks.0.attn.attention": ("keep", None)}
-    assert plan.decisions[1].options["granularity"] == "row"
+    assert plan.decisions[1].options.granularity == "row"
     assert plan.decisions[3].reason == "no rule matched"
     assert plan.warnings == []
 

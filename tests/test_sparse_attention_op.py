@@ -693,7 +693,7 @@ def test_converted_causal_block_keeps_or_narrows_its_attention(options, window):
     x = torch.randn(2, 10, 32, dtype=torch.float64)
     converted = lowconv.convert(model, attention_recipe(options), (x,))
     [decision] = converted.lowconv_plan.converted()
-    assert decision.op == "sparse_attention" and decision.options["window"] == window
+    assert decision.op == "sparse_attention" and decision.options.window == window
     keys = allowed_by_layout("local" if window else "causal", window, True, 10, 10)
     q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in model.qkv(x).chunk(3, -1))
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keys)

@@ -354,7 +354,7 @@ def test_a_model_that_cannot_run_module_by_module_is_converted_but_not_measured(
         decision = next(d for d in plan.converted() if d.fqn == site.fqn)
         op = OPS[decision.op]
         built.append(site.fqn)
-        return op.from_site(site, op.options(**decision.options), linear_site_params(site, read))
+        return op.from_site(site, decision.options, linear_site_params(site, read))
     params = dict(model.named_parameters())
     report = streamed_pass(model, plan, sites, (x,), weights.__getitem__, build, lambda site, op: None,
                            lambda s, t: loaded.append(s))

@@ -94,7 +94,7 @@ def build_from(plan):
     def build(site, read):
         decision = next(d for d in plan.converted() if d.fqn == site.fqn)
         op = OPS[decision.op]
-        return op.from_site(site, op.options(**decision.options), linear_site_params(site, read))
+        return op.from_site(site, decision.options, linear_site_params(site, read))
     return build
 
 

@@ -271,7 +271,7 @@ def test_a_chain_changed_where_the_op_cannot_see_is_kept_with_why(change, why):
     inputs = corner_scene()
     model = Changed(change)
     converted = lowconv.convert(model, FLOAT32, [t.clone() for t in inputs])
-    [decision] = [d for d in converted.lowconv_plan.decisions if d.site["kind"] == "attention"]
+    [decision] = [d for d in converted.lowconv_plan.decisions if d.site.kind == "attention"]
     assert decision.op == "keep" and why in decision.reason, decision.reason
     with torch.no_grad():
         torch.testing.assert_close(converted(*[t.clone() for t in inputs]), model(*[t.clone() for t in inputs]))
