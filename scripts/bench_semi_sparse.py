@@ -60,7 +60,7 @@ from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
-from lowconv.kernels import cusparselt  # noqa: E402
+from lowconv.kernels import cusparselt, cusparselt_library  # noqa: E402
 from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
@@ -133,24 +133,24 @@ class Result:
 def header_check() -> dict:
     """Struct sizes and enum values in the cusparseLt.h (and cusparse.h) beside the library,
     against the constants of lowconv.kernels.cusparselt."""
-    lib = cusparselt.library()
+    lib = cusparselt_library.library()
     found = {"library": lib.path, "version": lib.version(torch.device("cuda"))}
     root = Path(lib.path).resolve().parent.parent
     headers = {name: next(iter(sorted(root.parent.glob(f"*/include/{name}")) + sorted(root.glob(f"include/{name}"))),
                           None) for name in ("cusparseLt.h", "cusparse.h")}
     found["headers"] = {name: str(path) for name, path in headers.items() if path}
-    expected = {"CUSPARSE_COMPUTE_32F": cusparselt.COMPUTE_32F,
-                "CUSPARSELT_MATMUL_BIAS_POINTER": cusparselt.MATMUL_BIAS_POINTER,
-                "CUSPARSELT_SPARSITY_50_PERCENT": cusparselt.SPARSITY_50_PERCENT,
-                "CUSPARSELT_MATMUL_ALG_DEFAULT": cusparselt.MATMUL_ALG_DEFAULT,
-                "CUSPARSELT_MATMUL_ALG_CONFIG_ID": cusparselt.ALG_CONFIG_ID,
-                "CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID": cusparselt.ALG_CONFIG_MAX_ID,
-                "CUSPARSELT_MATMUL_SPLIT_K": cusparselt.ALG_SPLIT_K,
-                "CUSPARSELT_MATMUL_SPLIT_K_MODE": cusparselt.ALG_SPLIT_K_MODE,
-                "CUSPARSELT_MATMUL_SPLIT_K_BUFFERS": cusparselt.ALG_SPLIT_K_BUFFERS,
-                "CUSPARSE_ORDER_ROW": cusparselt.ORDER_ROW,
-                "CUSPARSE_OPERATION_NON_TRANSPOSE": cusparselt.OP_NON_TRANSPOSE,
-                "CUSPARSE_OPERATION_TRANSPOSE": cusparselt.OP_TRANSPOSE}
+    expected = {"CUSPARSE_COMPUTE_32F": cusparselt_library.COMPUTE_32F,
+                "CUSPARSELT_MATMUL_BIAS_POINTER": cusparselt_library.MATMUL_BIAS_POINTER,
+                "CUSPARSELT_SPARSITY_50_PERCENT": cusparselt_library.SPARSITY_50_PERCENT,
+                "CUSPARSELT_MATMUL_ALG_DEFAULT": cusparselt_library.MATMUL_ALG_DEFAULT,
+                "CUSPARSELT_MATMUL_ALG_CONFIG_ID": cusparselt_library.ALG_CONFIG_ID,
+                "CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID": cusparselt_library.ALG_CONFIG_MAX_ID,
+                "CUSPARSELT_MATMUL_SPLIT_K": cusparselt_library.ALG_SPLIT_K,
+                "CUSPARSELT_MATMUL_SPLIT_K_MODE": cusparselt_library.ALG_SPLIT_K_MODE,
+                "CUSPARSELT_MATMUL_SPLIT_K_BUFFERS": cusparselt_library.ALG_SPLIT_K_BUFFERS,
+                "CUSPARSE_ORDER_ROW": cusparselt_library.ORDER_ROW,
+                "CUSPARSE_OPERATION_NON_TRANSPOSE": cusparselt_library.OP_NON_TRANSPOSE,
+                "CUSPARSE_OPERATION_TRANSPOSE": cusparselt_library.OP_TRANSPOSE}
     values, sizes = {}, {}
     for path in headers.values():
         if path:
@@ -158,7 +158,7 @@ def header_check() -> dict:
             values.update(enum_values(text))
             sizes.update({name: int(n) for n, name in re.findall(r"uint8_t\s+data\[(\d+)\];\s*}\s*(\w+)\s*;", text)})
     found["struct_bytes"] = sizes
-    found["too_small"] = [name for name, n in sizes.items() if n > cusparselt.STRUCT_BYTES]
+    found["too_small"] = [name for name, n in sizes.items() if n > cusparselt_library.STRUCT_BYTES]
     found["enums"] = {name: values.get(name) for name in expected}
     found["mismatches"] = [f"{name}: header {values[name]}, binding {value}" for name, value in expected.items()
                            if name in values and values[name] != value]
@@ -735,7 +735,7 @@ def main():
         return
     device = run_device(args, NAME)
     settings = resolve_settings(args)
-    version = cusparselt.library().version(device) if device.type == "cuda" else "n/a"
+    version = cusparselt_library.library().version(device) if device.type == "cuda" else "n/a"
     run = Run(args, device, run_header(args, device, lowconv=lowconv.__version__, cusparselt=version), settings)
     parts = settings["parts"]
     if "checks" in parts:

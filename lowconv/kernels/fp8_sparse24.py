@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from lowconv.errors import LowconvError
-from lowconv.kernels import cusparselt
+from lowconv.kernels import cusparselt, cusparselt_library
 from lowconv.kernels.cuda_timing import graph_ms
 from lowconv.kernels.fp8 import E4M3, fp8_linear
 from lowconv.kernels.sparse24 import BackendChoice, pick_backend, prune_24
@@ -152,7 +152,7 @@ def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
     "auto" cuSPARSELt's 2:4 GEMM where it is available and measured faster than the dense FP8
     GEMM (fp8.py's, of the same pruned weight) at the case's shape, once per process and case."""
     def problem():
-        return cusparselt.unavailable_problem(case.device, E4M3) or cusparselt.shape_problem(
+        return cusparselt_library.unavailable_problem(case.device, E4M3) or cusparselt.shape_problem(
             case.out_features, case.in_features, E4M3)
     return pick_backend(requested, "dense", problem, lambda: time_backends(case), case.rows, "e4m3 scaled")
 

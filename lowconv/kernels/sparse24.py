@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lowconv.errors import LowconvError
-from lowconv.kernels import cusparselt
+from lowconv.kernels import cusparselt, cusparselt_library
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
 from lowconv.kernels.pack24 import zero_unkept
 
@@ -356,7 +356,7 @@ def choose_backend(requested: str, case: GemmCase) -> BackendChoice:
                                                          if case.training and case.transposable else [])
 
     def problem():
-        return cusparselt.unavailable_problem(case.device) or next(
+        return cusparselt_library.unavailable_problem(case.device) or next(
             filter(None, (cusparselt.shape_problem(*shape, case.dtype) for shape in shapes)), None)
     what = "forward+backward" if case.training else "forward"
     return pick_backend(requested, "masked-dense", problem, lambda: time_backends(case), case.rows, what)
