@@ -11,7 +11,7 @@ import triton.language as tl
 
 from lowconv.kernels.triton_ops import triton_op, wrap
 from lowconv.kernels.operands import as_operand
-from lowconv.kernels.window_attention_triton import _dot, dot_precision
+from lowconv.kernels.triton_dot import _dot, dot_precision
 
 
 class Tiles(NamedTuple):

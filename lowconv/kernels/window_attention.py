@@ -26,8 +26,9 @@ Numerics (compute dtype c = `dtype`, q's dtype if None):
 - The reference rounds the normalized probabilities to c instead, and not dS: the same
   error, not the same bits.
 
-On CUDA the Triton kernels compute this (window_attention_triton.py, which says how they avoid
-anything of size sum(n_w^2)); elsewhere the torch reference below, over the pair list.
+On CUDA the Triton kernels compute this (window_attention_triton.py; their relative-position terms,
+in window_attention_rel_pos.py, avoid anything of size sum(n_w^2)); elsewhere the torch reference
+below, over the pair list.
 A split axis (SplitAxis) takes one axis's r from per-point values instead of coordinates:
 r = first + #{thresholds <= values_i - values_j}, as SphereFormer's split function buckets its
 radial axis; its tables may then have 2G rows.
