@@ -111,12 +111,19 @@ def pool(feats, xyz, batch, voxel):
     cell = cell - cell.amin(0)
     extent = cell.amax(0) + 1
     key = ((batch * extent[0] + cell[:, 0]) * extent[1] + cell[:, 1]) * extent[2] + cell[:, 2]
-    voxels, parent = torch.unique(key, return_inverse=True)
-    count = torch.bincount(parent).unsqueeze(1)
-    mean_feats = feats.new_zeros(voxels.shape[0], feats.shape[1]).index_add(0, parent, feats) / count
-    mean_xyz = xyz.new_zeros(voxels.shape[0], 3).index_add(0, parent, xyz) / count
+    voxels, parent, count = torch.unique(key, return_inverse=True, return_counts=True)
+    order = torch.argsort(parent, stable=True)
     pooled_batch = batch.new_zeros(voxels.shape[0]).scatter(0, parent, batch)
-    return mean_feats, mean_xyz, pooled_batch, parent
+    return segment_mean(feats, order, count), segment_mean(xyz, order, count), pooled_batch, parent
+
+
+def segment_mean(x, order, count):
+    """Each voxel's mean of the rows of x (x[order]: rows grouped by voxel, `count` rows each), as
+    differences of a float64 running sum: the same bits on every CUDA run, where index_add's atomic
+    adds come in any order, and a mean xyz one ulp off can move a point across a window's edge."""
+    running = torch.cat([x.new_zeros(1, x.shape[1], dtype=torch.float64), x[order].double().cumsum(0)])
+    ends = count.cumsum(0)
+    return ((running[ends] - running[ends - count]) / count[:, None]).to(x.dtype)
 
 
 class SphereFormerNet(nn.Module):
