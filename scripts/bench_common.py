@@ -119,6 +119,18 @@ def run_header(args, device, **extra) -> dict:
     }
 
 
+def kernel_table(call, calls: int = 3) -> str:
+    """The GPU kernels of `calls` calls (after a warm one), by total time."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=120)
+
+
 def cuda_context_error(device) -> str | None:
     """After a failure: None if CUDA still works, else the first line of what it says."""
     if device.type != "cuda":

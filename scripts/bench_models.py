@@ -60,7 +60,7 @@ from tabulate import tabulate  # noqa: E402
 
 import lowconv  # noqa: E402
 from lowconv.recipe import builtin_recipes, parse_recipe  # noqa: E402
-from scripts.bench_common import first_line  # noqa: E402
+from scripts.bench_common import first_line, kernel_table  # noqa: E402
 
 MODELS = ("llama-prefill", "llama-decode", "vit_b_16", "vit_l_16", "gpt-16k", "gpt-16k-d256")
 # fp16acc converts fp16 models only; keep-all converts nothing.
@@ -355,18 +355,6 @@ def time_and_profile(calls, profiled: dict, model: str, args, device):
     for variant in args.profile:
         if variant in profiled and device.type == "cuda":
             (Path(args.out) / f"profile-{model}-{variant}.txt").write_text(kernel_table(profiled[variant]))
-
-
-def kernel_table(call, calls: int = 3) -> str:
-    """The GPU kernels of `calls` calls (after a warm one), by total time."""
-    from torch.profiler import ProfilerActivity, profile
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=120)
 
 
 def run_header(args, device) -> dict:

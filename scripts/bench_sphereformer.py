@@ -16,6 +16,7 @@ interleaved rounds (do_bench per round, the variants in a shuffled order each ro
 in brackets; the ratios against "no rel pos" are the target's (<= 1.3x).
 
     PYTHONPATH=. python3 scripts/bench_sphereformer.py --out DIR [--heads 4,8] [--scene dense] [--rounds 3]
+        [--profile]   # and each converted variant's GPU kernels, to DIR/profile-h*-*.txt
     PYTHONPATH=. python3 scripts/bench_sphereformer.py --out DIR --device cpu --tiny   # plumbing only
 """
 import argparse
@@ -35,7 +36,7 @@ import lowconv  # noqa: E402
 from examples import sphereformer  # noqa: E402
 from examples.point_transformer import DENSE_AZIMUTH_STEPS, KITTI_AZIMUTH_STEPS  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import measure, run_header  # noqa: E402
+from scripts.bench_common import kernel_table, measure, run_header  # noqa: E402
 
 RECIPE = parse_recipe('[[rules]]\nop = "sparse_attention"')  # computes in the block's dtype
 SCENES = {"dense": DENSE_AZIMUTH_STEPS, "kitti": KITTI_AZIMUTH_STEPS}
@@ -84,6 +85,8 @@ def main():
     parser.add_argument("--warmup-ms", type=float, default=25)
     parser.add_argument("--rep-ms", type=float, default=100)
     parser.add_argument("--budget-s", type=float, default=0)
+    parser.add_argument("--profile", action="store_true", help="write each converted variant's GPU kernels (each "
+                                                                  "mode and head count) to DIR/profile-*.txt")
     args = parser.parse_args()
     device = torch.device(args.device)
     points = TINY_POINTS if args.tiny else FULL_POINTS
@@ -115,6 +118,12 @@ def main():
                 rows.append([heads, mode, name, f"{ms:.2f} ({min(got):.2f}-{max(got):.2f})" if got else "out of memory",
                              f"{ms / base:.2f}x" if got else "-"])
                 data["results"].append({"heads": heads, "mode": mode, "variant": name, "rounds_ms": got})
+        if args.profile and device.type == "cuda":
+            args.out.mkdir(parents=True, exist_ok=True)
+            for (name, mode), call in timed.items():
+                if name in VARIANTS:
+                    slug = name.replace(",", "").replace(" ", "_")
+                    (args.out / f"profile-h{heads}-{slug}-{mode}.txt").write_text(kernel_table(call))
         del models, timed
         print(tabulate(rows, headers=["h", "mode", "variant", "ms (spread)", "vs no rel pos"]), flush=True)
     header = data["header"]
