@@ -123,7 +123,7 @@ def main():
             for (name, mode), call in timed.items():
                 if name in VARIANTS:
                     slug = name.replace(",", "").replace(" ", "_")
-                    (args.out / f"profile-h{heads}-{slug}-{mode}.txt").write_text(kernel_table(call))
+                    (args.out / f"profile-h{heads}-{slug}-{mode.replace('+', '_')}.txt").write_text(kernel_table(call))
         del models, timed
         print(tabulate(rows, headers=["h", "mode", "variant", "ms (spread)", "vs no rel pos"]), flush=True)
     header = data["header"]
