@@ -93,7 +93,8 @@ def quantization_config(plan: Plan) -> dict | None:
         # a 2:4 FP8 layer's checkpoint is an fp8 one of the pruned weight, its x scaled dynamically
         # (ops/fp8_semi_sparse.py)
         scheme = fp8_scheme(asdict(decision.options)) if decision.op in ("fp8", "fp8_semi_sparse") else None
-        if isinstance(decision.site.info, LinearInfo) and decision.site.info.weight_layout == "in_out":  # a Conv1D: lowconv stores it (out, in)
+        info = decision.site.info
+        if isinstance(info, LinearInfo) and info.weight_layout == "in_out":  # a Conv1D: lowconv stores it (out, in)
             scheme, what = None, f"{decision.op}, a Conv1D stored (out, in) under its (in, out) name"
         elif decision.op == "dense" and decision.site.module_backed:  # plain weights under the module's names
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.fx as fx
@@ -146,9 +146,9 @@ class Site:
 
     def describe(self) -> SiteRecord:
         """What `inspect` prints and the plan stores."""
-        return SiteRecord(self.kind, self.fqn, self.region, self.classes, self.info, self.input, self.output,
-                          self.unsupported, self.module_backed, self.reads_parameter_device, self.frozen,
-                          self.graph_signature())
+        return SiteRecord(self.kind, self.fqn, self.region, list(self.classes), replace(self.info), self.input,
+                          self.output, self.unsupported, self.module_backed, self.reads_parameter_device,
+                          list(self.frozen), self.graph_signature())  # a snapshot: later passes do not move it
 
     def graph_signature(self) -> GraphSignature:
         def name(a):
@@ -199,7 +199,8 @@ def description_problem(site: dict) -> str | None:
     wrong = [name for name in sorted(names) if not fits(info[name], hints[name])]
     if wrong:
         return f"its {info['type']}.{wrong[0]} {str(info[wrong[0]])[:40]!r} is not a {type_name(hints[wrong[0]])}"
-    plain = {key: hint for key, hint in typing.get_type_hints(SiteRecord).items() if key not in ("info", "input", "output")}
+    plain = {key: hint for key, hint in typing.get_type_hints(SiteRecord).items()
+             if key not in ("info", "input", "output")}
     for key, kind in plain.items():
         if key in site and not fits(site[key], kind):
             return f"its {key} {str(site[key])[:40]!r} is not a {type_name(kind)}"
@@ -217,8 +218,6 @@ def description_problem(site: dict) -> str | None:
                 or not is_dtype_name(meta["dtype"]):
             return f"its {key} is not a shape of sizes and a torch dtype: {str(meta)[:80]}"
     return None
-
-
 
 
 def fits(value, hint) -> bool:
