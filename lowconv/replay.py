@@ -69,10 +69,10 @@ def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> t
     to_replay = plan.converted()
     trace = trace_model(model, example_inputs, only=sorted({d.site.region for d in to_replay}),
                         none_args=plan.none_args, constant_args=plan.constant_args)
-    found = {s.fqn: s for s in find_sites(model, trace)}
+    traced_sites = {s.fqn: s for s in find_sites(model, trace)}
     sites = {}
     for decision in to_replay:
-        site = found.get(decision.fqn)
+        site = traced_sites.get(decision.fqn)
         if site is None:
             raise LowconvError(f"{source}: the plan converts {decision.fqn}, which this model does not have")
         if site.graph_signature() != decision.site.graph:

@@ -113,9 +113,9 @@ def pair_function(value, index_0, index_1):
     """How `value` is computed from differences s[index_0] - s[index_1] of one per-point tensor s
     and from numbers alone: (the difference nodes, the nodes from them to value, the differences'
     getitems and index casts), each in graph order; else why not."""
-    differences, between, todo = set(), set(), [value]
-    while todo:
-        node = todo.pop()
+    differences, between, to_visit = set(), set(), [value]
+    while to_visit:
+        node = to_visit.pop()
         if node in between or node in differences:
             continue
         if is_difference(node, index_0, index_1):
@@ -128,7 +128,7 @@ def pair_function(value, index_0, index_1):
             return (f"the column a split function writes is computed from {node.op} `{node.target}`, not "
                     "from differences s[index_0] - s[index_1] of per-point values alone")
         between.add(node)
-        todo += node.all_input_nodes
+        to_visit += node.all_input_nodes
     if not differences:
         return "the column a split function writes reads no difference s[index_0] - s[index_1]"
     values = next(iter(differences)).args[0].args[0]
