@@ -10,6 +10,11 @@ up at the end. 10 window-attention chains, all converted:
     lowconv inspect examples/sphereformer.py sparse-attention-bf16
     lowconv convert examples/sphereformer.py sparse-attention-bf16 -o out/
 
+In Python, lowconv.load takes the example inputs too (the windows are found from the points, so
+the sites are found again only on a run with them):
+
+    converted = lowconv.load(build_model(), "out/", example_inputs=example_inputs())
+
 lowconv model file: build_model() returns the model, example_inputs() its forward arguments
 (feats, xyz, batch) for a synthetic two-scan LiDAR scene (point_transformer.py's).
 """

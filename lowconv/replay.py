@@ -76,7 +76,9 @@ def refind_sites(model: nn.Module, plan: Plan, example_inputs, source: str) -> t
         if site is None:
             raise LowconvError(f"{source}: the plan converts {decision.fqn}, which this model does not have")
         if site.graph_signature() != decision.site.graph:
-            hint = "" if example_inputs is not None else " (pass example_inputs: its matching depends on shapes)"
+            hint = "" if example_inputs is not None else (
+                " (traced again without inputs, its graph differs: pass the inputs it was converted with, "
+                "lowconv.load(model, directory, example_inputs=...))")
             raise LowconvError(f"{source}: {decision.fqn} is not the site that was converted{hint}")
         found_names = linear_names(site.info)
         restore_site(site, decision.site)
