@@ -10,6 +10,7 @@ import lowconv
 from lowconv.compat import sptr
 from lowconv.kernels.window_attention import SplitAxis, window_attention
 from lowconv.model_file import load_model_file
+from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.passes.rel_idx_split import FloatOrder, bucket_thresholds
 from lowconv.passes.trace import trace_model
 from lowconv.passes.window_attention import find_window_attention_sites
@@ -155,7 +156,7 @@ def test_the_split_survives_a_cast_of_the_converted_model():
     """model.half() casts floating buffers: the op keeps its thresholds as integers (their bits)."""
     model, inputs = Radial(radial_buckets).eval(), scene()
     converted = lowconv.convert(model, FLOAT32, inputs)
-    [op] = [m for m in converted.modules() if hasattr(m, "split_thresholds")]
+    [op] = [m for m in converted.modules() if isinstance(m, SparseWindowAttention)]
     before = op.split_thresholds.view(torch.float64).clone()
     converted.half().float()
     assert torch.equal(op.split_thresholds.view(torch.float64), before)

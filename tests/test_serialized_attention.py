@@ -2,17 +2,12 @@
 without flash-attn): each block's patch attention is found as a hand-written attention site, its
 relative position bias as the additive mask, and converts exactly in float32 on the CPU, the
 bias table's gradient included."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import lowconv
+from examples import serialized_attention
 from lowconv.recipe import parse_recipe
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import serialized_attention  # noqa: E402
 
 FLOAT32 = parse_recipe('[[rules]]\nop = "sparse_attention"\noptions = { dtype = "float32" }')
 
