@@ -1,23 +1,29 @@
-"""Serialized-patch attention as Point Transformer V3 writes it (Pointcept's SerializedAttention, its
-path without flash-attn): the points ordered along a space-filling curve (z-order of their grid
-cells), cut into patches of PATCH_SIZE (the last one filled up with repeats of the last points),
-softmax(q k^T * scale [+ relative position bias]) v within each patch, the output put back in the
-points' order. With rel_pos=True the scores gain PTv3's relative position bias (a table per head,
-indexed by the clamped grid offset on each axis). lowconv finds each block's patch attention as a
-hand-written attention site over (patches, heads, PATCH_SIZE, head_dim), the bias as its additive
-mask:
+"""Serialized-patch attention as Point Transformer V3 writes it (Pointcept's SerializedAttention):
+the points ordered along a space-filling curve (z-order of their grid cells), cut into patches of
+PATCH_SIZE (the last one filled up with repeats of the last points), softmax(q k^T * scale [+
+relative position bias]) v within each patch, the output put back in the points' order. Both of
+PTv3's paths:
+- without flash-attn (build_model(), PTv3's enable_flash=False): each block's patch attention is
+  written out over (patches, heads, PATCH_SIZE, head_dim); with rel_pos=True the scores gain
+  PTv3's relative position bias (a table per head, indexed by the clamped grid offset on each
+  axis). lowconv finds it as a hand-written attention site, the bias as its additive mask.
+- with flash-attn (SerializedNet(rel_pos=False, flash=True), PTv3's default): each block calls
+  flash_attn.flash_attn_varlen_qkvpacked_func on the patches as segments of cu_seqlens, in fp16.
+  lowconv finds each call as a varlen attention site and runs it on its window-attention kernel.
 
     lowconv inspect examples/serialized_attention.py sparse-attention-bf16
     lowconv convert examples/serialized_attention.py sparse-attention-bf16 -o out/
-
-Not covered: PTv3's default path, flash-attn's varlen call (flash_attn_varlen_qkvpacked_func),
-which lowconv does not trace into.
 
 lowconv model file: build_model() returns the model, example_inputs() its forward argument
 (points: x, y, z, intensity) for a synthetic scene.
 """
 import torch
 from torch import nn
+
+try:
+    import flash_attn
+except ImportError:  # only the flash path calls it
+    flash_attn = None
 
 GRID_SIZE = 0.05  # metres per grid cell, PTv3's default
 PATCH_SIZE = 128
@@ -64,9 +70,14 @@ class RelativePositionBias(nn.Module):
 
 
 class SerializedAttention(nn.Module):
-    def __init__(self, channels: int, heads: int, patch_size: int, rel_pos: bool):
+    def __init__(self, channels: int, heads: int, patch_size: int, rel_pos: bool, flash: bool = False):
         super().__init__()
+        if flash and flash_attn is None:
+            raise ImportError("flash=True calls flash-attn, which is not installed (pip install flash-attn)")
+        if flash and rel_pos:
+            raise ValueError("PTv3's flash path has no relative position bias: rel_pos=False with flash=True")
         self.heads, self.patch_size, self.scale = heads, patch_size, (channels // heads) ** -0.5
+        self.flash = flash
         self.qkv = nn.Linear(channels, 3 * channels)
         self.proj = nn.Linear(channels, channels)
         self.softmax = nn.Softmax(dim=-1)
@@ -74,6 +85,13 @@ class SerializedAttention(nn.Module):
 
     def forward(self, feat, grid, order, inverse):
         H, K, C = self.heads, self.patch_size, feat.shape[1]
+        if self.flash:  # each patch one segment of cu_seqlens
+            qkv = self.qkv(feat)[order]
+            cu_seqlens = torch.arange(0, qkv.shape[0] + 1, K, dtype=torch.int32, device=qkv.device)
+            out = flash_attn.flash_attn_varlen_qkvpacked_func(
+                qkv.half().reshape(-1, 3, H, C // H), cu_seqlens, max_seqlen=K, dropout_p=0.0,
+                softmax_scale=self.scale).reshape(-1, C)
+            return self.proj(out.to(qkv.dtype)[inverse])
         q, k, v = self.qkv(feat)[order].reshape(-1, K, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(dim=0)
         attn = (q * self.scale) @ k.transpose(-2, -1)
         if self.rpe is not None:
@@ -85,10 +103,10 @@ class SerializedAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, channels: int, heads: int, patch_size: int, rel_pos: bool):
+    def __init__(self, channels: int, heads: int, patch_size: int, rel_pos: bool, flash: bool):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
-        self.attn = SerializedAttention(channels, heads, patch_size, rel_pos)
+        self.attn = SerializedAttention(channels, heads, patch_size, rel_pos, flash)
         self.mlp = nn.Sequential(nn.Linear(channels, 4 * channels), nn.GELU(), nn.Linear(4 * channels, channels))
 
     def forward(self, feat, grid, order, inverse):
@@ -99,11 +117,11 @@ class Block(nn.Module):
 class SerializedNet(nn.Module):
     """Per-point classes from (x, y, z, intensity): DEPTH blocks of serialized-patch attention."""
 
-    def __init__(self, rel_pos: bool = True, patch_size: int = PATCH_SIZE):
+    def __init__(self, rel_pos: bool = True, patch_size: int = PATCH_SIZE, flash: bool = False):
         super().__init__()
         self.patch_size = patch_size
         self.embed = nn.Linear(4, CHANNELS)
-        self.blocks = nn.ModuleList(Block(CHANNELS, HEADS, patch_size, rel_pos) for _ in range(DEPTH))
+        self.blocks = nn.ModuleList(Block(CHANNELS, HEADS, patch_size, rel_pos, flash) for _ in range(DEPTH))
         self.head = nn.Linear(CHANNELS, CLASSES)
 
     def forward(self, points):

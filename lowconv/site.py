@@ -39,7 +39,7 @@ class LinearInfo:
 class AttentionInfo:
     """softmax(q k^T * scale + mask) v over q, k, v laid out (batch, heads, seq, head_dim)."""
 
-    form: str  # "sdpa" | "handwritten" | "mha" (MhaInfo) | "window" (WindowInfo)
+    form: str  # "sdpa" | "handwritten" | "mha" (MhaInfo) | "window" (WindowInfo) | "varlen" (flash-attn's)
     heads: int | None = None
     kv_heads: int | None = None  # < heads for GQA/MQA
     head_dim: int | None = None

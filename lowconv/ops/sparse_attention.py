@@ -7,6 +7,7 @@ One op, one module per form of attention site (site.AttentionInfo.form), each in
   mha                an nn.MultiheadAttention: a SparseMultiheadAttention with its parameters and
                      state-dict names (mha_attention.py)
   window             an SpTr window-attention chain: a SparseWindowAttention (window_attention.py)
+  varlen             a flash-attn varlen call: a VarlenAttention (varlen_attention.py)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lowconv.ops.attention_calls import SparseAttentionOptions
 from lowconv.ops.functional_attention import functional_module, functional_site_problem
 from lowconv.ops.mha_attention import mha_empty, mha_from_site, mha_site_problem
 from lowconv.ops.registry import Op, register
+from lowconv.ops.varlen_attention import varlen_module, varlen_site_problem
 from lowconv.ops.window_attention import window_module, window_site_problem
 from lowconv.ops.window_rows import drop_pair_layouts
 from lowconv.site import Site
@@ -34,7 +36,8 @@ class AttentionForm:
 FUNCTIONAL = AttentionForm(functional_site_problem, functional_module, functional_module)
 FORMS = {"sdpa": FUNCTIONAL, "handwritten": FUNCTIONAL,
          "mha": AttentionForm(mha_site_problem, mha_from_site, mha_empty),
-         "window": AttentionForm(window_site_problem, window_module, window_module)}
+         "window": AttentionForm(window_site_problem, window_module, window_module),
+         "varlen": AttentionForm(varlen_site_problem, varlen_module, varlen_module)}
 
 
 def site_problem(site: Site, options: SparseAttentionOptions) -> str | None:

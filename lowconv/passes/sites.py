@@ -6,6 +6,7 @@ from torch import nn
 from lowconv.passes.attention import find_attention_sites
 from lowconv.passes.linear import find_linear_sites
 from lowconv.passes.trace import Trace, join_fqn
+from lowconv.passes.varlen_attention import find_varlen_attention_sites
 from lowconv.passes.window_attention import find_window_attention_sites
 from lowconv.site import Site
 
@@ -73,7 +74,8 @@ def find_sites(model: nn.Module, trace: Trace) -> list[Site]:
                                     "read by other code of the model; converting would change what it reads")
             sites.append(site)
         taken: dict[str, set[str]] = {}  # attention sites are named per owner: one namespace per region
-        for site in [*find_attention_sites(region, taken), *find_window_attention_sites(region, taken)]:
+        for site in [*find_attention_sites(region, taken), *find_window_attention_sites(region, taken),
+                     *find_varlen_attention_sites(region, taken)]:
             if site.module_backed:  # nn.MultiheadAttention: its projections
                 params = dict(model.get_submodule(site.fqn).named_parameters())
                 shared = [other for name, p in params.items() for other in names[id(p)]

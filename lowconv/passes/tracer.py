@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.proxy import TraceError
 
-from lowconv.compat import sptr_install, timm, transformers
+from lowconv.compat import flash_attn, sptr_install, timm, transformers
 from lowconv.passes.example_values import (
     MISSING, ExampleValues, code_location, decided, decided_keys, decided_length,
 )
@@ -51,7 +51,7 @@ from lowconv.passes.example_calls import Call, is_site_module
 from lowconv.scoped_setting import ScopedSetting
 
 # What the libraries lowconv knows need of the tracer, each declared in its compat/ file.
-TRACE_HOOKS = (sptr_install.TRACE_HOOK, timm.TRACE_HOOK, transformers.TRACE_HOOK)
+TRACE_HOOKS = (sptr_install.TRACE_HOOK, timm.TRACE_HOOK, transformers.TRACE_HOOK, flash_attn.TRACE_HOOK)
 
 
 def none_or_dtype(input):

@@ -1,0 +1,59 @@
+"""The `sparse_attention` op's module for a flash-attn varlen call (passes/varlen_attention.py).
+
+A call becomes a `VarlenAttention`, no parameters, called with the call's tensors (qkv; q, kv; or
+q, k, v) and cu_seqlens; each segment is one window of `kernels.window_attention.window_attention`
+(Triton on CUDA, the torch reference elsewhere), which computes in the op's dtype with fp32 sums, as
+flash-attn does in fp16 and bf16; so it runs where flash-attn does not (the CPU, fp32, GPUs without
+it) and under torch.compile. The output is (T, h, d) in the queries' dtype, flash-attn's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowconv.kernels.window_attention import window_attention
+from lowconv.ops.attention_calls import SparseAttentionOptions, compute_dtype
+from lowconv.ops.window_attention import site_may_run_on_cuda, window_kernel_problem
+from lowconv.site import Site
+
+
+class VarlenAttention(nn.Module):
+    """softmax(q k^T * scale) v within each segment of cu_seqlens; `scale` None is head_dim^-0.5."""
+
+    def __init__(self, scale: float | None = None, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.scale = scale
+        self.compute_dtype = compute_dtype  # None: q's dtype
+
+    def forward(self, *tensors_and_offsets: torch.Tensor) -> torch.Tensor:
+        *tensors, cu_seqlens = tensors_and_offsets
+        if len(tensors) == 1:  # qkv (T, 3, h, d)
+            q, k, v = tensors[0].unbind(1)
+        elif len(tensors) == 2:  # q, kv (T, 2, h, d)
+            q, (k, v) = tensors[0], tensors[1].unbind(1)
+        else:
+            q, k, v = tensors
+        # cu_seqlens is the model's, as flash-attn takes it: not read back (no device sync).
+        return window_attention(q, k, v, cu_seqlens, scale=self.scale, dtype=self.compute_dtype or q.dtype,
+                                validate=False)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}, compute_dtype={self.compute_dtype}"
+
+
+def varlen_site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
+    """Why the op's options cannot convert a varlen site, or None."""
+    if options.layout != "auto":
+        return (f'layout {options.layout!r} is for ordinary attention sites; a flash-attn varlen call keeps '
+                f'its segments (use layout "auto")')
+    if options.backend == "sdpa":
+        return ('backend "sdpa" is for ordinary attention sites; a flash-attn varlen call runs the '
+                'window-attention kernels (use backend "auto" or "triton")')
+    if site_may_run_on_cuda(site):
+        return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
+    return None
+
+
+def varlen_module(site: Site, options: SparseAttentionOptions, params: dict | None = None) -> VarlenAttention:
+    """The site's module (no parameters: from_site and empty alike)."""
+    return VarlenAttention(site.info.scale, compute_dtype(options))

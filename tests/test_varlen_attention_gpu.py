@@ -1,0 +1,62 @@
+"""flash-attn varlen calls converted on CUDA (the window-attention Triton kernels), with the torch
+stand-in for flash_attn: Point Transformer V3's flash path against the call in float64, compiled
+whole by inductor and replayed in CUDA graphs (run on the lent GPU by scripts/gpu_check.sh)."""
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import lowconv
+from examples import serialized_attention
+from lowconv.recipe import parse_recipe
+from tests import flash_attn_stand_in
+from tests.compiled import aot_recording, lowconv_ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+IN_SITE_DTYPE = parse_recipe('[[rules]]\nop = "sparse_attention"')  # fp16: the call's inputs'
+
+
+@pytest.fixture
+def ptv3(monkeypatch):
+    """PTv3's flash path on CUDA, converted, and its input."""
+    monkeypatch.setattr(serialized_attention, "flash_attn", flash_attn_stand_in.installed(monkeypatch))
+    torch.manual_seed(0)
+    model = serialized_attention.SerializedNet(rel_pos=False, flash=True).eval().cuda()
+    (points,) = serialized_attention.example_inputs()
+    points = points.cuda()
+    return model, lowconv.convert(model, IN_SITE_DTYPE, (points,)), points
+
+
+def sqnr_db(got, want):
+    return (10 * torch.log10(want.square().sum() / (got - want).square().sum())).item()
+
+
+def test_ptv3s_flash_path_runs_the_window_kernel_within_fp16_rounding(ptv3):
+    model, converted, points = ptv3
+    assert [d.site.info.form for d in converted.lowconv_plan.converted()] == ["varlen", "varlen"]
+    graphs = []
+    traced = torch.compile(converted, fullgraph=True, backend=aot_recording(graphs))
+    with torch.no_grad():
+        got, want = traced(points), model.double()(points.double())
+    assert "lowconv::window_attention_forward" in lowconv_ops(graphs)
+    # The original in float64 around the call, which the stand-in computes in fp32 from the fp16 q, k, v
+    # the kernel takes too.
+    assert sqnr_db(got.double(), want) > 55
+
+
+def test_the_converted_model_compiles_whole_and_replays_in_cuda_graphs(ptv3):
+    _, converted, points = ptv3
+    with torch.no_grad():
+        eager = converted(points)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(converted, fullgraph=True)
+        torch.testing.assert_close(compiled(points), eager, rtol=2e-3, atol=2e-3)
+        assert counters["graph_break"] == {}
+        torch._dynamo.reset()
+        reduced = torch.compile(converted, fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):
+            torch.testing.assert_close(reduced(points), eager, rtol=2e-3, atol=2e-3)
