@@ -115,7 +115,7 @@ def run_header(args, device, **extra) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton.__version__, **extra,
         "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "budget": f"{args.budget_s:g} s, do_bench warmup {args.warmup_ms:g} ms, rep {args.rep_ms:g} ms",
+        "budget": f"{getattr(args, 'budget_s', 0):g} s, do_bench warmup {args.warmup_ms:g} ms, rep {args.rep_ms:g} ms",
     }
 
 
