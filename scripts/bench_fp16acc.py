@@ -40,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import lowconv.kernels.fp16acc as fa  # noqa: E402
+import lowconv.kernels.fp16acc_triton as ft  # noqa: E402
 import lowconv.kernels.fp16acc_wgmma as fw  # noqa: E402
 from lowconv.kernels.fp16acc import auto_splits, cublas_fp16_accumulation, fp16acc_matmul  # noqa: E402
 from scripts.bench_common import (BudgetedRun, Shape, add_rounds_argument, add_run_arguments,  # noqa: E402
@@ -151,9 +152,9 @@ def peer_call(peer, x, w, device):
 def kernel_pick(x, w):
     """Which kernel ran y = x w^T (the wgmma kernel's fixed tiles, or the Triton kernel's autotuner
     pick), and every config's median time from the autotuner's last tuning."""
-    if x.shape[0] > fa.SMALL_M and fa.wgmma_runs(x, w, fa.multiprocessors(x.device)):
+    if x.shape[0] > ft.SMALL_M and ft.wgmma_runs(x, w, ft.multiprocessors(x.device)):
         return f"wgmma {fw.BLOCK_M}x{fw.BLOCK_N}, a ring of {fw.RING_K} k-columns", {}
-    return tuning(fa._tuned_for_large_m if x.shape[0] > fa.SMALL_M else fa._tuned_for_small_m)
+    return tuning(ft._tuned_for_large_m if x.shape[0] > ft.SMALL_M else ft._tuned_for_small_m)
 
 
 def tuning(tuner):

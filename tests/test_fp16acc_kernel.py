@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import lowconv.kernels.fp16acc as fa
+import lowconv.kernels.fp16acc_triton as ft
 import lowconv.kernels.fp16acc_wgmma as fw
 from lowconv.kernels.fp16acc import (auto_splits, chunks, combine_in_order, cublas_fp16acc, fp16acc_matmul,
                                      fp16acc_matmul_reference, forward_gemm)
@@ -94,12 +95,12 @@ def test_every_tuned_config_computes_the_product(m, parallel):
     exact = x.double() @ w.double().t()
     bound = 2 * rel_error(fp16acc_matmul_reference(x, w, None, splits, "fp32"), exact) + 1e-4
     blocks_per_split, _ = chunks(k, splits)
-    small_m = m <= fa.SMALL_M
-    tuner = fa._tuned_for_small_m if small_m else fa._tuned_for_large_m
+    small_m = m <= ft.SMALL_M
+    tuner = ft._tuned_for_small_m if small_m else ft._tuned_for_large_m
     for config in tuner.configs:
         out = torch.full((splits, m, n) if parallel else (m, n), float("nan"), dtype=torch.float16, device=DEVICE)
-        fa.run_gemm(tuner, x, w, None, out, blocks_per_split * 16, splits, 1 if parallel else splits,
-                    splits if parallel else 1, True, fa.small_block_m(m) if small_m else None, config=config)
+        ft.run_gemm(tuner, x, w, None, out, blocks_per_split * 16, splits, 1 if parallel else splits,
+                    splits if parallel else 1, True, ft.small_block_m(m) if small_m else None, config=config)
         y = fa.add_bias(combine_in_order(out, "fp32"), None) if parallel else out
         assert rel_error(y, exact) < bound, config
 
@@ -262,17 +263,17 @@ def compile_configs():
         except Exception as error:
             return f"{type(error).__name__}: {error}"[-2000:]
 
-    gemms = [(config, {}) for config in fa.LARGE_M_CONFIGS + [fa.LARGE_M_SMALL_WORK_CONFIG]]
-    gemms += [(config, {"BLOCK_M": block_m}) for config in fa.SMALL_M_CONFIGS + [fa.SMALL_M_SMALL_WORK_CONFIG]
+    gemms = [(config, {}) for config in ft.LARGE_M_CONFIGS + [ft.LARGE_M_SMALL_WORK_CONFIG]]
+    gemms += [(config, {"BLOCK_M": block_m}) for config in ft.SMALL_M_CONFIGS + [ft.SMALL_M_SMALL_WORK_CONFIG]
               for block_m in (16, 64)]
     results = {}
     for config, extra in gemms:
         constexprs = dict(HAS_BIAS=True, COMBINE_FP32=True, **config.kwargs, **extra)
         results[f"gemm {constexprs}, warps {config.num_warps}, stages {config.num_stages}"] = compile_one(
-            fa._fp16acc_kernel, constexprs, config.num_warps, config.num_stages, config.maxnreg)
+            ft._fp16acc_kernel, constexprs, config.num_warps, config.num_stages, config.maxnreg)
     for combine_fp32 in (False, True):
-        constexprs = dict(HAS_BIAS=True, COMBINE_FP32=combine_fp32, BLOCK=fa.COMBINE_BLOCK)
-        results[f"combine {constexprs}"] = compile_one(fa._combine_kernel, constexprs, 4)
+        constexprs = dict(HAS_BIAS=True, COMBINE_FP32=combine_fp32, BLOCK=ft.COMBINE_BLOCK)
+        results[f"combine {constexprs}"] = compile_one(ft._combine_kernel, constexprs, 4)
     return results
 
 
@@ -321,7 +322,7 @@ def triton_kernel_product(x, w, b, splits, combine):
     (m, k), n = x.shape, w.shape[0]
     blocks_per_split, splits = chunks(k, splits)
     out = torch.empty(m, n, dtype=torch.float16, device=x.device)
-    fa.run_gemm(fa._tuned_for_large_m, x, w, b, out, blocks_per_split * 16, splits, splits, 1, combine == "fp32",
+    ft.run_gemm(ft._tuned_for_large_m, x, w, b, out, blocks_per_split * 16, splits, splits, 1, combine == "fp32",
                 block_m=None)
     return out
 
@@ -367,9 +368,9 @@ def test_the_wgmma_kernel_is_a_library_op():
     """lowconv::fp16acc_wgmma (a custom op: the Triton op's body calls it) by torch.library.opcheck;
     an unaligned operand goes to the Triton kernel when the op runs."""
     x, w, b = operands(1024, 512, 4096, seed=15, device="cuda")
-    torch.library.opcheck(fa.wgmma_gemm, (x, w, b, 4, "fp32"))
+    torch.library.opcheck(ft.wgmma_gemm, (x, w, b, 4, "fp32"))
     unaligned = torch.cat([torch.zeros(1, dtype=torch.float16, device="cuda"), x.flatten()])[1:].view(1024, 512)
-    assert torch.equal(fa.wgmma_gemm(unaligned, w, b, 4, "fp32"), triton_kernel_product(x, w, b, 4, "fp32"))
+    assert torch.equal(ft.wgmma_gemm(unaligned, w, b, 4, "fp32"), triton_kernel_product(x, w, b, 4, "fp32"))
 
 
 @pytest.mark.gpu
@@ -392,8 +393,8 @@ def test_large_gemms_and_their_gradients_run_the_wgmma_kernel(monkeypatch):
     """A GEMM with an output tile per SM (and its dX and dW, transposed operands) goes to the wgmma
     kernel; its result is the Triton kernel's."""
     launches = []
-    real = fa.launch_fp16acc_wgmma
-    monkeypatch.setattr(fa, "launch_fp16acc_wgmma", lambda *args: launches.append(args[0].shape) or real(*args))
+    real = ft.launch_fp16acc_wgmma
+    monkeypatch.setattr(ft, "launch_fp16acc_wgmma", lambda *args: launches.append(args[0].shape) or real(*args))
     m, k, n = 4096, 2048, 4096
     x, w, b = operands(m, k, n, seed=12, device="cuda")
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -412,15 +413,15 @@ def test_tuned_calls_skip_the_autotuner(monkeypatch):
     """Once the autotuner has picked a config for a key, later calls launch that config directly
     (tuned_config reads the autotuner's cache under Triton's key), with the same result; a new key
     still goes through the autotuner."""
-    tuner = fa._tuned_for_small_m
+    tuner = ft._tuned_for_small_m
     x, w, b = operands(8, 2048, 4096, seed=12, device="cuda")
-    first = fa.launch_fp16acc(x, w, b, 4, "fp32")
+    first = ft.launch_fp16acc(x, w, b, 4, "fp32")
     calls = []
     real_run = tuner.run
     monkeypatch.setattr(tuner, "run", lambda *args, **kwargs: calls.append(1) or real_run(*args, **kwargs))
-    assert torch.equal(fa.launch_fp16acc(x, w, b, 4, "fp32"), first)
+    assert torch.equal(ft.launch_fp16acc(x, w, b, 4, "fp32"), first)
     assert calls == []
-    fa.launch_fp16acc(x[:, :1024], w[:, :1024], b, 4, "fp32")  # another K, another key
+    ft.launch_fp16acc(x[:, :1024], w[:, :1024], b, 4, "fp32")  # another K, another key
     assert calls == [1]
 
 

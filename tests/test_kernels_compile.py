@@ -113,12 +113,12 @@ def block_case(kernel_name, dtype, d, mask, variant):
 
 def fp16acc_case(has_bias, combine_fp32, block_m):
     """The fp16-accumulating split-K GEMM as launch_fp16acc launches it."""
-    import lowconv.kernels.fp16acc as fa
+    import lowconv.kernels.fp16acc_triton as ft
 
     constexprs = dict(HAS_BIAS=has_bias, COMBINE_FP32=combine_fp32, BLOCK_M=block_m, BLOCK_N=64, TILE_K=64)
-    types = {"*": "*fp16", **{name: "i32" for name in fa._fp16acc_kernel.arg_names if name[0].isupper() or
+    types = {"*": "*fp16", **{name: "i32" for name in ft._fp16acc_kernel.arg_names if name[0].isupper() or
                               name.startswith("stride")}}
-    return compile_for_sm90(fa._fp16acc_kernel, types, constexprs, 4)
+    return compile_for_sm90(ft._fp16acc_kernel, types, constexprs, 4)
 
 
 def fp16acc_wgmma_case(x_k_major, w_k_major, combine_fp32, has_bias, tile_k, unrolled_tiles):

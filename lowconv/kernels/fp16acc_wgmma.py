@@ -1,7 +1,7 @@
 """The fp16-accumulating split-K GEMM of fp16acc.py as a Gluon kernel for Hopper (sm_90): TMA loads
 into a ring of shared-memory stages, wgmma with an fp16 accumulator on 128 x 256 output tiles.
 
-Why a second kernel: the Triton kernel (fp16acc.py) reaches about 65% of cuBLAS's speed at 4096^3
+Why a second kernel: the Triton kernel (fp16acc_triton.py) reaches about 65% of cuBLAS's speed at 4096^3
 and 8192^3 on the H100: Triton 3.6 runs an fp16-accumulator wgmma synchronously and holds at most
 128 x 128 tiles. This one issues each k-tile's wgmmas asynchronously, waits for them one tile
 later, keeps up to STAGES tiles of TMA loads in flight, and holds 128 x 256 tiles (half the L2
@@ -41,7 +41,7 @@ one rounding to fp16. Loads past M, N or K read zeros (TMA), which add nothing; 
 whole k-tiles (`wgmma_tile_k`), and the last chunk may end past K.
 Triton's interpreter cannot run Gluon: the CPU suite compiles this kernel for sm_90 (and checks
 that ptxas keeps the unrolled chunks' wgmmas in flight), and the GPU tests compare it with the
-Triton kernel. fp16acc.py launches it through an op of its own (lowconv::fp16acc_wgmma, a
+Triton kernel. fp16acc_triton.py launches it through an op of its own (lowconv::fp16acc_wgmma, a
 custom_op: Gluon kernels do not go through wrap_triton).
 """
 import functools
