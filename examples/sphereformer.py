@@ -80,8 +80,10 @@ class SphereAttention(nn.Module):
     def branch(self, q, k, v, xyz, batch, window, tables, split_func=None):
         layout = sptr.get_indices_params(xyz, batch, window, False)
         index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx = layout
+        # int32 indices, as SphereFormer passes them: SpTr's CUDA ops take no others
         return sptr.sparse_self_attention(
-            q, k, v, xyz, index_0, index_0_offsets, n_max, index_1, index_1_offsets, sort_idx, window, False,
+            q, k, v, xyz, index_0.int(), index_0_offsets.int(), n_max, index_1.int(), index_1_offsets.int(), sort_idx,
+            window, False,
             pe_type="contextual" if self.rel_pos else "none", rel_query=True, rel_key=True, rel_value=True,
             quant_size=window / GRID,
             quant_grid_length=GRID, relative_pos_query_table=tables[0], relative_pos_key_table=tables[1],
@@ -123,12 +125,11 @@ def pool(feats, xyz, batch, voxel):
 
 
 def segment_mean(x, order, count):
-    """Each voxel's mean of the rows of x (x[order]: rows grouped by voxel, `count` rows each), as
-    differences of a float64 running sum: the same bits on every CUDA run, where index_add's atomic
-    adds come in any order, and a mean xyz one ulp off can move a point across a window's edge."""
-    running = torch.cat([x.new_zeros(1, x.shape[1], dtype=torch.float64), x[order].double().cumsum(0)])
-    ends = count.cumsum(0)
-    return ((running[ends] - running[ends - count]) / count[:, None]).to(x.dtype)
+    """Each voxel's mean of the rows of x (x[order]: rows grouped by voxel, `count` rows each), each
+    summed in order by one thread (segment_reduce): the same bits on every CUDA run, where
+    index_add's atomic adds come in any order, and a mean xyz one ulp off can move a point across a
+    window's edge."""
+    return torch.segment_reduce(x[order], "mean", lengths=count, axis=0)
 
 
 class SphereFormerNet(nn.Module):

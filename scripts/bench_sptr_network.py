@@ -14,12 +14,14 @@ Forward (no grad) and forward+backward (the parameters' gradients), medians of i
 rounds (do_bench per round, the variants shuffled each round), the spread in brackets; each
 output's SQNR against SpTr's (against compat's where SpTr is not there).
 
-SpTr imports torch_scatter, torch_geometric and timm; where they are not installed, this script
-stands in for the three functions SpTr calls (segment_csr and gather_csr on torch.segment_reduce,
-voxel_grid as torch_geometric computes it) and for timm's DropPath and trunc_normal_, which SpTr's
-attention path does not call.
+SpTr imports torch_scatter, torch_geometric and timm. This script stands in for torch_geometric's
+voxel_grid (as torch_geometric 2.0 computed it, whose signature SpTr calls: newer ones take other
+arguments and need pyg-lib), and, where they are not installed, for torch_scatter's segment_csr and
+gather_csr (on torch.segment_reduce) and timm's DropPath and trunc_normal_ (which SpTr's attention
+path does not call).
 
     PYTHONPATH=. python3 scripts/bench_sptr_network.py --out DIR --sptr DIR [--points 120000] [--rounds 3]
+        [--profile]   # and each variant's GPU kernels per forward, to DIR/profile-*.txt
     PYTHONPATH=. python3 scripts/bench_sptr_network.py --out DIR --device cpu --points 2000   # plumbing only
 """
 import argparse
@@ -42,7 +44,7 @@ from examples import sphereformer  # noqa: E402
 from examples.point_transformer import KITTI_AZIMUTH_STEPS  # noqa: E402
 from lowconv.compat import sptr as compat_sptr  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import measure, run_header  # noqa: E402
+from scripts.bench_common import kernel_table, measure, run_header  # noqa: E402
 
 IN_NETWORK_DTYPE = parse_recipe('[[rules]]\nop = "sparse_attention"')
 CONVERT_POINTS = 3_000
@@ -72,7 +74,7 @@ def voxel_grid(pos, batch, size, start=None, end=None):
 
 
 def stand_in_missing_packages():
-    """sys.modules entries for what SpTr imports and this machine lacks (the module doc)."""
+    """sys.modules entries for what SpTr imports (the module doc)."""
     def missing(name):
         try:
             importlib.import_module(name)
@@ -82,9 +84,8 @@ def stand_in_missing_packages():
 
     if missing("torch_scatter"):
         sys.modules["torch_scatter"] = types.SimpleNamespace(segment_csr=segment_csr, gather_csr=gather_csr)
-    if missing("torch_geometric"):
-        sys.modules["torch_geometric"] = types.ModuleType("torch_geometric")
-        sys.modules["torch_geometric.nn"] = types.SimpleNamespace(voxel_grid=voxel_grid)
+    sys.modules["torch_geometric"] = types.ModuleType("torch_geometric")
+    sys.modules["torch_geometric.nn"] = types.SimpleNamespace(voxel_grid=voxel_grid)
     if missing("timm"):
         layers = types.SimpleNamespace(DropPath=torch.nn.Identity, trunc_normal_=torch.nn.init.trunc_normal_)
         sys.modules["timm"] = types.ModuleType("timm")
@@ -151,6 +152,8 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--warmup-ms", type=float, default=25)
     parser.add_argument("--rep-ms", type=float, default=100)
+    parser.add_argument("--profile", action="store_true", help="write each variant's GPU kernels of a forward to "
+                                                                  "DIR/profile-*.txt")
     args = parser.parse_args()
     device = torch.device(args.device)
     real = load_sptr(args.sptr)
@@ -202,6 +205,10 @@ def main():
             f"{args.points} voxels (kitti scene), float32 network, {args.rounds} interleaved rounds; "
             f"sites converted: {converted}\n\n" + tabulate(rows, headers=headers, tablefmt="github"))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile and device.type == "cuda":
+        for (name, mode), call in timed.items():
+            if mode == "fwd":
+                (args.out / f"profile-{name.replace(' ', '_')}.txt").write_text(kernel_table(call))
     (args.out / "bench_sptr_network.md").write_text(text + "\n")
     (args.out / "bench_sptr_network.json").write_text(json.dumps(data, indent=1))
     print(text)

@@ -10,7 +10,7 @@ import lowconv
 from examples import serialized_attention
 from lowconv.recipe import parse_recipe
 from tests import flash_attn_stand_in
-from tests.compiled import aot_recording, lowconv_ops
+from tests.compiled import compile_recording, lowconv_ops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,8 +37,7 @@ def sqnr_db(got, want):
 def test_ptv3s_flash_path_runs_the_window_kernel_within_fp16_rounding(ptv3):
     model, converted, points = ptv3
     assert [d.site.info.form for d in converted.lowconv_plan.converted()] == ["varlen", "varlen"]
-    graphs = []
-    traced = torch.compile(converted, fullgraph=True, backend=aot_recording(graphs))
+    traced, graphs = compile_recording(converted)
     with torch.no_grad():
         got, want = traced(points), model.double()(points.double())
     assert "lowconv::window_attention_forward" in lowconv_ops(graphs)
