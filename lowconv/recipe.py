@@ -247,6 +247,12 @@ def make_plan(decisions: list[Decision], trace: Trace, recipe: Recipe, *, warnin
     )
 
 
+def fixed_numbers(constant_args: dict) -> dict:
+    """The numbers among a region's constant forward arguments; bools are left out: they are the flags
+    (use_cache, return_dict) that callers keep."""
+    return {k: v for k, v in constant_args.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, recipe: Recipe) -> list[str]:
     """What the plan warns of, given its decisions: rules that matched nothing, and what changes in
     the regions that the converted sites make the rewrite replace."""
@@ -268,6 +274,12 @@ def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, re
         f"inputs' shapes, dtypes and flags (at {', '.join(dict.fromkeys(d.rpartition(': ')[0] for d in r.decided))}): "
         f"the converted region checks them on every call and raises on inputs that branch otherwise"
         for r in trace.regions if r.decided and r.fqn in rewritten
+    ]
+    warnings += [
+        f"region {r.fqn or '(whole model)'} was traced with {', '.join(f'{k}={v!r}' for k, v in fixed.items())} "
+        f"(the example call's {'value' if len(fixed) == 1 else 'values'}): the converted region refuses calls with "
+        f"other values (compute such a number inside the model, or pass it as a tensor)"
+        for r in trace.regions if r.fqn in rewritten and (fixed := fixed_numbers(r.constant_args))
     ]
     warnings += [
         f"region {r.fqn or '(whole model)'} was traced through {', '.join(hooked)}, which "

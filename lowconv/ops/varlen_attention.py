@@ -4,7 +4,8 @@ A call becomes a `VarlenAttention`, no parameters, called with the call's tensor
 q, k, v) and cu_seqlens; each segment is one window of `kernels.window_attention.window_attention`
 (Triton on CUDA, the torch reference elsewhere), which computes in the op's dtype with fp32 sums, as
 flash-attn does in fp16 and bf16; so it runs where flash-attn does not (the CPU, fp32, GPUs without
-it) and under torch.compile. The output is (T, h, d) in the queries' dtype, flash-attn's.
+it) and under torch.compile. Keys and values with fewer heads are repeated to the queries' (as
+flash-attn serves grouped-query attention). The output is (T, h, d) in the queries' dtype, flash-attn's.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from lowconv.kernels.window_attention import window_attention
 from lowconv.ops.attention_calls import SparseAttentionOptions, compute_dtype
-from lowconv.ops.window_attention import site_may_run_on_cuda, window_kernel_problem
+from lowconv.ops.window_attention import window_kernel_problem
 from lowconv.site import Site
 
 
@@ -33,9 +34,19 @@ class VarlenAttention(nn.Module):
             q, (k, v) = tensors[0], tensors[1].unbind(1)
         else:
             q, k, v = tensors
-        # cu_seqlens is the model's, as flash-attn takes it: not read back (no device sync).
-        return window_attention(q, k, v, cu_seqlens, scale=self.scale, dtype=self.compute_dtype or q.dtype,
-                                validate=False)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves h / h_kv query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        # Rows past the last segment (flash-attn leaves them unwritten) make one window more; cu_seqlens
+        # is the model's, as flash-attn takes it: not read back (no device sync) on CUDA.
+        offsets = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), q.shape[0])])
+        checked = not q.is_cuda and not torch.compiler.is_compiling()  # no sync, no graph break: the CPU, eagerly
+        return window_attention(q, k, v, offsets, scale=self.scale, dtype=self.compute_dtype or q.dtype,
+                                validate=checked)
+
+    def plan_note(self) -> str:
+        """registry.NotesThePlan: what the site runs."""
+        return ("each cu_seqlens segment one window of the window-attention kernel (Triton on CUDA, its torch "
+                "reference elsewhere)")
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, compute_dtype={self.compute_dtype}"
@@ -49,9 +60,8 @@ def varlen_site_problem(site: Site, options: SparseAttentionOptions) -> str | No
     if options.backend == "sdpa":
         return ('backend "sdpa" is for ordinary attention sites; a flash-attn varlen call runs the '
                 'window-attention kernels (use backend "auto" or "triton")')
-    if site_may_run_on_cuda(site):
-        return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
-    return None
+    # flash-attn runs on CUDA only: a model converted elsewhere will run there too
+    return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
 
 
 def varlen_module(site: Site, options: SparseAttentionOptions, params: dict | None = None) -> VarlenAttention:

@@ -7,8 +7,10 @@ by offsets does. Point Transformer V3's serialized-patch attention is one:
 
 Each call becomes a site whose op (ops/varlen_attention.py) takes the call's tensors and cu_seqlens.
 What the window kernel does not compute is kept, with the reason: queries and keys in different
-segments, causal or sliding-window masks, softcapping, ALiBi, dropout, the probabilities returned,
-a paged KV cache, a softmax_scale computed at run time.
+segments (cu_seqlens_q and cu_seqlens_k not one tensor), causal or sliding-window masks,
+softcapping, ALiBi, dropout, the probabilities returned, a paged KV cache, a softmax_scale computed
+at run time, keys and values of another head_dim. Keys and values with fewer heads (grouped-query
+attention) are served to the queries' heads as flash-attn does.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def varlen_site(region: Region, node: fx.Node, function: str, names: dict[str, s
     problems += [f"it has no {name} argument" for name in parameters[:len(flash_attn.VARLEN_FUNCTIONS[function])]
                  if name not in args]
     if problems:
-        return varlen_attention_site(region, node, None, None, None, problems, (), names)
+        return varlen_attention_site(region, node, None, AttentionInfo(form="varlen"), problems, (), names)
     tensors = [args[name] for name in flash_attn.TENSORS[function]]
     offsets = args.get("cu_seqlens", args.get("cu_seqlens_q"))
     if "cu_seqlens_k" in args and uncast(args["cu_seqlens_k"]) is not uncast(offsets):
@@ -58,14 +60,26 @@ def varlen_site(region: Region, node: fx.Node, function: str, names: dict[str, s
         if name in args and not same_constant(args[name], value):
             problems.append(why.format(args[name]))
     heads = [head_shape(t, packed) for t, packed in zip(tensors, flash_attn.PACKED[function])]
-    if None not in heads and len(set(heads)) > 1:
-        problems.append(f"keys or values with other (heads, head_dim) than the queries' ({', '.join(map(str, heads))})")
+    if None not in heads and not serves_queries(heads):
+        problems.append(f"keys or values whose (heads, head_dim) do not serve the queries' "
+                        f"({', '.join(map(str, heads))}): the keys and values need the queries' head_dim and a number of "
+                        f"heads that divides theirs")
     scale = args["softmax_scale"]
     if not (scale is None or isinstance(scale, (int, float)) and not isinstance(scale, bool)):
         problems.append("a softmax_scale computed at run time")
         scale = None
-    return varlen_attention_site(region, node, tensors[0], heads[0], None if scale is None else float(scale),
-                                 problems, (*tensors, offsets), names)
+    info = AttentionInfo(form="varlen", heads=heads[0][0] if heads[0] else None,
+                         kv_heads=heads[-1][0] if heads[-1] else None, head_dim=heads[0][1] if heads[0] else None,
+                         scale=None if scale is None else float(scale), causal=args["causal"] is True,
+                         dropout=args["dropout_p"] if isinstance(args["dropout_p"], float) else 0.0)
+    return varlen_attention_site(region, node, tensors[0], info, problems, (*tensors, offsets), names)
+
+
+def serves_queries(heads: list[tuple[int, int]]) -> bool:
+    """Whether the (heads, head_dim) of q[, kv or k, v] make attention flash-attn computes: keys and
+    values alike, the queries' head_dim, heads that divide the queries' (grouped-query attention)."""
+    (q_heads, head_dim), (kv_heads, _) = heads[0], heads[-1]
+    return len(set(heads[1:])) <= 1 and all(d == head_dim for _, d in heads) and q_heads % kv_heads == 0
 
 
 def head_shape(tensor, packed: bool) -> tuple[int, int] | None:
@@ -83,10 +97,8 @@ def same_constant(value, expected) -> bool:
     return value is expected if expected is None or isinstance(expected, bool) else value == expected
 
 
-def varlen_attention_site(region: Region, node: fx.Node, first, heads: tuple[int, int] | None,
-                          scale: float | None, problems: list[str], args, names: dict[str, set[str]]) -> Site:
-    """The site of one varlen call: `first` its first tensor, `heads` its (heads, head_dim)."""
-    info = AttentionInfo(form="varlen", heads=heads[0] if heads else None, kv_heads=heads[0] if heads else None,
-                         head_dim=heads[1] if heads else None, scale=scale)
+def varlen_attention_site(region: Region, node: fx.Node, first, info: AttentionInfo, problems: list[str], args,
+                          names: dict[str, set[str]]) -> Site:
+    """The site of one varlen call, `first` its first tensor."""
     return attention_site(region, node, names, info=info, input=tensor_meta(first), problems=problems,
                           args=tuple(args), nodes=[node])
