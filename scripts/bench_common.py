@@ -226,6 +226,23 @@ class BudgetedRun:
             self.write()
 
 
+def interleaved_ms(timed: dict, device, rounds: int, warmup_ms: float, rep_ms: float) -> dict:
+    """{key: the ms of each round, or None where a round ran out of memory} of each call of `timed`,
+    the calls interleaved round by round, each round in its own shuffled order (seeded by the round),
+    so that drifts of clocks and power hit them alike (BudgetedRun.interleaved_rounds says why)."""
+    results = {key: [] for key in timed}
+    for round_index in range(rounds):
+        for key in random.Random(round_index).sample(list(timed), len(timed)):
+            if results[key] is None:
+                continue
+            try:
+                results[key].append(measure(timed[key], device, warmup_ms, rep_ms)["ms"])
+            except torch.OutOfMemoryError:
+                results[key] = None
+                torch.cuda.empty_cache()
+    return results
+
+
 def host_ms(fn, calls):
     """Wall-clock ms per call of `calls` back-to-back calls of fn (after one warm call), with no
     sync between them: the host's side of a call, when the GPU queue keeps up."""

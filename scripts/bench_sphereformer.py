@@ -21,7 +21,6 @@ in brackets; the ratios against "no rel pos" are the target's (<= 1.3x).
 """
 import argparse
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ import lowconv  # noqa: E402
 from examples import sphereformer  # noqa: E402
 from examples.point_transformer import DENSE_AZIMUTH_STEPS, KITTI_AZIMUTH_STEPS  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import kernel_table, measure, run_header  # noqa: E402
+from scripts.bench_common import interleaved_ms, kernel_table, run_header  # noqa: E402
 
 RECIPE = parse_recipe('[[rules]]\nop = "sparse_attention"')  # computes in the block's dtype
 SCENES = {"dense": DENSE_AZIMUTH_STEPS, "kitti": KITTI_AZIMUTH_STEPS}
@@ -100,16 +99,7 @@ def main():
         if args.original:
             models["original"] = block(dim, device)
         timed = {(name, mode): call for name, model in models.items() for mode, call in calls(model, full).items()}
-        results = {key: [] for key in timed}
-        for round_index in range(args.rounds):
-            for key in random.Random(round_index).sample(list(timed), len(timed)):
-                if results[key] is None:
-                    continue
-                try:
-                    results[key].append(measure(timed[key], device, args.warmup_ms, args.rep_ms)["ms"])
-                except torch.OutOfMemoryError:
-                    results[key] = None
-                    torch.cuda.empty_cache()
+        results = interleaved_ms(timed, device, args.rounds, args.warmup_ms, args.rep_ms)
         for mode in MODES:
             base = statistics.median(results["no rel pos", mode])
             for name in models:

@@ -27,7 +27,6 @@ path does not call).
 import argparse
 import importlib
 import json
-import random
 import statistics
 import sys
 import types
@@ -44,7 +43,7 @@ from examples import sphereformer  # noqa: E402
 from examples.point_transformer import KITTI_AZIMUTH_STEPS  # noqa: E402
 from lowconv.compat import sptr as compat_sptr  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
-from scripts.bench_common import kernel_table, measure, run_header  # noqa: E402
+from scripts.bench_common import interleaved_ms, kernel_table, run_header  # noqa: E402
 
 IN_NETWORK_DTYPE = parse_recipe('[[rules]]\nop = "sparse_attention"')
 CONVERT_POINTS = 3_000
@@ -176,16 +175,7 @@ def main():
             torch.cuda.empty_cache()
     timed = {(name, mode): call for name, model in models.items() if outputs[name] is not None
              for mode, call in calls(model, full).items()}
-    results = {key: [] for key in timed}
-    for round_index in range(args.rounds):
-        for key in random.Random(round_index).sample(list(timed), len(timed)):
-            if results[key] is None:
-                continue
-            try:
-                results[key].append(measure(timed[key], device, args.warmup_ms, args.rep_ms)["ms"])
-            except torch.OutOfMemoryError:
-                results[key] = None
-                torch.cuda.empty_cache()
+    results = interleaved_ms(timed, device, args.rounds, args.warmup_ms, args.rep_ms)
     rows, data = [], {"header": run_header(args, device, points=args.points), "converted_sites": converted,
                       "results": []}
     base = {mode: statistics.median(results[reference, mode]) for mode in MODES if results.get((reference, mode))}

@@ -14,7 +14,7 @@ from torch import nn
 
 from lowconv.kernels.window_attention import window_attention
 from lowconv.ops.attention_calls import SparseAttentionOptions, compute_dtype
-from lowconv.ops.window_attention import window_kernel_problem
+from lowconv.ops.window_attention import window_kernel_problem, window_options_problem
 from lowconv.site import Site
 
 
@@ -54,14 +54,8 @@ class VarlenAttention(nn.Module):
 
 def varlen_site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
     """Why the op's options cannot convert a varlen site, or None."""
-    if options.layout != "auto":
-        return (f'layout {options.layout!r} is for ordinary attention sites; a flash-attn varlen call keeps '
-                f'its segments (use layout "auto")')
-    if options.backend == "sdpa":
-        return ('backend "sdpa" is for ordinary attention sites; a flash-attn varlen call runs the '
-                'window-attention kernels (use backend "auto" or "triton")')
     # flash-attn runs on CUDA only: a model converted elsewhere will run there too
-    return window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
+    return window_options_problem(options, "a flash-attn varlen call", "its segments") or window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
 
 
 def varlen_module(site: Site, options: SparseAttentionOptions, params: dict | None = None) -> VarlenAttention:

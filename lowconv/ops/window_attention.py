@@ -97,14 +97,22 @@ def table_rows_read(quant_grid_length, split_last, *tables) -> tuple:
     return tuple(t[:rows] for t in tables)
 
 
+def window_options_problem(options: SparseAttentionOptions, site: str, keeps: str) -> str | None:
+    """Why options for ordinary attention sites cannot serve a `site` ("an SpTr window chain") that
+    the window-attention kernels run and that `keeps` its windows ("its windows"), or None."""
+    if options.layout != "auto":
+        return f'layout {options.layout!r} is for ordinary attention sites; {site} keeps {keeps} (use layout "auto")'
+    if options.backend == "sdpa":
+        return (f'backend "sdpa" is for ordinary attention sites; {site} runs the window-attention kernels (use '
+                f'backend "auto" or "triton")')
+    return None
+
+
 def window_site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
     """Why the op's options cannot convert a window site, or None."""
-    if options.layout != "auto":
-        return (f'layout {options.layout!r} is for ordinary attention sites; an SpTr window '
-                f'chain keeps its windows (use layout "auto")')
-    if options.backend == "sdpa":
-        return ('backend "sdpa" is for ordinary attention sites; an SpTr window chain runs the '
-                'window-attention kernels (use backend "auto" or "triton")')
+    problem = window_options_problem(options, "an SpTr window chain", "its windows")
+    if problem:
+        return problem
     if site_may_run_on_cuda(site):
         values = tensor_meta(site.args[SPLIT_VALUES_ARG]) if split_of(site) is not None else None
         if values is not None and values.dtype != "float32":
