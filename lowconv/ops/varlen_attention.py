@@ -54,8 +54,10 @@ class VarlenAttention(nn.Module):
 
 def varlen_site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
     """Why the op's options cannot convert a varlen site, or None."""
-    # flash-attn runs on CUDA only: a model converted elsewhere will run there too
-    return window_options_problem(options, "a flash-attn varlen call", "its segments") or window_kernel_problem(site.info.head_dim, compute_dtype(options) or getattr(torch, site.compute_dtype()))
+    # The kernel's limits wherever the model is converted: flash-attn runs on CUDA only, so will the model.
+    dtype = compute_dtype(options) or getattr(torch, site.compute_dtype())
+    return (window_options_problem(options, "a flash-attn varlen call", "its segments")
+            or window_kernel_problem(site.info.head_dim, dtype))
 
 
 def varlen_module(site: Site, options: SparseAttentionOptions, params: dict | None = None) -> VarlenAttention:

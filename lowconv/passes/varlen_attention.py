@@ -62,8 +62,8 @@ def varlen_site(region: Region, node: fx.Node, function: str, names: dict[str, s
     heads = [head_shape(t, packed) for t, packed in zip(tensors, flash_attn.PACKED[function])]
     if None not in heads and not serves_queries(heads):
         problems.append(f"keys or values whose (heads, head_dim) do not serve the queries' "
-                        f"({', '.join(map(str, heads))}): the keys and values need the queries' head_dim and a number of "
-                        f"heads that divides theirs")
+                        f"({', '.join(map(str, heads))}): the keys and values need the queries' head_dim and a "
+                        f"number of heads that divides theirs")
     scale = args["softmax_scale"]
     if not (scale is None or isinstance(scale, (int, float)) and not isinstance(scale, bool)):
         problems.append("a softmax_scale computed at run time")
