@@ -141,6 +141,29 @@ def test_the_keys_of_a_mapping_unpacked_with_two_stars_are_guarded():
         region.graph(x, {"a": parts["a"], "b": parts["b"], "c": parts["a"]})
 
 
+class ChecksItsDict(nn.Module):
+    """Point Transformer V3's way with its point dict: `key in point` before reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, point):
+        scale = point["scale"] if "scale" in point else 1.0
+        return sum(self.proj(point[key]) for key in point if key != "scale") * scale
+
+
+def test_key_in_a_mapping_and_its_keys_in_a_loop_are_the_examples_guarded():
+    import pytest
+
+    model, x = ChecksItsDict(), torch.randn(2, 8)
+    point = {"feat": x, "scale": torch.tensor(2.0)}
+    (region,) = trace_model(model, (point,)).regions
+    torch.testing.assert_close(region.graph(point), model(point))
+    with pytest.raises(AssertionError, match=r"keys \['feat', 'scale'\] were fixed"):
+        region.graph({"feat": x})
+
+
 class Doubling(nn.Module):
     def forward(self, x):
         for _ in range(8):

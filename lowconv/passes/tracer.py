@@ -255,7 +255,10 @@ class SiteTracer(fx.Tracer):
         return len(value)
 
     def iter(self, obj: fx.Proxy):
-        if not isinstance(self.decidable(obj), (tuple, list, torch.Size)):
+        value = self.decidable(obj)
+        if isinstance(value, dict):  # `for key in obj`, `key in obj`: the example's keys
+            return iter(self.keys(obj))
+        if not isinstance(value, (tuple, list, torch.Size)):
             return super().iter(obj)
         return iter([obj[i] for i in range(self.length(obj))])
 
