@@ -184,9 +184,17 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
     work = expand_mha(copy_of(model), plan.expanded_mha)
-    if example_inputs is None and plan.example_inputs is not None and decided_by_inputs(plan):
+    made_up = example_inputs is None and plan.example_inputs is not None and decided_by_inputs(plan)
+    if made_up:
         example_inputs = stand_ins(plan.example_inputs, next(work.parameters(), torch.empty(0)).device, str(path))
-    trace, sites = refind_sites(work, plan, example_inputs, str(path))
+    try:
+        trace, sites = refind_sites(work, plan, example_inputs, str(path))
+    except LowconvError as error:
+        if not made_up:
+            raise
+        raise LowconvError(f"{error} (load ran the model on stand-ins of the inputs it was converted with, random "
+                           f"values of the shapes the plan kept; inputs whose values matter, as a point cloud's or "
+                           f"packed sequences' do, need lowconv.load(model, directory, example_inputs=...))") from error
     modules = {}
     for decision in plan.converted():
         op = OPS[decision.op]

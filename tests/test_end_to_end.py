@@ -187,7 +187,7 @@ def test_untraceable_model_converts_its_traceable_parts(tmp_path):
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
     plan = converted.lowconv_plan
     assert plan.untraced == [{"fqn": "", "error": "TraceError: symbolically traced variables cannot be used "
-                                                  "as inputs to control flow"}]
+                                                  "as inputs to control flow (at tests/test_end_to_end.py:179)"}]
     assert plan.regions == ["body", "head"]
     assert {d.fqn: d.op for d in plan.decisions} == {"body.0": "fp8", "body.2": "fp8", "head": "fp8"}
     lowconv.save(converted, tmp_path)

@@ -62,6 +62,33 @@ def test_load_refuses_a_model_whose_code_changed(tmp_path):
         lowconv.load(changed, tmp_path)
 
 
+class LongRowsScaled(MupAttention):
+    def forward(self, x):  # a branch on the input's shape: load traces it again on inputs
+        return super().forward(x * 0.5 if x.shape[1] > 4 else x)
+
+
+class PackedRows(nn.Module):
+    """Rows cut into parts by the sizes of an int input, then attended: run on stand-ins (ones) of
+    the sizes, the split does not add up."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = LongRowsScaled()
+
+    def forward(self, x, sizes):
+        return self.attention(torch.cat(torch.split(x, sizes.tolist(), dim=1), dim=1))
+
+
+def test_load_on_made_up_inputs_that_the_model_refuses_says_to_pass_them(tmp_path):
+    model, inputs = PackedRows().eval(), (torch.randn(2, 8, 64), torch.tensor([3, 5]))
+    converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
+    lowconv.save(converted, tmp_path)
+    with pytest.raises(LowconvError, match=r"stand-ins of the inputs .* example_inputs=\.\.\."):
+        lowconv.load(model, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(lowconv.load(model, tmp_path, example_inputs=inputs)(*inputs), converted(*inputs))
+
+
 def test_train_mode_model_keeps_its_batchnorm_statistics():
     model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))  # train mode
     inputs = (torch.randn(8, 32) * 3 + 1,)

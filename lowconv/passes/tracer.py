@@ -238,8 +238,9 @@ class SiteTracer(fx.Tracer):
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         value = self.decidable(obj)
-        if value is MISSING:
-            return super().to_bool(obj)  # a branch on data, or on something unknown: not traceable
+        if value is MISSING:  # a branch on data, or on something unknown: not traceable
+            raise TraceError(f"symbolically traced variables cannot be used as inputs to control flow (at "
+                             f"{code_location()})")
         where, taken = code_location(), bool(value)
         self.create_proxy("call_function", decided, (obj, taken, where), {})
         self.example.decisions.append(f"{where}: branch {taken}")
@@ -248,7 +249,8 @@ class SiteTracer(fx.Tracer):
     def length(self, obj: fx.Proxy) -> int:
         value = self.decidable(obj)
         if value is MISSING or not hasattr(value, "__len__"):
-            raise TraceError(f"len() of {obj.node.name}, whose length is not known before it runs")
+            raise TraceError(f"len() of {obj.node.name} (at {code_location()}), whose length is not known before it "
+                             f"runs")
         where = code_location()
         self.create_proxy("call_function", decided_length, (obj, len(value), where), {})
         self.example.decisions.append(f"{where}: length {len(value)}")
