@@ -8,8 +8,8 @@
 """
 from lowconv.api import convert, load, revert, save
 from lowconv.compare import compare
-from lowconv.errors import LowconvError
+from lowconv.errors import LowconvError, LowconvWarning
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.version import __version__
 
-__all__ = ["convert", "save", "load", "compare", "revert", "Recipe", "load_recipe", "LowconvError", "__version__"]
+__all__ = ["convert", "save", "load", "compare", "revert", "Recipe", "load_recipe", "LowconvError", "LowconvWarning", "__version__"]

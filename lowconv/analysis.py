@@ -123,6 +123,22 @@ def conversion_warnings(model: nn.Module, analysis: Analysis, decisions: list[De
 
 
 
+def untrained_weights_warnings(model: nn.Module, converted: nn.Module, decisions: list[Decision]) -> list[str]:
+    """What a model converted in train mode no longer trains: the converted linears whose weights an
+    op holds for inference (buffers: e4m3, 2:4 compressed), which training leaves as they are."""
+    if not model.training:
+        return []
+    held = [d.fqn for d in decisions if d.converted and d.site.kind == "linear" and "weight" not in d.site.frozen
+            and not isinstance(getattr(converted.get_submodule(d.fqn), "weight", None), nn.Parameter)]
+    if not held:
+        return []
+    some = f"{len(held)} converted linears ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) hold their weights" \
+        if len(held) > 1 else f"1 converted linear ({held[0]}) holds its weight"
+    return [f"the model was converted in train mode, but {some} for inference, as buffers: training the converted "
+            f"model leaves them as they are (an op's training = true keeps them trainable; eval() before converting "
+            f"for inference)"]
+
+
 def nested_tensor_warnings(model: nn.Module, decisions: list[Decision]) -> list[str]:
     """An nn.TransformerEncoder with its nested-tensor path on, around converted sites, loses that
     path (passes/rewrite.py leave_fused_paths): say what changes, which compare cannot show (it

@@ -4,6 +4,7 @@ replay.py finds a saved plan's sites again."""
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -12,12 +13,12 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, distributed, hf
-from lowconv.analysis import copy_of, plan_conversion, plan_for, with_calibration
+from lowconv.analysis import copy_of, plan_conversion, plan_for, untrained_weights_warnings, with_calibration
 from lowconv.build import (
     build_op_modules, carried_out_all, check_runs, decision_groups, mark_shared_inputs, rewritten, site_device,
 )
 from lowconv.calibration import calibrate, calibrated_on
-from lowconv.errors import LowconvError
+from lowconv.errors import LowconvError, LowconvWarning
 from lowconv.inputs import stand_ins
 from lowconv.ops import OPS
 from lowconv.ops.dense import linear_holding
@@ -54,6 +55,11 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     recorded: what the plan records of the model beside what it finds (the command line's model
     path, seed and dtype, for `lowconv compare`).
     """
+    if hasattr(model, PLAN_ATTR):
+        raise LowconvError("the model was made by lowconv (it holds a plan): its converted sites are op modules and "
+                           "its checkpoint would not load as it is; convert the original model (a recipe with every "
+                           "rule), or lowconv.revert(model) first, for plain layers with the weights it holds (a "
+                           "trained model's), and convert that")
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
     analysis, planned = plan_conversion(model, recipe, example_inputs, share_weights)
@@ -66,6 +72,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     converted, served, fused = rewritten(analysis, modules, groups)
     decisions = carried_out_all(planned, modules, measured, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, example_inputs, recorded)
+    plan = replace(plan, warnings=[*plan.warnings, *untrained_weights_warnings(model, converted, decisions)])
     # The analysed copy holds the layers the converted model replaced: let them go before it runs
     del analysis
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
@@ -73,6 +80,8 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         check_runs(converted, example_inputs)
     calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
     attach_plan(converted, with_calibration(plan, calibrated))
+    for warning in plan.warnings:
+        warnings.warn(warning, LowconvWarning, stacklevel=2)
     return converted
 
 

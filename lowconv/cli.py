@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import traceback
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from lowconv import api, checkpoint, report as reports
 from lowconv.analysis import plan_conversion
 from lowconv.compare import compare
 from lowconv.replay import read_plan
-from lowconv.errors import LowconvError
+from lowconv.errors import LowconvError, LowconvWarning
 from lowconv.model_file import CALIBRATION_BATCHES, CALIBRATION_INPUTS, no_calibration_inputs
 from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
@@ -157,9 +158,11 @@ def cmd_convert(args) -> int:
     if args.calibration and loaded.calibration is None:
         raise no_calibration_inputs(args.model)
     calibration = None if loaded.calibration is None else loaded.calibration(args.calibration or CALIBRATION_BATCHES)
-    converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
-                            calibration_name=calibration_name, share_weights=True, recorded=recorded(args),
-                            progress=progress)
+    with warnings.catch_warnings():  # the plan's warnings: plan_notes prints them
+        warnings.simplefilter("ignore", LowconvWarning)
+        converted = api.convert(loaded.model, recipe, loaded.inputs, calibration=calibration,
+                                calibration_name=calibration_name, share_weights=True, recorded=recorded(args),
+                                progress=progress)
     if args.sparse_format == "dense" and any(d.op == "semi_sparse" for d in api.plan_of(converted).converted()):
         progress("2:4 layers to plain weights with their zeros (--sparse-format dense)")
         converted = api.revert(converted, "semi_sparse")

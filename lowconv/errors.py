@@ -1,5 +1,5 @@
-"""The one exception type lowconv raises for a user's mistake (its message is the whole story),
-and an error put in one line."""
+"""The one exception type lowconv raises for a user's mistake (its message is the whole story), the
+warning lowconv.convert gives for each of its plan's warnings, and an error put in one line."""
 
 
 class LowconvError(Exception):
@@ -7,6 +7,10 @@ class LowconvError(Exception):
 
     The message names the file, the key or the module and, where there are some, the valid choices.
     """
+
+
+class LowconvWarning(UserWarning):
+    """What a conversion changed beside the sites (Plan.warnings), as lowconv.convert warns of it."""
 
 
 def first_line(err: BaseException) -> str:

@@ -1,5 +1,6 @@
 """Models beyond the examples: the shapes of real code that the spine must convert, save, load, compare."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 import lowconv
 from lowconv.errors import LowconvError
+from lowconv.recipe import parse_recipe
 
 
 def roundtrip(model, inputs, recipe, tmp_path, load_inputs=None):
@@ -331,12 +333,24 @@ def test_a_map_style_dataset_calibrates():
         assert torch.isfinite(converted(*inputs)).all()
 
 
-def test_converting_a_converted_model_warns_that_its_sites_are_gone():
+def test_converting_a_converted_model_is_refused_with_the_way_out():
+    """Its checkpoint would hold a plan of the second conversion only: loaded on the original, another model."""
     model, inputs = nn.Sequential(nn.Linear(16, 16)), (torch.randn(2, 16),)
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
-    again = lowconv.convert(converted, "fp8-dynamic", inputs)
-    assert any("this model was made by lowconv" in w for w in again.lowconv_plan.warnings)
+    with pytest.raises(LowconvError, match=r"made by lowconv .* lowconv.revert\(model\) first"):
+        lowconv.convert(converted, "fp8-dynamic", inputs)
     assert not any("made by lowconv" in w for w in converted.lowconv_plan.warnings)
+
+
+def test_python_convert_warns_of_its_plans_warnings_and_of_weights_training_leaves():
+    model, inputs = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).train(), (torch.randn(2, 16),)
+    with pytest.warns(lowconv.LowconvWarning, match=r"train mode, but 2 converted linears \(0, 1\) hold"):
+        converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert converted.lowconv_plan.warnings[-1].startswith("the model was converted in train mode")
+    training = parse_recipe('[[rules]]\nop = "fp8"\noptions = { training = true }')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lowconv.LowconvWarning)
+        assert lowconv.convert(model, training, inputs).lowconv_plan.warnings == []
 
 
 class ReadsWeightDevice(nn.Module):
