@@ -180,6 +180,9 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     of the shapes and dtypes the plan kept (lowconv/inputs.py); where it kept none (an input that
     is neither a tensor nor a constant), load says to pass them.
     """
+    if hasattr(model, PLAN_ATTR):
+        raise LowconvError("load rebuilds a converted model from the original one: this model was made by lowconv (it "
+                           "holds a plan); pass the model as it was before convert")
     plan, tensors = read_plan(directory)
     path = checkpoint.checkpoint_path(directory)
     state = model.state_dict()

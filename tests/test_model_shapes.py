@@ -342,6 +342,14 @@ def test_converting_a_converted_model_is_refused_with_the_way_out():
     assert not any("made by lowconv" in w for w in converted.lowconv_plan.warnings)
 
 
+def test_loading_into_a_converted_model_says_to_pass_the_original(tmp_path):
+    model, inputs = nn.Sequential(nn.Linear(16, 16)).eval(), (torch.randn(2, 16),)
+    converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    lowconv.save(converted, tmp_path)
+    with pytest.raises(LowconvError, match="made by lowconv .* pass the model as it was before convert"):
+        lowconv.load(converted, tmp_path)
+
+
 def test_python_convert_warns_of_its_plans_warnings_and_of_weights_training_leaves():
     model, inputs = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).train(), (torch.randn(2, 16),)
     with pytest.warns(lowconv.LowconvWarning, match=r"train mode, but 2 converted linears \(0, 1\) hold"):
