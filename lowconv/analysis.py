@@ -123,13 +123,15 @@ def conversion_warnings(model: nn.Module, analysis: Analysis, decisions: list[De
 
 
 
-def untrained_weights_warnings(model: nn.Module, converted: nn.Module, decisions: list[Decision]) -> list[str]:
-    """What a model converted in train mode no longer trains: the converted linears whose weights an
-    op holds for inference (buffers: e4m3, 2:4 compressed), which training leaves as they are."""
+def untrained_weights_warnings(model: nn.Module, decisions: list[Decision]) -> list[str]:
+    """What a model converted in train mode no longer trains: the converted linears whose op holds
+    the weight for inference (options with training false: e4m3, 2:4 compressed buffers), which
+    training leaves as they are. Ops without a training option (dense, fp16acc) keep a parameter.
+    Said to Python's callers only: the plan, and so the checkpoint, is the same in either mode."""
     if not model.training:
         return []
     held = [d.fqn for d in decisions if d.converted and d.site.kind == "linear" and "weight" not in d.site.frozen
-            and not isinstance(getattr(converted.get_submodule(d.fqn), "weight", None), nn.Parameter)]
+            and getattr(d.options, "training", True) is False]
     if not held:
         return []
     some = f"{len(held)} converted linears ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) hold their weights" \

@@ -72,7 +72,6 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     converted, served, fused = rewritten(analysis, modules, groups)
     decisions = carried_out_all(planned, modules, measured, served, fused)
     plan = plan_for(model, analysis, recipe, decisions, example_inputs, recorded)
-    plan = replace(plan, warnings=[*plan.warnings, *untrained_weights_warnings(model, converted, decisions)])
     # The analysed copy holds the layers the converted model replaced: let them go before it runs
     del analysis
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
@@ -80,7 +79,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
         check_runs(converted, example_inputs)
     calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
     attach_plan(converted, with_calibration(plan, calibrated))
-    for warning in plan.warnings:
+    for warning in [*plan.warnings, *untrained_weights_warnings(model, plan.converted())]:
         warnings.warn(warning, LowconvWarning, stacklevel=2)
     return converted
 

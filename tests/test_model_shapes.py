@@ -354,7 +354,7 @@ def test_python_convert_warns_of_its_plans_warnings_and_of_weights_training_leav
     model, inputs = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).train(), (torch.randn(2, 16),)
     with pytest.warns(lowconv.LowconvWarning, match=r"train mode, but 2 converted linears \(0, 1\) hold"):
         converted = lowconv.convert(model, "fp8-dynamic", inputs)
-    assert converted.lowconv_plan.warnings[-1].startswith("the model was converted in train mode")
+    assert converted.lowconv_plan.warnings == []  # the plan (and its checkpoint) is the same in eval mode
     training = parse_recipe('[[rules]]\nop = "fp8"\noptions = { training = true }')
     with warnings.catch_warnings():
         warnings.simplefilter("error", lowconv.LowconvWarning)
