@@ -64,6 +64,11 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
     if example_inputs is None:
         raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
                            "of keyword arguments, or one tensor")
+    if hasattr(model, PLAN_ATTR):
+        raise LowconvError("the model was made by lowconv (it holds a plan): its converted sites are op modules and "
+                           "its checkpoint would not load as it is; convert the original model (a recipe with every "
+                           "rule), or lowconv.revert(model) first, for plain layers with the weights it holds (a "
+                           "trained model's), and convert that")
     recipe = load_recipe(recipe)
     quantized = quantized_model_problem(model)
     if quantized:
@@ -96,10 +101,7 @@ def with_calibration(plan: Plan, calibration: str | None) -> Plan:
 
 def quantized_model_problem(model: nn.Module) -> str | None:
     """Why a model is a quantized one already (None: it is not): a quantization_config, FP8 weights,
-    or tensor subclasses (torchao's quantized weights). A model lowconv made is converted again
-    where it still has sites (conversion_warnings says so)."""
-    if hasattr(model, PLAN_ATTR):
-        return None
+    or tensor subclasses (torchao's quantized weights). A model lowconv made is refused before this."""
     described = hf.quantized_config_problem(model)
     if described:
         return described
@@ -115,11 +117,7 @@ def quantized_model_problem(model: nn.Module) -> str | None:
 def conversion_warnings(model: nn.Module, analysis: Analysis, decisions: list[Decision], recipe: Recipe) -> list[str]:
     """The plan's warnings for these decisions (once never-slower has kept sites, a region none of
     whose sites is converted any more is not rewritten)."""
-    warnings = plan_warnings(decisions, analysis.sites, analysis.trace, recipe) + nested_tensor_warnings(model, decisions)
-    if hasattr(model, PLAN_ATTR):
-        warnings.append("this model was made by lowconv (it holds a plan): the sites it converted are op "
-                        "modules now and are not found again; convert the original model to change them")
-    return warnings
+    return plan_warnings(decisions, analysis.sites, analysis.trace, recipe) + nested_tensor_warnings(model, decisions)
 
 
 

@@ -55,11 +55,6 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     recorded: what the plan records of the model beside what it finds (the command line's model
     path, seed and dtype, for `lowconv compare`).
     """
-    if hasattr(model, PLAN_ATTR):
-        raise LowconvError("the model was made by lowconv (it holds a plan): its converted sites are op modules and "
-                           "its checkpoint would not load as it is; convert the original model (a recipe with every "
-                           "rule), or lowconv.revert(model) first, for plain layers with the weights it holds (a "
-                           "trained model's), and convert that")
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
     analysis, planned = plan_conversion(model, recipe, example_inputs, share_weights)

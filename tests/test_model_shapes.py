@@ -339,7 +339,6 @@ def test_converting_a_converted_model_is_refused_with_the_way_out():
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
     with pytest.raises(LowconvError, match=r"made by lowconv .* lowconv.revert\(model\) first"):
         lowconv.convert(converted, "fp8-dynamic", inputs)
-    assert not any("made by lowconv" in w for w in converted.lowconv_plan.warnings)
 
 
 def test_loading_into_a_converted_model_says_to_pass_the_original(tmp_path):
