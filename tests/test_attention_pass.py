@@ -246,7 +246,7 @@ def replace_sites(region, sites, dtype) -> fx.GraphModule:
     gm = region.graph
     replaced = {}
     for site in sites:
-        module = sa.from_site(site, calls.SparseAttentionOptions(dtype=dtype), {})
+        module = sa.SparseAttentionForms.from_site(site, calls.SparseAttentionOptions(dtype=dtype), {})
         replace_in_graph(gm, site, relative(site.fqn, region), module, replaced)
     gm.graph.lint()
     gm.recompile()
@@ -390,13 +390,13 @@ def test_multihead_attention_that_cannot_be_converted_is_listed_with_why(block, 
 
 def test_multihead_attention_without_bias_is_rebuilt_from_its_site_alone():
     from lowconv.ops.attention_calls import SparseAttentionOptions
-    from lowconv.ops.sparse_attention import empty, from_site
+    from lowconv.ops.sparse_attention import SparseAttentionForms
 
     block = MHABlock(True, bias=False)
     [site] = find_attention_sites(region_of(block, (torch.randn(B, T, C),), shapes=True))
     assert site.unsupported is None and site.info.bias is False
-    built = from_site(site, SparseAttentionOptions(), block.mha.state_dict()).eval()
-    rebuilt = empty(site, SparseAttentionOptions()).eval()
+    built = SparseAttentionForms.from_site(site, SparseAttentionOptions(), block.mha.state_dict()).eval()
+    rebuilt = SparseAttentionForms.empty(site, SparseAttentionOptions()).eval()
     rebuilt.load_state_dict(built.state_dict())
     x = torch.randn(B, T, C)
     assert torch.equal(rebuilt(x, x, x)[0], built(x, x, x)[0])

@@ -10,7 +10,7 @@ from lowconv.kernels.fp8 import E4M3
 from lowconv.kernels.fp8_sparse24 import scale_product, scale_product_reference
 from lowconv.kernels.sparse24 import prune_24
 from lowconv.ops import fp8
-from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseOptions, empty, from_site, site_problem
+from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseLinear, Fp8SemiSparseOptions
 from lowconv.plan import Decision, Plan
 from lowconv.recipe import decide, load_recipe, parse_recipe
 from tests.compiled import compile_recording, lowconv_ops
@@ -22,7 +22,7 @@ def layer(options=None, in_features=64, out_features=48, dtype=torch.float32, se
     site = linear_site(in_features, out_features, True, str(dtype).removeprefix("torch."))
     params = {"weight": torch.randn(out_features, in_features, dtype=dtype),
               "bias": torch.randn(out_features, dtype=dtype)}
-    return site, params, from_site(site, options or Fp8SemiSparseOptions(), params)
+    return site, params, Fp8SemiSparseLinear.from_site(site, options or Fp8SemiSparseOptions(), params)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "token"])
@@ -32,7 +32,7 @@ def test_the_weight_is_2_4_and_the_layer_computes_fp8s_product_of_the_pruned_wei
     nonzero = (module.weight.view(torch.uint8) & 0x7F) != 0
     assert (nonzero.reshape(48, -1, 4).sum(-1) <= 2).all()
     pruned = {**params, "weight": prune_24(params["weight"])}
-    dense = fp8.from_site(site, fp8.Fp8Options(granularity=granularity), pruned)
+    dense = fp8.Fp8Linear.from_site(site, fp8.Fp8Options(granularity=granularity), pruned)
     assert torch.equal(module.weight.view(torch.uint8), dense.weight.view(torch.uint8))
     x = torch.randn(3, 7, 64)
     assert torch.equal(module(x), dense(x))
@@ -64,16 +64,16 @@ def test_the_2_4_recipes_find_mlps_by_their_common_names_but_not_routers(recipe)
 
 def test_check_names_the_shapes_it_cannot_take():
     options = Fp8SemiSparseOptions()
-    assert "divisible by 4" in site_problem(linear_site(66, 48), options)
-    assert site_problem(linear_site(64, 48), options) is None
+    assert "divisible by 4" in Fp8SemiSparseLinear.site_problem(linear_site(66, 48), options)
+    assert Fp8SemiSparseLinear.site_problem(linear_site(64, 48), options) is None
     # cuSPARSELt's e4m3 GEMM takes multiples of 32; "auto" would run the dense FP8 GEMM there
-    assert "multiples of 32" in site_problem(linear_site(64, 48), Fp8SemiSparseOptions(backend="cusparselt"))
+    assert "multiples of 32" in Fp8SemiSparseLinear.site_problem(linear_site(64, 48), Fp8SemiSparseOptions(backend="cusparselt"))
 
 
 def test_a_loaded_weight_that_is_not_2_4_is_named():
     site, params, module = layer()
     state = module.state_dict()
-    loaded = empty(site, Fp8SemiSparseOptions())
+    loaded = Fp8SemiSparseLinear.empty(site, Fp8SemiSparseOptions())
     loaded.load_state_dict(state)
     assert loaded.loaded_state_problem() is None
     dense = state["weight"].clone()

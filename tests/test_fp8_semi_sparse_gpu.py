@@ -10,7 +10,7 @@ import lowconv
 from lowconv.errors import LowconvError
 from lowconv.kernels.cusparselt import SparseGemm
 from lowconv.kernels.fp8 import E4M3, quantize_activation
-from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseLinear, Fp8SemiSparseOptions, from_site
+from lowconv.ops.fp8_semi_sparse import Fp8SemiSparseLinear, Fp8SemiSparseOptions
 from lowconv.recipe import parse_recipe
 from tests.compiled import compile_recording, fallbacks, inductor_with_cuda_graphs, lowconv_ops
 from tests.sites import linear_site
@@ -52,7 +52,7 @@ def test_the_2_4_gemm_computes_the_fp8_product_of_the_pruned_weight(granularity,
     params = {"weight": (torch.randn(512, 256, generator=gen, device="cuda") / 16).to(dtype),
               "bias": torch.randn(512, generator=gen, device="cuda").to(dtype)}
     options = Fp8SemiSparseOptions(granularity=granularity, backend="cusparselt")
-    module = from_site(site, options, params).cuda()  # from_site leaves the bias where the module was made
+    module = Fp8SemiSparseLinear.from_site(site, options, params).cuda()  # from_site leaves the bias where the module was made
     assert module.choice.backend == "cusparselt"
     x = torch.randn(3, 100, 256, generator=gen, device="cuda").to(dtype)
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lowconv.ops.linear_site import linear_info, linear_params, site_dtype
-from lowconv.ops.registry import Op, register
+from lowconv.ops.registry import register_op
 
 
 @dataclass
@@ -17,15 +17,25 @@ class DenseOptions:
     pass
 
 
-def empty(site, options: DenseOptions) -> nn.Linear:
-    info = linear_info(site)
-    return nn.Linear(info.in_features, info.out_features, bias=info.bias, dtype=site_dtype(site))
+@register_op(DenseOptions, name="dense", kind="linear",
+             description="a plain nn.Linear with the site's weights (what lowconv.revert makes of converted linears)")
+class Dense:
+    """The op's builder: its modules are plain nn.Linear."""
 
+    @staticmethod
+    def site_problem(site, options: DenseOptions) -> None:
+        return None
 
-def from_site(site, options: DenseOptions, params: dict[str, torch.Tensor]) -> nn.Linear:
-    weight, bias = linear_params(site, params)
-    dtype = site_dtype(site)
-    return linear_holding(weight.to(dtype), None if bias is None else bias.to(dtype))
+    @staticmethod
+    def empty(site, options: DenseOptions) -> nn.Linear:
+        info = linear_info(site)
+        return nn.Linear(info.in_features, info.out_features, bias=info.bias, dtype=site_dtype(site))
+
+    @staticmethod
+    def from_site(site, options: DenseOptions, params: dict[str, torch.Tensor]) -> nn.Linear:
+        weight, bias = linear_params(site, params)
+        dtype = site_dtype(site)
+        return linear_holding(weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def linear_holding(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -38,13 +48,3 @@ def linear_holding(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear
             linear.bias.copy_(bias)
     return linear
 
-
-DENSE = register(Op(
-    name="dense",
-    kind="linear",
-    description="a plain nn.Linear with the site's weights (what lowconv.revert makes of converted linears)",
-    options=DenseOptions,
-    site_problem=lambda site, options: None,
-    from_site=from_site,
-    empty=empty,
-))

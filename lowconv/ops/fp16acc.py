@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lowconv.kernels.fp16acc import auto_splits, fp16acc_matmul
-from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info
-from lowconv.ops.registry import Op, register
+from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info
+from lowconv.ops.registry import register_op
 
 
 @dataclass
@@ -26,7 +26,9 @@ class Fp16AccOptions:
             raise ValueError(f"must be at least 1 (got {self.splits})", "splits")
 
 
-class Fp16AccLinear(nn.Module):
+@register_op(Fp16AccOptions, name="fp16acc", kind="linear",
+             description="fp16 linear with fp16 accumulation, split along K (fp32 or fp16 combine) to bound the error")
+class Fp16AccLinear(LinearOp, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, options: Fp16AccOptions):
         super().__init__()
         self.in_features, self.out_features, self.options = in_features, out_features, options
@@ -57,34 +59,19 @@ class Fp16AccLinear(nn.Module):
     def linear_weight(self) -> torch.Tensor:
         return self.weight
 
+    @classmethod
+    def site_problem(cls, site, options: Fp16AccOptions) -> str | None:
+        dtype = site.compute_dtype()
+        if dtype != "float16":
+            return (f"fp16acc runs fp16 models only (site dtype is {dtype}; cast the model and its inputs "
+                    "first, as `lowconv convert --dtype float16` does)")
+        return None
+
+    @classmethod
+    def empty(cls, site, options: Fp16AccOptions) -> "Fp16AccLinear":
+        info = linear_info(site)
+        return cls(info.in_features, info.out_features, info.bias, options)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"splits={self.options.splits}, combine={self.options.combine}, backend={self.options.backend}")
-
-
-def site_problem(site, options: Fp16AccOptions) -> str | None:
-    dtype = site.compute_dtype()
-    if dtype != "float16":
-        return (f"fp16acc runs fp16 models only (site dtype is {dtype}; cast the model and its inputs "
-                "first, as `lowconv convert --dtype float16` does)")
-    return None
-
-
-def empty(site, options: Fp16AccOptions) -> Fp16AccLinear:
-    info = linear_info(site)
-    return Fp16AccLinear(info.in_features, info.out_features, info.bias, options)
-
-
-def from_site(site, options: Fp16AccOptions, params: dict[str, torch.Tensor]) -> Fp16AccLinear:
-    return linear_from_site(empty, site, options, params)
-
-
-FP16ACC = register(Op(
-    name="fp16acc",
-    kind="linear",
-    description="fp16 linear with fp16 accumulation, split along K (fp32 or fp16 combine) to bound the error",
-    options=Fp16AccOptions,
-    site_problem=site_problem,
-    from_site=from_site,
-    empty=empty,
-))

@@ -30,8 +30,8 @@ from lowconv.kernels.fp8 import (
     quantize_rows_after, quantize_weight,
 )
 from lowconv.kernels.operands import needs_autograd
-from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype
-from lowconv.ops.registry import Op, register
+from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype
+from lowconv.ops.registry import register_op
 
 
 MAX_AMAX_HISTORY = 1024  # TransformerEngine's longest recommended history; longer only costs memory and time
@@ -60,7 +60,9 @@ class Fp8Options:
             raise ValueError(f"must be in [1, {MAX_AMAX_HISTORY}] (got {self.amax_history_len})", "amax_history_len")
 
 
-class Fp8Linear(nn.Module):
+@register_op(Fp8Options, name="fp8", kind="linear", timed=True,
+             description="FP8 linear: e4m3 weights and activations (tensor or per-row scales), e5m2 gradients")
+class Fp8Linear(LinearOp, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, options: Fp8Options):
         super().__init__()
         self.in_features, self.out_features, self.options = in_features, out_features, options
@@ -251,34 +253,19 @@ class Fp8Linear(nn.Module):
                 + (f", amax_history_len={o.amax_history_len}, amax_reduction={o.amax_reduction}"
                    if o.scaling == "delayed" else ""))
 
+    @classmethod
+    def site_problem(cls, site, options: Fp8Options) -> str | None:
+        info = linear_info(site)
+        if info.in_features % 16 or info.out_features % 16:
+            return (f"fp8 GEMM needs in_features and out_features divisible by 16 "
+                    f"(got K={info.in_features}, N={info.out_features})")
+        if options.granularity == "block" and (info.in_features % BLOCK or info.out_features % BLOCK):
+            return (f"fp8 block scaling needs in_features and out_features divisible by {BLOCK}, as "
+                    f"compressed-tensors, vLLM and cuBLASLt's block modes take them (got K={info.in_features}, "
+                    f"N={info.out_features})")
+        return None
 
-def site_problem(site, options: Fp8Options) -> str | None:
-    info = linear_info(site)
-    if info.in_features % 16 or info.out_features % 16:
-        return (f"fp8 GEMM needs in_features and out_features divisible by 16 "
-                f"(got K={info.in_features}, N={info.out_features})")
-    if options.granularity == "block" and (info.in_features % BLOCK or info.out_features % BLOCK):
-        return (f"fp8 block scaling needs in_features and out_features divisible by {BLOCK}, as compressed-tensors, "
-                f"vLLM and cuBLASLt's block modes take them (got K={info.in_features}, N={info.out_features})")
-    return None
-
-
-def empty(site, options: Fp8Options) -> Fp8Linear:
-    info = linear_info(site)
-    return Fp8Linear(info.in_features, info.out_features, info.bias, site_dtype(site), options)
-
-
-def from_site(site, options: Fp8Options, params: dict[str, torch.Tensor]) -> Fp8Linear:
-    return linear_from_site(empty, site, options, params)
-
-
-FP8 = register(Op(
-    name="fp8",
-    kind="linear",
-    description="FP8 linear: e4m3 weights and activations (tensor or per-row scales), e5m2 gradients",
-    options=Fp8Options,
-    site_problem=site_problem,
-    from_site=from_site,
-    empty=empty,
-    timed=True,
-))
+    @classmethod
+    def empty(cls, site, options: Fp8Options) -> "Fp8Linear":
+        info = linear_info(site)
+        return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options)

@@ -28,9 +28,8 @@ from lowconv.kernels.fp8_sparse24 import GemmCase, choose_backend, fp8_sparse24_
 from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.sparse24 import BackendChoice, prune_24
 from lowconv.ops.fp8 import Fp8Linear
-from lowconv.ops.fp8 import site_problem as fp8_site_problem
-from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype, site_rows
-from lowconv.ops.registry import Op, register
+from lowconv.ops.linear_site import in_autocast_dtype, linear_info, site_dtype, site_rows
+from lowconv.ops.registry import register_op
 
 
 @dataclass
@@ -45,6 +44,9 @@ class Fp8SemiSparseOptions:
     training: ClassVar[bool] = False
 
 
+@register_op(Fp8SemiSparseOptions, name="fp8_semi_sparse", kind="linear", timed=True,
+             description="FP8 linear with a 2:4 sparse e4m3 weight (inference, dynamic scaling): cuSPARSELt's e4m3 "
+                         "2:4 GEMM")
 class Fp8SemiSparseLinear(Fp8Linear):
     """fp8's inference layer with a 2:4 weight, on cuSPARSELt's 2:4 GEMM where `choice` says so."""
 
@@ -136,6 +138,22 @@ class Fp8SemiSparseLinear(Fp8Linear):
         backend = f", backend={self.choice.backend}" if self.choice else ""
         return super().extra_repr() + backend
 
+    @classmethod
+    def site_problem(cls, site, options: Fp8SemiSparseOptions) -> str | None:
+        info = linear_info(site)
+        if info.in_features % 4:
+            return (f"2:4 sparsity needs in_features divisible by 4 "
+                    f"(weight is ({info.out_features}, {info.in_features}))")
+        if options.backend == "cusparselt":
+            return (cusparselt.shape_problem(info.out_features, info.in_features, E4M3)
+                    or super().site_problem(site, options))
+        return super().site_problem(site, options)
+
+    @classmethod
+    def empty(cls, site, options: Fp8SemiSparseOptions) -> "Fp8SemiSparseLinear":
+        info = linear_info(site)
+        return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options, site_rows(site))
+
 
 @torch.no_grad()
 def recompress_loaded_weight(module: Fp8SemiSparseLinear, incompatible_keys=None):
@@ -151,34 +169,3 @@ def recompress_loaded_weight(module: Fp8SemiSparseLinear, incompatible_keys=None
     if problem:
         raise LowconvError(f"fp8_semi_sparse: {problem}")
     module.cusparselt_weight.copy_(module.gemm.compress(module.weight))
-
-
-def site_problem(site, options: Fp8SemiSparseOptions) -> str | None:
-    info = linear_info(site)
-    if info.in_features % 4:
-        return f"2:4 sparsity needs in_features divisible by 4 (weight is ({info.out_features}, {info.in_features}))"
-    if options.backend == "cusparselt":
-        return cusparselt.shape_problem(info.out_features, info.in_features, E4M3) or fp8_site_problem(site, options)
-    return fp8_site_problem(site, options)
-
-
-def empty(site, options: Fp8SemiSparseOptions) -> Fp8SemiSparseLinear:
-    info = linear_info(site)
-    return Fp8SemiSparseLinear(info.in_features, info.out_features, info.bias, site_dtype(site), options,
-                               site_rows(site))
-
-
-def from_site(site, options: Fp8SemiSparseOptions, params: dict[str, torch.Tensor]) -> Fp8SemiSparseLinear:
-    return linear_from_site(empty, site, options, params)
-
-
-FP8_SEMI_SPARSE = register(Op(
-    name="fp8_semi_sparse",
-    kind="linear",
-    description="FP8 linear with a 2:4 sparse e4m3 weight (inference, dynamic scaling): cuSPARSELt's e4m3 2:4 GEMM",
-    options=Fp8SemiSparseOptions,
-    site_problem=site_problem,
-    from_site=from_site,
-    empty=empty,
-    timed=True,
-))

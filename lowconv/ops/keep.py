@@ -1,7 +1,7 @@
 """`keep`: leave the site as the model wrote it."""
 from dataclasses import dataclass
 
-from lowconv.ops.registry import Op, register
+from lowconv.ops.registry import register_op
 
 
 @dataclass
@@ -9,12 +9,11 @@ class KeepOptions:
     pass
 
 
-KEEP = register(Op(
-    name="keep",
-    kind=None,
-    description="leave the site unchanged",
-    options=KeepOptions,
-    site_problem=lambda site, options: None,
-    from_site=None,
-    empty=None,
-))
+@register_op(KeepOptions, name="keep", kind=None, description="leave the site unchanged")
+class Keep:
+    """The op's builder: no module, the site stays."""
+    from_site = empty = None
+
+    @staticmethod
+    def site_problem(site, options: KeepOptions) -> None:
+        return None

@@ -35,13 +35,16 @@ def linear_info(site: Site) -> LinearInfo:
     return site.info
 
 
-def linear_from_site(empty, site: Site, options, params: dict[str, torch.Tensor]):
-    """An op's `from_site`: its module built by `empty`, then given the site's weight (in the
-    site's dtype) and bias."""
-    module = empty(site, options)
-    weight, bias = linear_params(site, params)
-    module.set_params(weight.to(site_dtype(site)), bias)
-    return module
+class LinearOp:
+    """A linear op's builder (registry.OpBuilder) but its `empty` and `site_problem`: `from_site`
+    builds the module with `empty`, then gives it the site's weight (in the site's dtype) and bias."""
+
+    @classmethod
+    def from_site(cls, site: Site, options, params: dict[str, torch.Tensor]):
+        module = cls.empty(site, options)
+        weight, bias = linear_params(site, params)
+        module.set_params(weight.to(site_dtype(site)), bias)
+        return module
 
 
 def linear_params(site: Site, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

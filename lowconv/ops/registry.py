@@ -1,6 +1,10 @@
 """The op registry: the one place where conversion targets are registered by name.
 
-An op turns one Site into one nn.Module. `from_site` does the one-time work (quantize, prune,
+An op turns one Site into one nn.Module. An op file is its Options dataclass (the recipe's
+`options` keys), its module class, and one decorator, `register_op(Options, name=...)`, on the
+class that builds the modules (OpBuilder): the module class itself, with `site_problem`,
+`from_site` and `empty` as classmethods, or, for an op that builds several module classes (or
+none), a class holding just those three. `from_site` does the one-time work (quantize, prune,
 compress) from the site's original parameters; `empty` builds the same module with
 uninitialized tensors of the right shapes and dtypes, which `load_state_dict` then fills, so a
 module rebuilt from a checkpoint equals the one built by `from_site`.
@@ -94,9 +98,26 @@ class TakesActivation(Protocol):
         own step on x (fuse_activation.py moves the activation there)."""
 
 
-def register(op: Op) -> Op:
-    if op.name in OPS:
-        raise ValueError(f"op {op.name!r} is already registered")
-    OPS[op.name] = op
-    return op
+class OpBuilder(Protocol):
+    """What register_op takes from the class it decorates (classmethods or staticmethods)."""
+
+    def site_problem(self, site: Site, options: Any) -> str | None:
+        """Why this op cannot take this site (shape, dtype, ...), or None when it can."""
+
+    def from_site(self, site: Site, options: Any, params: dict[str, torch.Tensor]) -> nn.Module: ...
+
+    def empty(self, site: Site, options: Any) -> nn.Module: ...
+
+
+def register_op(options: type, *, name: str, kind: str | None, description: str, timed: bool = False,
+                rewrite_graph: Callable[[fx.GraphModule], None] | None = None):
+    """A class decorator: registers op `name`, whose recipe options are the dataclass `options`
+    and whose modules the decorated class builds (OpBuilder); the other arguments are Op's."""
+    def register(builder: type) -> type:
+        if name in OPS:
+            raise ValueError(f"op {name!r} is already registered")
+        OPS[name] = Op(name, kind, description, options, builder.site_problem, builder.from_site, builder.empty,
+                       timed, rewrite_graph)
+        return builder
+    return register
 

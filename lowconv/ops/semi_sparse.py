@@ -40,8 +40,8 @@ from lowconv.kernels.sparse24 import (
     decompress_bitmask, fixed_mask_linear, mask_24, mask_24_transposable, prune_24_straight_through,
     semi_sparse_linear, unpack_bits,
 )
-from lowconv.ops.linear_site import in_autocast_dtype, linear_from_site, linear_info, site_dtype, site_rows
-from lowconv.ops.registry import Op, register
+from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype, site_rows
+from lowconv.ops.registry import register_op
 
 
 @dataclass
@@ -335,44 +335,35 @@ def module_class(options: SemiSparseOptions) -> type[nn.Module]:
     return MaskedSemiSparseLinear if options.training else CompressedSemiSparseLinear
 
 
-def site_problem(site, options: SemiSparseOptions) -> str | None:
-    if site.reads_parameter_device and issubclass(module_class(options), CompressedSemiSparseLinear):
-        return ("other code of the model reads this layer's weight (its device), and the compressed 2:4 "
-                "layer keeps no weight tensor (training = true keeps one)")
-    info = linear_info(site)
-    if info.in_features % 4:
-        return (f"2:4 sparsity needs in_features divisible by 4 "
-                f"(weight is ({info.out_features}, {info.in_features}))")
-    if options.transposable and info.out_features % 4:
-        return (f"transposable 2:4 sparsity needs out_features divisible by 4 too "
-                f"(weight is ({info.out_features}, {info.in_features}))")
-    if options.backend == "cusparselt":
-        dtype = site_dtype(site)
-        shapes = [(info.out_features, info.in_features)]
-        if options.training and options.transposable:  # dX runs W^T (in, out) through cuSPARSELt too
-            shapes.append((info.in_features, info.out_features))
-        return next(filter(None, (shape_problem(*shape, dtype) for shape in shapes)), None)
-    return None
+@register_op(SemiSparseOptions, name="semi_sparse", kind="linear",
+             description="2:4 semi-structured sparse linear (weight or activation pruned along in_features)")
+class SemiSparse(LinearOp):
+    """The op's builder: its module class depends on the options (module_class)."""
 
+    @staticmethod
+    def site_problem(site, options: SemiSparseOptions) -> str | None:
+        if site.reads_parameter_device and issubclass(module_class(options), CompressedSemiSparseLinear):
+            return ("other code of the model reads this layer's weight (its device), and the compressed 2:4 "
+                    "layer keeps no weight tensor (training = true keeps one)")
+        info = linear_info(site)
+        if info.in_features % 4:
+            return (f"2:4 sparsity needs in_features divisible by 4 "
+                    f"(weight is ({info.out_features}, {info.in_features}))")
+        if options.transposable and info.out_features % 4:
+            return (f"transposable 2:4 sparsity needs out_features divisible by 4 too "
+                    f"(weight is ({info.out_features}, {info.in_features}))")
+        if options.backend == "cusparselt":
+            dtype = site_dtype(site)
+            shapes = [(info.out_features, info.in_features)]
+            if options.training and options.transposable:  # dX runs W^T (in, out) through cuSPARSELt too
+                shapes.append((info.in_features, info.out_features))
+            return next(filter(None, (shape_problem(*shape, dtype) for shape in shapes)), None)
+        return None
 
-def empty(site, options: SemiSparseOptions) -> nn.Module:
-    info = linear_info(site)
-    cls = module_class(options)
-    if issubclass(cls, FixedMaskLinear):
-        return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options, site_rows(site))
-    return cls(info.in_features, info.out_features, info.bias, site_dtype(site), options)
-
-
-def from_site(site, options: SemiSparseOptions, params: dict[str, torch.Tensor]) -> nn.Module:
-    return linear_from_site(empty, site, options, params)
-
-
-SEMI_SPARSE = register(Op(
-    name="semi_sparse",
-    kind="linear",
-    description="2:4 semi-structured sparse linear (weight or activation pruned along in_features)",
-    options=SemiSparseOptions,
-    site_problem=site_problem,
-    from_site=from_site,
-    empty=empty,
-))
+    @staticmethod
+    def empty(site, options: SemiSparseOptions) -> nn.Module:
+        info = linear_info(site)
+        module = module_class(options)
+        if issubclass(module, FixedMaskLinear):
+            return module(info.in_features, info.out_features, info.bias, site_dtype(site), options, site_rows(site))
+        return module(info.in_features, info.out_features, info.bias, site_dtype(site), options)

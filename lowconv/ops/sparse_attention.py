@@ -19,7 +19,7 @@ from torch import nn
 from lowconv.ops.attention_calls import SparseAttentionOptions
 from lowconv.ops.functional_attention import functional_module, functional_site_problem
 from lowconv.ops.mha_attention import mha_empty, mha_from_site, mha_site_problem
-from lowconv.ops.registry import Op, register
+from lowconv.ops.registry import register_op
 from lowconv.ops.varlen_attention import varlen_module, varlen_site_problem
 from lowconv.ops.window_attention import window_module, window_site_problem
 from lowconv.ops.window_rows import drop_pair_layouts
@@ -40,27 +40,21 @@ FORMS = {"sdpa": FUNCTIONAL, "handwritten": FUNCTIONAL,
          "varlen": AttentionForm(varlen_site_problem, varlen_module, varlen_module)}
 
 
-def site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
-    return FORMS[site.info.form].site_problem(site, options)
+@register_op(SparseAttentionOptions, name="sparse_attention", kind="attention", rewrite_graph=drop_pair_layouts,
+             description="attention in a chosen dtype (fp32 accumulation and softmax) and tile layout (auto, dense, "
+                         "causal, local, mask); on CUDA through SDPA, or lowconv's block-attention kernels where they "
+                         "skip tiles of the scores that SDPA computes")
+class SparseAttentionForms:
+    """The op's builder: each form's (FORMS, by site.info.form)."""
 
+    @staticmethod
+    def site_problem(site: Site, options: SparseAttentionOptions) -> str | None:
+        return FORMS[site.info.form].site_problem(site, options)
 
-def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.Module:
-    return FORMS[site.info.form].from_site(site, options, params)
+    @staticmethod
+    def from_site(site: Site, options: SparseAttentionOptions, params: dict) -> nn.Module:
+        return FORMS[site.info.form].from_site(site, options, params)
 
-
-def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
-    return FORMS[site.info.form].empty(site, options)
-
-
-SPARSE_ATTENTION = register(Op(
-    name="sparse_attention",
-    kind="attention",
-    description="attention in a chosen dtype (fp32 accumulation and softmax) and tile layout (auto, dense, "
-                "causal, local, mask); on CUDA through SDPA, or lowconv's block-attention kernels where they "
-                "skip tiles of the scores that SDPA computes",
-    options=SparseAttentionOptions,
-    site_problem=site_problem,
-    from_site=from_site,
-    empty=empty,
-    rewrite_graph=drop_pair_layouts,
-))
+    @staticmethod
+    def empty(site: Site, options: SparseAttentionOptions) -> nn.Module:
+        return FORMS[site.info.form].empty(site, options)
