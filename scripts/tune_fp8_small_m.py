@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from lowconv.kernels import fp8_small_m
-from lowconv.kernels.fp8 import E4M3, fp8_linear_reference, quantize, quantize_weight, scaled_mm_linear
+from lowconv.kernels.fp8 import fp8_linear_reference, quantize, quantize_weight, scaled_mm_linear
 from lowconv.kernels.cuda_timing import graph_ms
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}

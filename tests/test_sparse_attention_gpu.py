@@ -7,7 +7,6 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import lowconv
-import lowconv.ops.sparse_attention as sa
 from lowconv.ops.window_attention import SparseWindowAttention
 from lowconv.kernels.block_attention import block_attention_reference, block_attention_sdpa
 from lowconv.kernels.cuda_timing import captured

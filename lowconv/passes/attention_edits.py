@@ -26,7 +26,7 @@ from lowconv.passes.trace import Region
 from lowconv.site import tensor_meta
 
 if TYPE_CHECKING:
-    from lowconv.passes.attention import Match
+    from lowconv.passes.attention_match import Match
 
 
 # ---- several masks, or masks on reshaped scores: one mask ----

@@ -14,7 +14,6 @@ import torch.fx as fx
 from torch import nn
 
 from lowconv.errors import LowconvError, first_line
-from lowconv.passes.example_values import decided
 from lowconv.passes.example_calls import Call, first_calls, fixed_arguments, is_site_module
 from lowconv.passes.shapes import propagate_shapes
 from lowconv.passes.tracer import branches_on_training, release_graph, trace_module
