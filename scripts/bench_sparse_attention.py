@@ -6,7 +6,9 @@ Two synthetic LiDAR scenes of 268,720 voxels (examples/point_transformer.py: 0.0
 head_dim 16, q pre-scaled by d^-0.5 as SpTr's callers do (so every peer runs with scale 1).
 A third scene, "patches", is Point Transformer V3's serialized attention on the dense scene's
 voxels: in z-order, cut into windows of 128 points (the last filled up with repeats), what PTv3
-hands flash-attn's varlen call; without relative position (PTv3's flash path has none).
+hands flash-attn's varlen call (which has no relative position); with relative position, SpTr's
+contextual tables on each point's cell within its patch (examples/serialized_attention.py's
+contextual=True: patch_coordinates, G = 24 as in the other scenes).
 Peers, in one process and run:
   pairs         SpTr's index-pair formulation in torch (lowconv.compat.sptr's ops), rel pos too
   flash-varlen  SDPA over nested jagged tensors (SDPA picks its kernel: flash for fp16/bf16)
@@ -45,17 +47,18 @@ from scripts.bench_common import (add_run_arguments, cuda_context_error, first_l
                                   run_device, run_header, write_outputs)
 from examples.point_transformer import (DENSE_AZIMUTH_STEPS, KITTI_AZIMUTH_STEPS,  # noqa: E402
                                         QUANT_SIZE, VOXEL_SIZE, WINDOW_SIZE, synthetic_lidar_scene)
-from examples.serialized_attention import PATCH_SIZE, serialize  # noqa: E402
+from examples.serialized_attention import CONTEXT_GRID, PATCH_SIZE, patch_coordinates, serialize  # noqa: E402
 from lowconv.compat import sptr  # noqa: E402
 from lowconv.kernels.window_attention import row_windows_from_offsets, window_attention  # noqa: E402
 
 SCENE_AZIMUTH_STEPS = {"dense": DENSE_AZIMUTH_STEPS, "kitti": KITTI_AZIMUTH_STEPS, "patches": DENSE_AZIMUTH_STEPS}
-PATCH_SCENES = ("patches",)  # windows of PATCH_SIZE serialized points, no relative position
+PATCH_SCENES = ("patches",)  # windows of PATCH_SIZE serialized points
 FULL_POINTS = 268_720  # the SpTr fork's table size
 TINY_POINTS = 5_000
 HEAD_DIM = 16
 GRID = sptr.grid_length(WINDOW_SIZE, QUANT_SIZE)  # G = 24
 TABLE_ROWS = 2 * GRID - 1  # L = 47
+assert CONTEXT_GRID == GRID, "the patches scene's coordinates index the same tables"
 TABLE_STD = 0.1  # SpTr inits at 0.02; 0.1 makes the relative terms move the logits visibly
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PEERS = ("pairs", "flash-varlen", "flex", "lowconv")  # display order
@@ -114,11 +117,7 @@ class Scene:
     row_windows: tuple  # (start, end), each (N,) int32: each sorted point's window
     coords: torch.Tensor  # (N, 3) int32 quantized in-window coordinates in [0, G-1]
     pairs: Pairs
-    rel_pos: bool = True  # whether the scene has in-window coordinates (relative position)
     peers: dict = field(default_factory=dict)  # peer name -> attention function, built once
-
-    def rel_settings(self):
-        return (False, True) if self.rel_pos else (False,)
 
     @property
     def n(self):
@@ -147,11 +146,12 @@ def build_scene(name, n_points, device):
     """Scene `name` at n_points voxels, sorted by window, with SpTr's pair layout on `device`."""
     xyz, batch = synthetic_lidar_scene(n_points, SCENE_AZIMUTH_STEPS[name], seed=0)
     if name in PATCH_SCENES:
-        order, _ = serialize(torch.floor((xyz - xyz.amin(0)) / VOXEL_SIZE).long(), PATCH_SIZE)
+        grid = torch.floor((xyz - xyz.amin(0)) / VOXEL_SIZE).long()
+        order, _ = serialize(grid, PATCH_SIZE)
         offsets = torch.arange(0, len(order) + 1, PATCH_SIZE, device=device)
-        coords = torch.zeros(len(order), 3, dtype=torch.int32, device=device)
+        coords = patch_coordinates(grid[order], PATCH_SIZE).int().to(device)
         row_windows = tuple(t.int() for t in row_windows_from_offsets(offsets, len(coords)))
-        return Scene(name, offsets, row_windows, coords, build_pairs(offsets, coords), rel_pos=False)
+        return Scene(name, offsets, row_windows, coords, build_pairs(offsets, coords))
     _, sort_idx, offsets = sptr.window_partition(xyz, batch, WINDOW_SIZE)
     coords = sptr.quantized_coordinates(xyz[sort_idx], WINDOW_SIZE, QUANT_SIZE, GRID).int()
     offsets, coords = offsets.to(device), coords.to(device)
@@ -385,7 +385,7 @@ class Run:
     def check_precision(self, scene, dtype_name, peers):
         """Errors vs float64 of each peer's output and gradients at h = CHECK_HEADS."""
         x = make_inputs(scene.n, CHECK_HEADS, DTYPES[dtype_name], self.device, self.args.seed)
-        for rel in scene.rel_settings():
+        for rel in (False, True):
             want_out, want_grads = float64_reference(scene, x, rel)
             if rel and any(p in QK_TABLES_ONLY for p in peers):
                 qk_only = float64_reference(scene, without_value_table(x), rel)
@@ -480,7 +480,7 @@ def precision_cells(row, notes):
 
 def planned_configs(settings):
     return [(scene, dtype, heads, rel) for scene in settings["scenes"] for dtype in settings["dtypes"]
-            for heads in settings["heads"] for rel in ((False,) if scene in PATCH_SCENES else (False, True))]
+            for heads in settings["heads"] for rel in (False, True)]
 
 
 def markdown_report(run, header, settings):
@@ -612,7 +612,7 @@ def main():
         for scene in scenes:
             for heads in settings["heads"]:
                 x = make_inputs(scene.n, heads, DTYPES[dtype_name], device, args.seed)
-                for rel in scene.rel_settings():
+                for rel in (False, True):
                     for peer in RUN_ORDER:
                         if peer in settings["peers"] and (not rel or peer in REL_POS_PEERS):
                             for mode in MODES:

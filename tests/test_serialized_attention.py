@@ -43,3 +43,36 @@ def test_the_bf16_recipe_converts_it_within_bf16_rounding():
     converted = lowconv.convert(model, "sparse-attention-bf16", inputs)
     assert len(converted.lowconv_plan.converted()) == 2
     assert lowconv.compare(model, converted, inputs).outputs[0].metrics.sqnr_db > 60
+
+
+def test_contextual_patches_are_sptrs_attention_within_each_patch():
+    """contextual=True: each patch attended with SpTr's contextual relative position on its
+    points' patch_coordinates, as the float64 definition computes it (one dense softmax per patch);
+    with its tables at zero, the same as PTv3's attention without bias."""
+    from tests.test_window_attention import dense_window_attention64
+
+    torch.manual_seed(0)
+    model = serialized_attention.SerializedNet(rel_pos=False, contextual=True).double()
+    (points,) = serialized_attention.example_inputs()
+    attn = model.blocks[0].attn
+    K, H = serialized_attention.PATCH_SIZE, serialized_attention.HEADS
+    for table in attn.contextual:
+        table.data.normal_(std=0.5)  # terms that move the logits visibly
+    xyz = points[:, :3].double()
+    grid = torch.floor((xyz - xyz.amin(0)) / serialized_attention.GRID_SIZE).long()
+    order, inverse = serialized_attention.serialize(grid, K)
+    feat = torch.randn(points.shape[0], serialized_attention.CHANNELS, dtype=torch.float64)
+    coords = serialized_attention.patch_coordinates(grid[order], K)
+    assert coords.min() >= 0 and coords.max() == serialized_attention.CONTEXT_GRID - 1
+    q, k, v = attn.qkv(feat)[order].reshape(-1, 3, H, 16).unbind(dim=1)
+    offsets = torch.arange(0, q.shape[0] + 1, K)
+    want = attn.proj(dense_window_attention64(q, k, v, offsets, attn.scale, coords, tuple(attn.contextual))
+                     .reshape(-1, serialized_attention.CHANNELS)[inverse])
+    torch.testing.assert_close(attn(feat, grid, order, inverse), want, rtol=1e-10, atol=1e-10)
+
+    plain = serialized_attention.SerializedNet(rel_pos=False).double()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    for block in model.blocks:
+        for table in block.attn.contextual:
+            table.data.zero_()
+    torch.testing.assert_close(model(points.double()), plain(points.double()), rtol=1e-10, atol=1e-10)

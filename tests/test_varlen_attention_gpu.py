@@ -59,3 +59,26 @@ def test_the_converted_model_compiles_whole_and_replays_in_cuda_graphs(ptv3):
         reduced = torch.compile(converted, fullgraph=True, mode="reduce-overhead")
         for _ in range(3):
             torch.testing.assert_close(reduced(points), eager, rtol=2e-3, atol=2e-3)
+
+
+def test_ptv3_with_contextual_relative_position_runs_the_window_kernel():
+    """examples/serialized_attention.py's contextual=True on CUDA (the Triton kernel, fp32 and
+    fp16) against the same model in float64 on the CPU (the torch reference), with the tables'
+    gradients."""
+    torch.manual_seed(0)
+    model = serialized_attention.SerializedNet(rel_pos=False, contextual=True)
+    for name, parameter in model.named_parameters():
+        if "contextual" in name:
+            parameter.data.normal_(std=0.5)
+    (points,) = serialized_attention.example_inputs()
+    want_model = model.double()
+    want = want_model(points.double())
+    want.square().mean().backward()
+    want_grad = want_model.blocks[0].attn.contextual[2].grad.clone()
+    for dtype, least_db in ((torch.float32, 100), (torch.float16, 40)):
+        on_gpu = serialized_attention.SerializedNet(rel_pos=False, contextual=True).cuda().to(dtype)
+        on_gpu.load_state_dict(model.state_dict())
+        got = on_gpu(points.cuda().to(dtype))
+        got.float().square().mean().backward()
+        assert sqnr_db(got.double().cpu(), want.detach()) > least_db, dtype
+        assert sqnr_db(on_gpu.blocks[0].attn.contextual[2].grad.double().cpu(), want_grad) > least_db - 20, dtype
