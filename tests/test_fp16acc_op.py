@@ -11,6 +11,9 @@ from tests.compiled import (assert_same_run, compile_recording, fallbacks, induc
                             run_with_grads)
 from tests.sites import linear_site
 
+from_site, empty, site_problem = (Fp16AccLinear.from_site, Fp16AccLinear.empty,
+                                  Fp16AccLinear.site_problem)
+
 
 def relative_error(y, ref):
     assert torch.isfinite(y).all()
@@ -127,7 +130,7 @@ def auto_splits_seen(monkeypatch, in_features, options, inputs):
 
     seen = []
     monkeypatch.setattr(op, "fp16acc_matmul", lambda x, w, b, splits, *rest: seen.append(splits) or x[..., :1])
-    module = Fp16AccLinear.from_site(linear_site(in_features, 16), options, {"weight": torch.zeros(16, in_features).half(),
+    module = from_site(linear_site(in_features, 16), options, {"weight": torch.zeros(16, in_features).half(),
                                                                "bias": torch.zeros(16).half()})
     for shape in inputs:
         module(torch.zeros(*shape, in_features).half())
@@ -147,7 +150,7 @@ def test_module_auto_splits_follow_its_combine(monkeypatch, combine, splits):
 def test_module_vs_float64_and_grads():
     K, N = 96, 40
     w, b = torch.randn(N, K).half(), torch.randn(N).half()
-    module = Fp16AccLinear.from_site(linear_site(K, N), Fp16AccOptions(splits=2), {"weight": w, "bias": b})
+    module = from_site(linear_site(K, N), Fp16AccOptions(splits=2), {"weight": w, "bias": b})
     x = torch.randn(5, K).half().requires_grad_()
     y = module(x)
     assert y.dtype == torch.float16
@@ -162,11 +165,11 @@ def test_module_vs_float64_and_grads():
 @pytest.mark.parametrize("options", [Fp16AccOptions(), Fp16AccOptions(splits=3, combine="fp16")], ids=repr)
 def test_from_site_equals_empty_plus_load(options):
     site = linear_site(80, 24)
-    original = Fp16AccLinear.from_site(site, options, {"weight": torch.randn(24, 80).half(), "bias": torch.randn(24).half()})
+    original = from_site(site, options, {"weight": torch.randn(24, 80).half(), "bias": torch.randn(24).half()})
     sd = original.state_dict()
     assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == {
         "weight": ((24, 80), torch.float16), "bias": ((24,), torch.float16)}
-    rebuilt = Fp16AccLinear.empty(site, options)
+    rebuilt = empty(site, options)
     rebuilt.load_state_dict(sd, strict=True)
     x = torch.randn(3, 4, 80).half()
     y = original(x)
@@ -174,8 +177,8 @@ def test_from_site_equals_empty_plus_load(options):
 
 
 def test_check_reasons():
-    assert Fp16AccLinear.site_problem(linear_site(64, 32), Fp16AccOptions()) is None
-    assert Fp16AccLinear.site_problem(linear_site(64, 32, dtype="float32"), Fp16AccOptions()) == (
+    assert site_problem(linear_site(64, 32), Fp16AccOptions()) is None
+    assert site_problem(linear_site(64, 32, dtype="float32"), Fp16AccOptions()) == (
         "fp16acc runs fp16 models only (site dtype is float32; cast the model and its inputs "
         "first, as `lowconv convert --dtype float16` does)")
     with pytest.raises(ValueError, match="at least 1"):
@@ -187,7 +190,7 @@ def test_check_reasons():
 def test_cublas_backend_runs_the_reference_on_cpu():
     site = linear_site(64, 16)
     params = {"weight": torch.randn(16, 64).half(), "bias": torch.randn(16).half()}
-    module = Fp16AccLinear.from_site(site, Fp16AccOptions(splits=2, backend="cublas"), params)
+    module = from_site(site, Fp16AccOptions(splits=2, backend="cublas"), params)
     assert "backend=cublas" in repr(module)
     x = torch.randn(3, 64).half()
     assert torch.equal(module(x), fp16acc_matmul(x, params["weight"], params["bias"], 2, backend="reference"))
@@ -201,7 +204,7 @@ def test_module_on_cuda_vs_float64_and_grads(backend):
     K, N = 4096, 256
     torch.manual_seed(0)
     w, b = torch.randn(N, K).half(), torch.randn(N).half()
-    module = Fp16AccLinear.from_site(linear_site(K, N), Fp16AccOptions(backend=backend), {"weight": w, "bias": b}).cuda()
+    module = from_site(linear_site(K, N), Fp16AccOptions(backend=backend), {"weight": w, "bias": b}).cuda()
     x = torch.randn(2, 40, K).half().cuda().requires_grad_()
     grad_out = torch.randn(2, 40, N).half().cuda()
     before = torch.backends.cuda.matmul.allow_fp16_accumulation
@@ -221,7 +224,7 @@ def test_the_module_compiles_whole_as_lowconvs_op(options, bias):
     (the CPU runs the reference's), the same output and gradients as eager, 2-D and 3-D inputs."""
     torch.manual_seed(0)
     params = {"weight": torch.randn(40, 96).half(), "bias": torch.randn(40).half()}
-    module = Fp16AccLinear.from_site(linear_site(96, 40, bias=bias), options, params if bias else {"weight": params["weight"]})
+    module = from_site(linear_site(96, 40, bias=bias), options, params if bias else {"weight": params["weight"]})
     compiled, graphs = compile_recording(module)
     for shape in [(5, 96), (2, 3, 96)]:
         x = torch.randn(*shape).half()
@@ -258,7 +261,7 @@ def test_the_module_compiled_by_inductor_replays_in_cuda_graphs(backend, rows):
     torch.manual_seed(0)
     k, n = 2048, 4096
     params = {"weight": (torch.randn(n, k) * k ** -0.5).half(), "bias": torch.randn(n).half()}
-    module = Fp16AccLinear.from_site(linear_site(k, n), Fp16AccOptions(backend=backend), params).cuda()
+    module = from_site(linear_site(k, n), Fp16AccOptions(backend=backend), params).cuda()
     counters.clear()
     compiled, graphs = compile_recording(module, backend=inductor_with_cuda_graphs)
     for seed in range(3):  # cudagraph trees: a warm-up run, the recording, then replays

@@ -9,6 +9,8 @@ from lowconv.ops.fp8 import Fp8Linear, Fp8Options
 from tests import sites
 from tests.compiled import compile_recording, lowconv_ops
 
+from_site = Fp8Linear.from_site
+
 MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
          [("dynamic", "tensor"), ("dynamic", "row"), ("dynamic", "token"), ("static", "tensor"), ("delayed", "row")]
          for t in (False, True)] + [Fp8Options(granularity="block")]  # block: inference only
@@ -17,7 +19,7 @@ MODES = [Fp8Options(scaling=s, granularity=g, training=t) for s, g in
 def fp8_module(options, dtype=torch.float32):
     torch.manual_seed(0)
     site = sites.linear_site(64, 48, True, str(dtype).removeprefix("torch."))
-    module = Fp8Linear.from_site(site, options, {"weight": torch.randn(48, 64, dtype=dtype),
+    module = from_site(site, options, {"weight": torch.randn(48, 64, dtype=dtype),
                                        "bias": torch.randn(48, dtype=dtype)})
     if module.needs_calibration:
         module.begin_calibration()
@@ -86,7 +88,7 @@ def call_targets_deep(graphs) -> set:
 
 
 def test_static_scale_never_set_is_an_error_under_compile():
-    uncalibrated = Fp8Linear.from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
+    uncalibrated = from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
                              {"weight": torch.randn(48, 64), "bias": torch.randn(48)})
     torch._dynamo.reset()
     with pytest.raises((torch._dynamo.exc.Unsupported, RuntimeError), match="input_scale was neither calibrated nor loaded"):
@@ -95,7 +97,7 @@ def test_static_scale_never_set_is_an_error_under_compile():
 
 def test_loaded_static_scale_is_taken_without_a_check_per_call():
     calibrated = fp8_module(Fp8Options(scaling="static"))
-    rebuilt = Fp8Linear.from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
+    rebuilt = from_site(sites.linear_site(64, 48, True, "float32"), Fp8Options(scaling="static"),
                         {"weight": torch.randn(48, 64), "bias": torch.randn(48)})
     assert not rebuilt.input_scale_set
     rebuilt.load_state_dict(calibrated.state_dict())
@@ -135,7 +137,7 @@ def test_long_rows_one_layer_reads_go_to_the_row_kernel_under_compile(shared):
     torch._dynamo.reset()
     k = 2 * FUSED_ROWS_MAX
     site = sites.linear_site(k, 256, True, "bfloat16")
-    module = Fp8Linear.from_site(site, Fp8Options(granularity="row"), {"weight": torch.randn(256, k, dtype=torch.bfloat16),
+    module = from_site(site, Fp8Options(granularity="row"), {"weight": torch.randn(256, k, dtype=torch.bfloat16),
                                                              "bias": torch.randn(256, dtype=torch.bfloat16)}).cuda()
     module.input_shared = shared
     run, graphs = compile_recording(module)

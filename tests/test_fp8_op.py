@@ -11,6 +11,8 @@ from lowconv.kernels.fp8 import (
 from lowconv.ops.fp8 import Fp8Linear, Fp8Options
 from tests import sites
 
+from_site, empty, site_problem = Fp8Linear.from_site, Fp8Linear.empty, Fp8Linear.site_problem
+
 # (mantissa bits, exponent of the smallest normal) of each format
 FORMATS = {E4M3: (3, -6), E5M2: (2, -14)}
 
@@ -103,7 +105,7 @@ def test_linear_sqnr_vs_float64():
     w, b, x = torch.randn(N, K), torch.randn(N), torch.randn(M, K)
     ref = F.linear(x.double(), w.double(), b.double())
     site = linear_site(K, N, dtype="float32")
-    db = {g: sqnr_db(ref, Fp8Linear.from_site(site, Fp8Options(granularity=g), {"weight": w, "bias": b})(x))
+    db = {g: sqnr_db(ref, from_site(site, Fp8Options(granularity=g), {"weight": w, "bias": b})(x))
           for g in ("tensor", "row")}
     assert 25 < db["tensor"] < 40
     assert db["row"] > db["tensor"] - 0.5  # N(0,1) rows are alike: per-row scales help little here
@@ -113,7 +115,7 @@ def test_linear_sqnr_vs_float64():
     ref = F.linear(x.double(), w.double())
     worst = {}
     for g in ("tensor", "row", "token"):
-        y = Fp8Linear.from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity=g), {"weight": w})(x)
+        y = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity=g), {"weight": w})(x)
         worst[g] = min(sqnr_db(ref[i], y[i]) for i in range(M))
     assert worst["row"] > 20 and worst["token"] > 20  # per-token scales keep the small tokens
     assert worst["tensor"] < worst["token"] - 10
@@ -122,7 +124,7 @@ def test_linear_sqnr_vs_float64():
 def test_token_granularity_scales_x_per_token_and_w_once():
     K, N, M = 64, 32, 16
     w, x = torch.randn(N, K), torch.randn(M, K) * torch.logspace(-3, 1, M).unsqueeze(1)
-    module = Fp8Linear.from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity="token"), {"weight": w})
+    module = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity="token"), {"weight": w})
     w_fp8, w_scale = quantize_tensorwise(w, E4M3)
     x_fp8, x_scale = quantize_rowwise(x, E4M3)
     assert module.weight_scale.shape == (1,) and torch.equal(module.weight, w_fp8)
@@ -135,7 +137,7 @@ def test_block_granularity_scales_each_tile_of_w_and_each_group_of_x():
     K, N, M = 384, 256, 8
     w = torch.randn(N, K) * torch.logspace(-6, 1, K // BLOCK).repeat_interleave(BLOCK)  # each K block its magnitude
     x = torch.randn(M, K) * torch.logspace(-6, 1, K // BLOCK).repeat_interleave(BLOCK)
-    module = Fp8Linear.from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity="block"), {"weight": w})
+    module = from_site(linear_site(K, N, bias=False, dtype="float32"), Fp8Options(granularity="block"), {"weight": w})
     assert module.weight_scale.shape == (N // BLOCK, K // BLOCK)
     w_fp8, w_scale = quantize(w, "block")
     x_fp8, x_scale = quantize(x, "group")
@@ -154,7 +156,7 @@ def test_block_granularity_scales_each_tile_of_w_and_each_group_of_x():
 
 def test_block_granularity_takes_an_unbatched_input():
     w, x = torch.randn(256, 384), torch.randn(384)
-    module = Fp8Linear.from_site(linear_site(384, 256, bias=False, dtype="float32"), Fp8Options(granularity="block"), {"weight": w})
+    module = from_site(linear_site(384, 256, bias=False, dtype="float32"), Fp8Options(granularity="block"), {"weight": w})
     torch.testing.assert_close(module(x), module(x.unsqueeze(0))[0])
 
 
@@ -169,8 +171,8 @@ def test_block_quantizers_scale_a_partial_last_block_by_its_own_values():
 def test_block_granularity_is_for_inference_on_whole_tiles():
     with pytest.raises(ValueError, match='"block" is for inference'):
         Fp8Options(granularity="block", training=True)
-    assert "divisible by 128" in Fp8Linear.site_problem(linear_site(192, 256), Fp8Options(granularity="block"))
-    assert Fp8Linear.site_problem(linear_site(256, 384), Fp8Options(granularity="block")) is None
+    assert "divisible by 128" in site_problem(linear_site(192, 256), Fp8Options(granularity="block"))
+    assert site_problem(linear_site(256, 384), Fp8Options(granularity="block")) is None
 
 
 @pytest.mark.parametrize("granularity", ["token", "block"])
@@ -184,7 +186,7 @@ def test_per_token_granularities_are_refused_where_x_has_one_fixed_scale(scaling
                          + [("dynamic", "token"), ("dynamic", "block")])
 def test_state_dict_layout(scaling, granularity):
     site = linear_site(160, 300)
-    sd = Fp8Linear.empty(site, Fp8Options(scaling=scaling, granularity=granularity, amax_history_len=5)).state_dict()
+    sd = empty(site, Fp8Options(scaling=scaling, granularity=granularity, amax_history_len=5)).state_dict()
     expected = {
         "weight": ((300, 160), E4M3),
         "weight_scale": ({"row": (300, 1), "block": (3, 2)}.get(granularity, (1,)), torch.bfloat16),
@@ -198,7 +200,7 @@ def test_state_dict_layout(scaling, granularity):
 
 
 def test_training_state_dict_keeps_master_weight():
-    sd = Fp8Linear.empty(linear_site(32, 48, bias=False), Fp8Options(training=True)).state_dict()
+    sd = empty(linear_site(32, 48, bias=False), Fp8Options(training=True)).state_dict()
     assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == {"weight": ((48, 32), torch.bfloat16)}
 
 
@@ -211,7 +213,7 @@ def test_weight_bytes():
     for dtype, ratio in (("bfloat16", 1 / 2), ("float32", 1 / 4)):
         w = torch.randn(N, K, dtype=getattr(torch, dtype))
         params = {"weight": w, "bias": torch.zeros(N)}
-        module = Fp8Linear.from_site(linear_site(K, N, dtype=dtype), Fp8Options(granularity="row"), params)
+        module = from_site(linear_site(K, N, dtype=dtype), Fp8Options(granularity="row"), params)
         assert tensor_bytes(module) / (w.numel() * w.element_size()) == pytest.approx(ratio, rel=0.02)
 
 
@@ -231,9 +233,9 @@ def calibrate(module, *inputs):
 def test_from_site_equals_empty_plus_load(options):
     site = linear_site(64, 32)
     params = {"weight": torch.randn(32, 64, dtype=torch.bfloat16), "bias": torch.randn(32, dtype=torch.bfloat16)}
-    original = Fp8Linear.from_site(site, options, params).eval()
+    original = from_site(site, options, params).eval()
     calibrate(original, torch.randn(16, 64, dtype=torch.bfloat16))
-    rebuilt = Fp8Linear.empty(site, options).eval()
+    rebuilt = empty(site, options).eval()
     rebuilt.load_state_dict(original.state_dict(), strict=True)
     x = torch.randn(4, 7, 64, dtype=torch.bfloat16) * 2
     y = original(x)
@@ -243,7 +245,7 @@ def test_from_site_equals_empty_plus_load(options):
 
 def test_static_calibration_sets_scale_and_counts_clipping():
     site = linear_site(64, 32, dtype="float32")
-    module = Fp8Linear.from_site(site, Fp8Options(scaling="static"), {"weight": torch.randn(32, 64), "bias": torch.randn(32)})
+    module = from_site(site, Fp8Options(scaling="static"), {"weight": torch.randn(32, 64), "bias": torch.randn(32)})
     with pytest.raises(RuntimeError, match="input_scale is not set"):
         module(torch.randn(2, 64))
 
@@ -262,7 +264,7 @@ def test_static_calibration_sets_scale_and_counts_clipping():
 def test_delayed_history_updates_only_in_training_mode():
     site = linear_site(64, 32, dtype="float32")
     params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
-    module = Fp8Linear.from_site(site, Fp8Options(scaling="delayed", amax_history_len=3), params)
+    module = from_site(site, Fp8Options(scaling="delayed", amax_history_len=3), params)
     calibrate(module, torch.full((2, 64), 2.0))
     assert module.amax_history.tolist() == [2.0, 0.0, 0.0]
 
@@ -286,7 +288,7 @@ def test_delayed_scaling_under_activation_checkpointing(reentrant):
     inputs = [torch.randn(8, 64) * step for step in (1, 2, 3)]
     runs = []
     for checkpointed in (False, True):
-        module = Fp8Linear.from_site(linear_site(64, 32, dtype="float32"),
+        module = from_site(linear_site(64, 32, dtype="float32"),
                            Fp8Options(scaling="delayed", amax_history_len=3, training=True), params).train()
         grads = []
         for x in inputs:
@@ -304,7 +306,7 @@ def test_delayed_most_recent_reduction_scales_by_the_last_steps_amax():
     site = linear_site(64, 32, dtype="float32")
     params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
     options = Fp8Options(scaling="delayed", amax_history_len=3, amax_reduction="most_recent")
-    module = Fp8Linear.from_site(site, options, params).train()
+    module = from_site(site, options, params).train()
     calibrate(module, torch.full((2, 64), 8.0))
     module.train()
     module(torch.full((1, 64), 1.0))  # scaled by the calibrated 8.0; the history becomes [1, 8, 0]
@@ -318,7 +320,7 @@ def test_delayed_most_recent_reduction_scales_by_the_last_steps_amax():
 def test_training_grads_vs_float64(granularity):
     K, N, M = 128, 64, 32
     w, b, x, grad_out = torch.randn(N, K), torch.randn(N), torch.randn(M, K), torch.randn(M, N)
-    module = Fp8Linear.from_site(linear_site(K, N, dtype="float32"), Fp8Options(granularity=granularity, training=True),
+    module = from_site(linear_site(K, N, dtype="float32"), Fp8Options(granularity=granularity, training=True),
                        {"weight": w, "bias": b})
     x_q = x.clone().requires_grad_()
     y = module(x_q)
@@ -339,7 +341,7 @@ def test_training_reduces_loss():
     torch.manual_seed(0)
     K, N = 32, 16
     target = torch.nn.Linear(K, N)
-    module = Fp8Linear.from_site(linear_site(K, N, dtype="float32"), Fp8Options(training=True, scaling="delayed"),
+    module = from_site(linear_site(K, N, dtype="float32"), Fp8Options(training=True, scaling="delayed"),
                        {"weight": torch.randn(N, K) * 0.1, "bias": torch.zeros(N)})
     optimizer = torch.optim.Adam(module.parameters(), lr=3e-2)
     losses = []
@@ -354,10 +356,10 @@ def test_training_reduces_loss():
 
 
 def test_check_reasons():
-    assert Fp8Linear.site_problem(linear_site(64, 32), Fp8Options()) is None
-    assert Fp8Linear.site_problem(linear_site(60, 32), Fp8Options()) == (
+    assert site_problem(linear_site(64, 32), Fp8Options()) is None
+    assert site_problem(linear_site(60, 32), Fp8Options()) == (
         "fp8 GEMM needs in_features and out_features divisible by 16 (got K=60, N=32)")
-    assert "N=40" in Fp8Linear.site_problem(linear_site(64, 40), Fp8Options())
+    assert "N=40" in site_problem(linear_site(64, 40), Fp8Options())
     with pytest.raises(ValueError, match=r"must be in \[1, 1024\]"):
         Fp8Options(scaling="delayed", amax_history_len=0)
 
@@ -366,7 +368,7 @@ def test_inference_module_passes_gradients_straight_through_to_its_input():
     """A model can train around a frozen FP8 layer: dx = dy @ W (dequantized), not dy rounded to e4m3."""
     torch.manual_seed(0)
     w, b = torch.randn(32, 64), torch.randn(32)
-    module = Fp8Linear.from_site(linear_site(64, 32, dtype="float32"), Fp8Options(), {"weight": w, "bias": b})
+    module = from_site(linear_site(64, 32, dtype="float32"), Fp8Options(), {"weight": w, "bias": b})
     x = torch.randn(8, 64, requires_grad=True)
     grad_out = torch.randn(8, 32) * 1e-4  # small gradients: e4m3 without a scale would flush them to 0
     module(x).backward(grad_out)

@@ -16,13 +16,16 @@ from lowconv.recipe import decide, load_recipe, parse_recipe
 from tests.compiled import compile_recording, lowconv_ops
 from tests.sites import linear_site
 
+from_site, empty, site_problem = (Fp8SemiSparseLinear.from_site, Fp8SemiSparseLinear.empty,
+                                  Fp8SemiSparseLinear.site_problem)
+
 
 def layer(options=None, in_features=64, out_features=48, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     site = linear_site(in_features, out_features, True, str(dtype).removeprefix("torch."))
     params = {"weight": torch.randn(out_features, in_features, dtype=dtype),
               "bias": torch.randn(out_features, dtype=dtype)}
-    return site, params, Fp8SemiSparseLinear.from_site(site, options or Fp8SemiSparseOptions(), params)
+    return site, params, from_site(site, options or Fp8SemiSparseOptions(), params)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "token"])
@@ -64,16 +67,16 @@ def test_the_2_4_recipes_find_mlps_by_their_common_names_but_not_routers(recipe)
 
 def test_check_names_the_shapes_it_cannot_take():
     options = Fp8SemiSparseOptions()
-    assert "divisible by 4" in Fp8SemiSparseLinear.site_problem(linear_site(66, 48), options)
-    assert Fp8SemiSparseLinear.site_problem(linear_site(64, 48), options) is None
+    assert "divisible by 4" in site_problem(linear_site(66, 48), options)
+    assert site_problem(linear_site(64, 48), options) is None
     # cuSPARSELt's e4m3 GEMM takes multiples of 32; "auto" would run the dense FP8 GEMM there
-    assert "multiples of 32" in Fp8SemiSparseLinear.site_problem(linear_site(64, 48), Fp8SemiSparseOptions(backend="cusparselt"))
+    assert "multiples of 32" in site_problem(linear_site(64, 48), Fp8SemiSparseOptions(backend="cusparselt"))
 
 
 def test_a_loaded_weight_that_is_not_2_4_is_named():
     site, params, module = layer()
     state = module.state_dict()
-    loaded = Fp8SemiSparseLinear.empty(site, Fp8SemiSparseOptions())
+    loaded = empty(site, Fp8SemiSparseOptions())
     loaded.load_state_dict(state)
     assert loaded.loaded_state_problem() is None
     dense = state["weight"].clone()

@@ -15,6 +15,8 @@ from lowconv.recipe import parse_recipe
 from tests.compiled import compile_recording, fallbacks, inductor_with_cuda_graphs, lowconv_ops
 from tests.sites import linear_site
 
+from_site = Fp8SemiSparseLinear.from_site
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -52,7 +54,7 @@ def test_the_2_4_gemm_computes_the_fp8_product_of_the_pruned_weight(granularity,
     params = {"weight": (torch.randn(512, 256, generator=gen, device="cuda") / 16).to(dtype),
               "bias": torch.randn(512, generator=gen, device="cuda").to(dtype)}
     options = Fp8SemiSparseOptions(granularity=granularity, backend="cusparselt")
-    module = Fp8SemiSparseLinear.from_site(site, options, params).cuda()  # from_site leaves the bias where the module was made
+    module = from_site(site, options, params).cuda()  # from_site leaves the bias where the module was made
     assert module.choice.backend == "cusparselt"
     x = torch.randn(3, 100, 256, generator=gen, device="cuda").to(dtype)
     with torch.no_grad():

@@ -13,6 +13,8 @@ from lowconv.kernels import fp8
 from lowconv.ops.fp8 import Fp8Linear, Fp8Options
 from tests import sites
 
+from_site = Fp8Linear.from_site
+
 
 class GatedMlp(nn.Module):
     """A Llama MLP: down(SiLU(gate(x)) * up(x))."""
@@ -157,7 +159,7 @@ def test_the_layer_computes_the_activation_in_its_kernel_on_the_gpu(activation, 
     and erf differ from torch's in the last bits), compiled with inductor too."""
     torch.manual_seed(0)
     site = sites.linear_site(k, 256, True, "bfloat16")
-    layer = Fp8Linear.from_site(site, Fp8Options(granularity="row"), {"weight": torch.randn(256, k, dtype=torch.bfloat16),
+    layer = from_site(site, Fp8Options(granularity="row"), {"weight": torch.randn(256, k, dtype=torch.bfloat16),
                                                             "bias": torch.randn(256, dtype=torch.bfloat16)}).cuda()
     h = torch.randn(8, 100, k, device="cuda", dtype=torch.bfloat16)
     up = torch.randn_like(h) if gated else None

@@ -10,6 +10,8 @@ from lowconv.ops.semi_sparse import (
 from tests.compiled import assert_same_run, compile_recording, run_with_grads
 from tests.sites import linear_site
 
+from_site, empty, site_problem = SemiSparse.from_site, SemiSparse.empty, SemiSparse.site_problem
+
 
 def assert_24(w):
     groups = w.reshape(*w.shape[:-1], -1, 4)
@@ -63,7 +65,7 @@ def state_bytes(module):
 
 def test_compressed_bytes():
     w = torch.randn(256, 512, dtype=torch.float16)
-    module = SemiSparse.from_site(linear_site(512, 256, bias=False), SemiSparseOptions(), {"weight": w})
+    module = from_site(linear_site(512, 256, bias=False), SemiSparseOptions(), {"weight": w})
     sizes = state_bytes(module)
     assert set(sizes) == {"compressed", "bitmask", "shape"}
     ratio = (sizes["compressed"] + sizes["bitmask"]) / (w.numel() * w.element_size())
@@ -75,7 +77,7 @@ def test_module_vs_float64_masked_reference(dtype, tolerance):
     K, N = 64, 48
     t = getattr(torch, dtype)
     w, b, x = torch.randn(N, K, dtype=t), torch.randn(N, dtype=t), torch.randn(3, 7, K, dtype=t)
-    module = SemiSparse.from_site(linear_site(K, N, dtype=dtype), SemiSparseOptions(), {"weight": w, "bias": b})
+    module = from_site(linear_site(K, N, dtype=dtype), SemiSparseOptions(), {"weight": w, "bias": b})
     assert isinstance(module, CompressedSemiSparseLinear)
     y = module(x)
     assert y.shape == (3, 7, N) and y.dtype == t and torch.isfinite(y).all()
@@ -103,9 +105,9 @@ OPTIONS = [
 def test_from_site_equals_empty_plus_load(options, cls, keys):
     site = linear_site(64, 32, dtype="bfloat16")
     params = {"weight": torch.randn(32, 64, dtype=torch.bfloat16), "bias": torch.randn(32, dtype=torch.bfloat16)}
-    original = SemiSparse.from_site(site, options, params)
+    original = from_site(site, options, params)
     assert isinstance(original, cls) and set(original.state_dict()) == keys
-    rebuilt = SemiSparse.empty(site, options)
+    rebuilt = empty(site, options)
     rebuilt.load_state_dict(original.state_dict(), strict=True)
     x = torch.randn(4, 5, 64, dtype=torch.bfloat16)
     y = original(x)
@@ -114,8 +116,8 @@ def test_from_site_equals_empty_plus_load(options, cls, keys):
 
 def test_compressed_module_follows_a_later_load():
     site = linear_site(16, 8, dtype="float32")
-    module = SemiSparse.from_site(site, SemiSparseOptions(), {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
-    other = SemiSparse.from_site(site, SemiSparseOptions(), {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    module = from_site(site, SemiSparseOptions(), {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    other = from_site(site, SemiSparseOptions(), {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
     x = torch.randn(2, 16)
     model = torch.nn.Sequential(module)  # checkpoints load at the model level
     model.load_state_dict(torch.nn.Sequential(other).state_dict())
@@ -126,7 +128,7 @@ def test_fixed_mask_training_keeps_24():
     torch.manual_seed(0)
     K, N = 32, 16
     target = torch.nn.Linear(K, N)
-    module = SemiSparse.from_site(linear_site(K, N, dtype="float32"), SemiSparseOptions(training=True),
+    module = from_site(linear_site(K, N, dtype="float32"), SemiSparseOptions(training=True),
                        {"weight": torch.randn(N, K), "bias": torch.zeros(N)})
     mask = module.mask.clone()
     assert torch.equal(mask, mask_24(module.weight))
@@ -149,7 +151,7 @@ def test_runtime_mask_straight_through_grads():
     K, N = 32, 16
     w, x, grad_out = torch.randn(N, K), torch.randn(8, K), torch.randn(8, N)
     site = linear_site(K, N, bias=False, dtype="float32")
-    module = SemiSparse.from_site(site, SemiSparseOptions(mask="runtime"), {"weight": w})
+    module = from_site(site, SemiSparseOptions(mask="runtime"), {"weight": w})
     y = module(x)
     (y * grad_out).sum().backward()
     torch.testing.assert_close(y.double(), F.linear(x.double(), prune_24(w).double()), rtol=1e-5, atol=1e-5)
@@ -163,7 +165,7 @@ def test_activation_target():
     w, b, grad_out = torch.randn(N, K), torch.randn(N), torch.randn(2, 3, N)
     x = torch.randn(2, 3, K, requires_grad=True)
     site = linear_site(K, N, dtype="float32")
-    module = SemiSparse.from_site(site, SemiSparseOptions(target="activation"), {"weight": w, "bias": b})
+    module = from_site(site, SemiSparseOptions(target="activation"), {"weight": w, "bias": b})
     y = module(x)
     (y * grad_out).sum().backward()
     ref = F.linear(prune_24(x.detach()).double(), w.double(), b.double())
@@ -173,8 +175,8 @@ def test_activation_target():
 
 
 def test_check_reasons():
-    assert SemiSparse.site_problem(linear_site(64, 30), SemiSparseOptions()) is None
-    assert SemiSparse.site_problem(linear_site(30, 64), SemiSparseOptions()) == (
+    assert site_problem(linear_site(64, 30), SemiSparseOptions()) is None
+    assert site_problem(linear_site(30, 64), SemiSparseOptions()) == (
         "2:4 sparsity needs in_features divisible by 4 (weight is (64, 30))")
 
 
@@ -203,7 +205,7 @@ def test_transposable_mask_is_2_4_both_ways_and_the_best_such_block():
 def test_transposable_option_prunes_both_ways(training):
     site = linear_site(32, 16, dtype="float32")
     w = torch.randn(16, 32)
-    module = SemiSparse.from_site(site, SemiSparseOptions(transposable=True, training=training), {"weight": w, "bias": torch.randn(16)})
+    module = from_site(site, SemiSparseOptions(transposable=True, training=training), {"weight": w, "bias": torch.randn(16)})
     weight = module.linear_weight()
     mask = weight != 0
     assert groups_of_4_keep_2(mask) and groups_of_4_keep_2(mask.t())
@@ -212,7 +214,7 @@ def test_transposable_option_prunes_both_ways(training):
 def test_transposable_needs_a_fixed_weight_mask_and_out_features_by_4():
     with pytest.raises(ValueError, match="fixed weight mask only"):
         SemiSparseOptions(transposable=True, mask="runtime")
-    assert SemiSparse.site_problem(linear_site(32, 30), SemiSparseOptions(transposable=True)) == (
+    assert site_problem(linear_site(32, 30), SemiSparseOptions(transposable=True)) == (
         "transposable 2:4 sparsity needs out_features divisible by 4 too (weight is (30, 32))")
 
 
@@ -262,7 +264,7 @@ def test_each_module_compiles_whole_on_the_cpu(options):
     weight in the graph, and keeps none (the module doc)."""
     torch.manual_seed(0)
     params = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
-    module = SemiSparse.from_site(linear_site(64, 32, dtype="float32"), options, params)
+    module = from_site(linear_site(64, 32, dtype="float32"), options, params)
     compiled, graphs = compile_recording(module)
     x = torch.randn(3, 5, 64)
     first = run_with_grads(compiled, module, x)  # before any eager call

@@ -14,6 +14,8 @@ from tests.compiled import lowconv_ops
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, SemiSparse, SemiSparseOptions
 from tests.sites import linear_site
 
+from_site, site_problem = SemiSparse.from_site, SemiSparse.site_problem
+
 
 def test_unsupported_shapes_and_dtypes_say_why():
     assert shape_problem(4096, 1024, torch.float16) is None
@@ -75,20 +77,20 @@ def test_cusparselt_backend_is_for_fixed_weight_masks():
 
 def test_check_keeps_sites_cusparselt_cannot_take():
     options = SemiSparseOptions(backend="cusparselt")
-    assert SemiSparse.site_problem(linear_site(64, 32), options) is None
-    assert SemiSparse.site_problem(linear_site(64, 24), options) == (
+    assert site_problem(linear_site(64, 32), options) is None
+    assert site_problem(linear_site(64, 24), options) == (
         "cuSPARSELt needs out_features and in_features multiples of 16 (weight is (24, 64))")
-    assert SemiSparse.site_problem(linear_site(64, 32, dtype="float32"), options) == (
+    assert site_problem(linear_site(64, 32, dtype="float32"), options) == (
         "cuSPARSELt's 2:4 GEMM takes float16 or bfloat16 (this weight is float32)")
     transposed = SemiSparseOptions(backend="cusparselt", training=True, transposable=True)
-    assert SemiSparse.site_problem(linear_site(40, 32), transposed) == (
+    assert site_problem(linear_site(40, 32), transposed) == (
         "cuSPARSELt needs out_features and in_features multiples of 16 (weight is (32, 40))")
-    assert SemiSparse.site_problem(linear_site(40, 32), SemiSparseOptions()) is None  # auto: masked-dense where it cannot
+    assert site_problem(linear_site(40, 32), SemiSparseOptions()) is None  # auto: masked-dense where it cannot
 
 
 def test_compressed_module_on_the_cpu_keeps_no_choice_and_one_dense_copy():
     w = torch.randn(32, 64, dtype=torch.bfloat16)
-    module = SemiSparse.from_site(linear_site(64, 32, dtype="bfloat16"), SemiSparseOptions(), {"weight": w, "bias": torch.zeros(32)})
+    module = from_site(linear_site(64, 32, dtype="bfloat16"), SemiSparseOptions(), {"weight": w, "bias": torch.zeros(32)})
     assert isinstance(module, CompressedSemiSparseLinear) and module.rows == 8
     assert module.dense_weight.numel() == 0  # made on the first masked-dense forward
     y = module(torch.randn(8, 64, dtype=torch.bfloat16))

@@ -20,6 +20,8 @@ from lowconv.recipe import parse_recipe
 from lowconv.ops.registry import OPS
 from lowconv.site import AttentionInfo, Site, TensorMeta
 
+attention_op = sa.SparseAttentionForms  # the op's builder: site_problem, from_site, empty
+
 # Relative L2 error bounds vs float64 for each compute dtype.
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -168,7 +170,7 @@ def test_functional_module_computes_in_the_chosen_dtype(option, dtype):
     torch.manual_seed(0)
     site = functional_site(mask="drop", causal=True, scale=0.25, dropout=0.1)
     options = calls.SparseAttentionOptions(dtype=option)
-    module = sa.SparseAttentionForms.from_site(site, options, {}).eval()
+    module = attention_op.from_site(site, options, {}).eval()
     assert isinstance(module, fa.SparseAttention) and module.state_dict() == {}
     q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)
     drop = ~random_masks(2, 5, 5)
@@ -178,19 +180,19 @@ def test_functional_module_computes_in_the_chosen_dtype(option, dtype):
     error = rel_error(out, softmax_attention64(q, k, v, bias, 0.25))
     assert error < TOLERANCE[dtype]
     assert (error > 1e-5) == (dtype != torch.float32)
-    rebuilt = sa.SparseAttentionForms.empty(site, options).eval()
+    rebuilt = attention_op.empty(site, options).eval()
     assert torch.equal(rebuilt(q, k, v, drop), out)
 
 
 def test_functional_module_drops_only_in_training():
-    module = sa.SparseAttentionForms.from_site(functional_site(dropout=0.5), calls.SparseAttentionOptions(), {})
+    module = attention_op.from_site(functional_site(dropout=0.5), calls.SparseAttentionOptions(), {})
     q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
     assert not torch.equal(module.train()(q, k, v), module.eval()(q, k, v))
     assert torch.equal(module.eval()(q, k, v), module.eval()(q, k, v))
 
 
 def test_functional_module_checks_its_mask():
-    module = sa.SparseAttentionForms.from_site(functional_site(), calls.SparseAttentionOptions(), {})
+    module = attention_op.from_site(functional_site(), calls.SparseAttentionOptions(), {})
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="takes no mask"):
         module(q, q, q, torch.zeros(3, 3))
@@ -238,7 +240,7 @@ def some_masks():
 def test_multihead_matches_torch_in_float64(batch_first, masks):
     torch.manual_seed(masks)
     mha = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, dtype=torch.float64).eval()
-    ours = sa.SparseAttentionForms.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
+    ours = attention_op.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
     assert isinstance(ours, mhaa.SparseMultiheadAttention)
     assert ours.state_dict().keys() == mha.state_dict().keys()
     key_padding_mask, attn_mask = some_masks()[masks]
@@ -253,7 +255,7 @@ def test_multihead_matches_torch_in_float64(batch_first, masks):
 def test_multihead_causal_unbatched_and_gradients(batch_first):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, dtype=torch.float64).eval()
-    ours = sa.SparseAttentionForms.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
+    ours = attention_op.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
     q, k, v = mha_inputs(batch_first)
     causal = torch.ones(L, S, dtype=torch.bool).triu(1)
     expected, _ = mha(q, k, v, attn_mask=causal, is_causal=True, need_weights=False)
@@ -272,7 +274,7 @@ def test_multihead_separate_projections_without_bias():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS, kdim=6, vdim=10, bias=False,
                                 dtype=torch.float64).eval()
-    ours = sa.SparseAttentionForms.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
+    ours = attention_op.from_site(mha_site(mha), calls.SparseAttentionOptions(), mha.state_dict()).eval()
     assert ours.state_dict().keys() == mha.state_dict().keys()
     inputs = mha_inputs(False, kdim=6, vdim=10)
     assert rel_error(ours(*inputs)[0], mha(*inputs)[0]) < 1e-12
@@ -283,8 +285,8 @@ def test_multihead_from_site_equals_empty_then_load(option):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS, dropout=0.1).eval()
     site, options = mha_site(mha), calls.SparseAttentionOptions(dtype=option)
-    built = sa.SparseAttentionForms.from_site(site, options, mha.state_dict()).eval()
-    rebuilt = sa.SparseAttentionForms.empty(site, options)
+    built = attention_op.from_site(site, options, mha.state_dict()).eval()
+    rebuilt = attention_op.empty(site, options)
     assert {k: (v.shape, v.dtype) for k, v in rebuilt.state_dict().items()} == \
         {k: (v.shape, v.dtype) for k, v in built.state_dict().items()}
     rebuilt.load_state_dict(built.state_dict())
@@ -297,9 +299,9 @@ def test_multihead_from_site_equals_empty_then_load(option):
 
 def test_check_needs_what_rebuilds_an_mha():
     site = mha_site(nn.MultiheadAttention(E, HEADS))
-    assert sa.SparseAttentionForms.site_problem(site, calls.SparseAttentionOptions()) is None
+    assert attention_op.site_problem(site, calls.SparseAttentionOptions()) is None
     site.info.batch_first = None
-    assert "batch_first" in sa.SparseAttentionForms.site_problem(site, calls.SparseAttentionOptions())
+    assert "batch_first" in attention_op.site_problem(site, calls.SparseAttentionOptions())
 
 
 def test_window_module_names_tables_shorter_than_rel_idx_needs():
@@ -354,14 +356,14 @@ def test_bad_layout_options_name_the_option_and_the_choices(options, message):
 
 def test_check_keeps_sites_whose_semantics_a_layout_cannot_keep():
     def reason(layout, **info):
-        return sa.SparseAttentionForms.site_problem(functional_site(**info), calls.SparseAttentionOptions(layout=layout))
+        return attention_op.site_problem(functional_site(**info), calls.SparseAttentionOptions(layout=layout))
 
     assert "attend to later keys" in reason("dense", causal=True)
     assert "needs a site that takes a mask" in reason("mask", causal=True)
     assert reason("mask", mask="keep") is None and reason("dense", mask="additive") is None
     assert reason("causal") is None  # made causal on purpose, as "local" makes it local
     window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
-    assert "SpTr window chain" in sa.SparseAttentionForms.site_problem(window, calls.SparseAttentionOptions(layout="causal"))
+    assert "SpTr window chain" in attention_op.site_problem(window, calls.SparseAttentionOptions(layout="causal"))
     with pytest.raises(ValueError, match="attend to later keys"):
         fa.SparseAttention(causal=True, layout="dense")
 
@@ -448,7 +450,7 @@ def test_multihead_attention_on_the_kernels_with_padding_and_a_mask(kernels_on_c
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
                 info=mha_info(mha), input=TensorMeta((2, 70, 32), "float32"), module_backed=True)
-    ours = sa.SparseAttentionForms.from_site(site, calls.SparseAttentionOptions(layout=layout, backend="triton"),
+    ours = attention_op.from_site(site, calls.SparseAttentionOptions(layout=layout, backend="triton"),
                         mha.state_dict()).float().eval()
     x = torch.randn(2, 70, 32, dtype=torch.float64)
     padding = torch.arange(70)[None, :] >= torch.tensor([70, 20])[:, None]
@@ -502,7 +504,7 @@ def test_multihead_attention_takes_the_causal_hint_as_torch_does(need_weights):
     mha = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64).eval()
     site = Site(kind="attention", fqn="mha", region="mha", classes=["MultiheadAttention"],
                 info=mha_info(mha), input=TensorMeta((2, 6, 32), "float64"), module_backed=True)
-    ours = sa.SparseAttentionForms.from_site(site, calls.SparseAttentionOptions(), mha.state_dict()).double().eval()
+    ours = attention_op.from_site(site, calls.SparseAttentionOptions(), mha.state_dict()).double().eval()
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     banned = torch.ones(6, 6, dtype=torch.bool).triu(1)
     banned[4:, 0] = True
@@ -663,7 +665,7 @@ def test_backend_options_parse_and_bad_ones_name_the_choices():
     with pytest.raises(ValueError, match="SparseAttention: backend must be one of 'auto', 'sdpa', 'triton'"):
         fa.SparseAttention(backend="flash")
     window = Site(kind="attention", fqn="w", region="", classes=[], info=AttentionInfo(form="window"))
-    assert 'backend "sdpa" is for ordinary attention sites' in sa.SparseAttentionForms.site_problem(window, calls.SparseAttentionOptions(backend="sdpa"))
+    assert 'backend "sdpa" is for ordinary attention sites' in attention_op.site_problem(window, calls.SparseAttentionOptions(backend="sdpa"))
 
 
 # ---- layouts through lowconv.convert ----
@@ -752,5 +754,5 @@ def test_plan_of_a_masked_site_says_the_mask_decides():
                                     "padding, per mask: lowconv's Triton kernels where the mask rules out whole "
                                     "tiles"), decision.note
     site = functional_site(mask="keep", causal=True)
-    assert sa.SparseAttentionForms.from_site(site, calls.SparseAttentionOptions(), {}).plan_note().startswith(
+    assert attention_op.from_site(site, calls.SparseAttentionOptions(), {}).plan_note().startswith(
         "on CUDA: per mask, on a causal band: lowconv's Triton kernels where the mask rules out whole tiles")

@@ -216,15 +216,16 @@ def test_window_site_the_kernel_cannot_run_on_cuda_is_kept_with_why():
     inputs = (torch.randn(len(xyz), 48), xyz, batch)
     [site] = find_window_attention_sites(trace_model(model, inputs).regions[0])
     options = attention_calls.SparseAttentionOptions()
-    assert site.info.head_dim == 24 and sparse_attention.site_problem(site, options) is None  # a CPU model
+    site_problem = sparse_attention.SparseAttentionForms.site_problem
+    assert site.info.head_dim == 24 and site_problem(site, options) is None  # a CPU model
     site.output_node = None  # no graph to say where it runs: taken as CUDA
-    assert sparse_attention.site_problem(site, options) == (
+    assert site_problem(site, options) == (
         "the window-attention kernel on CUDA needs head_dim a power of two >= 16 (got 24)")
     site.info.head_dim = 32
-    assert sparse_attention.site_problem(site, options) is None
+    assert site_problem(site, options) is None
     site.input.dtype = "float64"
-    assert "computes in float32, float16 or bfloat16, not float64" in sparse_attention.site_problem(site, options)
-    assert sparse_attention.site_problem(site, attention_calls.SparseAttentionOptions(dtype="float32")) is None
+    assert "computes in float32, float16 or bfloat16, not float64" in site_problem(site, options)
+    assert site_problem(site, attention_calls.SparseAttentionOptions(dtype="float32")) is None
     converted = lowconv.convert(model, FLOAT32, inputs)
     assert converted.lowconv_plan.converted()
 
