@@ -105,6 +105,10 @@ class Fp8MasterWeight(torch.Tensor):
         """The unsharded weight from the all-gather's outputs (`out`: the one made at the first
         all-gather, whose e4m3 data FSDP2 has gathered again in place)."""
         scale = outputs[1] if metadata.scale is None else metadata.scale
+        if scale.is_cuda:
+            # A scale from the metadata was made on FSDP2's all-gather copy-in stream and is read on this
+            # one: the caching allocator must not give its memory back to that stream while this one may.
+            scale.record_stream(torch.cuda.current_stream(scale.device))
         if out is not None:
             out.scale = rows_of(scale, out.shape[0])
             return None
