@@ -49,11 +49,14 @@ for part in $PARTS; do
     train)
       python3 scripts/train_fp8.py --out "$OUT" > "$OUT/train_fp8.txt" 2>&1 || status=1 ;;
     dist)
-      # FSDP2 on every GPU of the machine (nvidia-h200-x2: 2): fp8 and 2:4 training, saved for lowconv.load
+      # FSDP2 on every GPU of the machine (nvidia-h200-x2: 2): fp8 (its weights all-gathered in e4m3) and 2:4
+      # training, saved for lowconv.load; bf16 all-gathers (none) for the all-gather bytes fp8 is measured against
       for recipe in fp8-row semi-sparse; do
         torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" scripts/train_distributed.py --out "$OUT/dist-$recipe" \
           --recipe "$recipe" > "$OUT/train_distributed-$recipe.txt" 2>&1 || status=1
-      done ;;
+      done
+      torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" scripts/train_distributed.py --out "$OUT/dist-none-bf16" \
+        --recipe none --param-dtype bfloat16 > "$OUT/train_distributed-none-bf16.txt" 2>&1 || status=1 ;;
     examples)
       for recipe in fp8-dynamic mixed; do
         python3 -m lowconv.cli convert examples/vit.py "$recipe" -o "$OUT/vit-$recipe" --device cuda \

@@ -5,14 +5,17 @@ converted for training by a recipe, each transformer block and the whole model s
 training on its share of every global batch (the same global batches as one process would). At the
 end every rank calls lowconv.save, which gathers the whole tensors and has rank 0 write the
 checkpoint that lowconv.load reads. Rank 0 writes DIR/train_distributed.md (the loss every 10
-steps, the median step time) and DIR/checkpoint/.
+steps, the median step time, the bytes FSDP2 all-gathers per step) and DIR/checkpoint/.
 
     torchrun --nproc_per_node 2 scripts/train_distributed.py --out DIR [--recipe fp8-row|fp8-tensor|semi-sparse|none]
-        [--compile]
+        [--compile] [--no-fp8-all-gather] [--param-dtype bfloat16]
     torchrun --nproc_per_node 2 scripts/train_distributed.py --out DIR --device cpu --tiny   # gloo, plumbing
 
-The weights are all-gathered in their training dtype (FP8 all-gather, which halves those bytes, is
-not built).
+The fp8 recipes' weights are all-gathered in e4m3 (the fp8 op's fp8_all_gather: 1 byte per weight
+element), or with --no-fp8-all-gather in their param dtype, as every other parameter: the master
+weights' (float32), or --param-dtype's (FSDP2's MixedPrecisionPolicy). The all-gather bytes are
+measured per step and per rank (what FSDP2's all-gathers write on each rank), for the transformer
+blocks (their linears' weights and biases, their norms) and for the rest (embeddings, the last norm).
 """
 import argparse
 import datetime
@@ -21,6 +24,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
@@ -30,20 +34,55 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import lowconv  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from scripts.train_fp8 import FULL, TINY, TRAINING_RECIPES, MarkovLanguage, init_weights, training_recipe  # noqa: E402
 
-def shard(model: torch.nn.Module, mesh) -> int:
+class CountingAllGather:
+    """FSDP2's all-gather (FSDPModule.set_custom_all_gather's protocol) counting the bytes it
+    gathers: its outputs', what each rank receives."""
+
+    def __init__(self):
+        self.bytes = self.calls = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.bytes += output_tensor.nbytes
+        self.calls += 1
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@dataclass
+class Sharded:
+    blocks: list[torch.nn.Module]  # the transformer blocks, each sharded on its own
+    blocks_all_gather: CountingAllGather  # theirs
+    rest_all_gather: CountingAllGather  # the whole model's own parameters': embeddings, the last norm
+
+    def all_gather_line(self, steps: int) -> str:
+        """The bytes all-gathered per step, and per parameter element for the blocks."""
+        elements = sum(p.numel() for p in self.blocks[0].parameters())  # DTensors: the whole parameters'
+        blocks, rest = self.blocks_all_gather, self.rest_all_gather
+        return (f"all-gathered per step, on each rank: blocks {blocks.bytes / steps / 1e6:.3f} MB "
+                f"({blocks.calls // steps} all-gathers, {blocks.bytes / (blocks.calls * elements):.2f} bytes per "
+                f"parameter element), the rest {rest.bytes / steps / 1e6:.3f} MB")
+
+
+def shard(model: torch.nn.Module, mesh, param_dtype: torch.dtype) -> Sharded:
     """fully_shard on each transformer block (h.N), then on the whole model (the embeddings and the
-    head it ties); how many blocks."""
+    head it ties), parameters all-gathered in param_dtype (fp8 weights with fp8_all_gather in e4m3)."""
     blocks = [module for name, module in model.named_modules() if re.fullmatch(r"h\.\d+", name)]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    sharded = Sharded(blocks, CountingAllGather(), CountingAllGather())
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return len(blocks)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+        block.set_custom_all_gather(sharded.blocks_all_gather)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.set_custom_all_gather(sharded.rest_all_gather)
+    return sharded
 
 
 def main():
@@ -55,6 +94,11 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 10 steps (plumbing)")
     parser.add_argument("--compile", action="store_true", help="compile the model's forward (torch.compile, after "
                                                                "sharding; the backward through AOTAutograd)")
+    parser.add_argument("--fp8-all-gather", action=argparse.BooleanOptionalAction, default=True,
+                        help="the fp8 recipes' weights all-gathered in e4m3 (default), or in the param dtype")
+    parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the dtype FSDP2 all-gathers parameters in (its MixedPrecisionPolicy; the master "
+                             "weights stay float32)")
     args = parser.parse_args()
     cfg, steps = (TINY, min(args.steps, 10)) if args.tiny else (FULL, args.steps)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -72,9 +116,10 @@ def main():
     model = GPT(cfg.vocab, cfg.context, cfg.dim, cfg.depth, cfg.heads).to(device)
     init_weights(model)
     if args.recipe != "none":
-        model = lowconv.convert(model, training_recipe(args.recipe), (batches[0][:, :-1].to(device),))
+        recipe = training_recipe(args.recipe, fp8_all_gather=args.fp8_all_gather)
+        model = lowconv.convert(model, recipe, (batches[0][:, :-1].to(device),))
     model.train()
-    blocks = shard(model, init_device_mesh(device.type, (world,)))
+    sharded = shard(model, init_device_mesh(device.type, (world,)), getattr(torch, args.param_dtype))
     forward = torch.compile(model) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -94,8 +139,11 @@ def main():
         times.append((time.perf_counter() - start) * 1e3)
         if rank == 0 and step % 10 == 0:
             print(f"step {step}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    all_gathered = sharded.all_gather_line(steps)
     checkpoint = lowconv.save(model, args.out / "checkpoint") if args.recipe != "none" else None
     if rank == 0:
+        print(all_gathered, file=sys.stderr)
+        fp8_all_gather = " (fp8 weights all-gathered in e4m3)" if args.fp8_all_gather and "fp8" in args.recipe else ""
         rows = [[step, f"{losses[step]:.4f}"] for step in range(0, steps, 10)] + [[steps - 1, f"{losses[-1]:.4f}"]]
         lines = [
             "# A converted model trained under FSDP2", "",
@@ -103,14 +151,18 @@ def main():
             f"- device: {world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
             f"{torch.__version__}",
             f"- command: torchrun --nproc_per_node {world} {' '.join(sys.argv)}",
-            f"- model: GPT vocab {cfg.vocab}, context {cfg.context}, dim {cfg.dim}, depth {cfg.depth} ({blocks} blocks "
-            f"sharded), heads {cfg.heads}; AdamW lr {cfg.lr}; global batch {cfg.batch}; {steps} steps; recipe "
-            f"{args.recipe}",
+            f"- model: GPT vocab {cfg.vocab}, context {cfg.context}, dim {cfg.dim}, depth {cfg.depth} "
+            f"({len(sharded.blocks)} blocks sharded), heads {cfg.heads}; AdamW lr {cfg.lr}; global batch {cfg.batch}; "
+            f"{steps} steps; recipe {args.recipe}{fp8_all_gather}; FSDP2 param dtype {args.param_dtype}",
+            f"- {all_gathered}",
             f"- median step: {statistics.median(times):.1f} ms; checkpoint: {checkpoint}", "",
             tabulate(rows, headers=["step", "loss (global batch)"], tablefmt="github"), "",
         ]
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "train_distributed.md").write_text("\n".join(lines))
+    # Every rank done before any tears its group down: gloo's teardown while another rank still
+    # works aborted a CPU run ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

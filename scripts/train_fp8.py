@@ -103,22 +103,25 @@ def init_weights(model):
 
 
 # The training scripts' recipes: (the linears they convert, the rule); lm_head is kept (the GPT ties
-# it to its embedding). {scaling}: the fp8 rules' scaling.
+# it to its embedding). {scaling}: the fp8 rules' scaling; {all_gather}: their fp8_all_gather option, or nothing.
 TRAINING_RECIPES = {
     "fp8-tensor": ("re:.*", 'op = "fp8"\noptions = {{ training = true, granularity = "tensor", '
-                            'scaling = "{scaling}" }}'),
-    "fp8-row": ("re:.*", 'op = "fp8"\noptions = {{ training = true, granularity = "row", scaling = "{scaling}" }}'),
+                            'scaling = "{scaling}"{all_gather} }}'),
+    "fp8-row": ("re:.*", 'op = "fp8"\noptions = {{ training = true, granularity = "row", scaling = "{scaling}"'
+                         '{all_gather} }}'),
     "semi-sparse": ("re:.*mlp\\..*", 'op = "semi_sparse"\noptions = {{ training = true, target = "weight", '
                                       'mask = "fixed" }}'),
 }
 
 
-def training_recipe(name: str, scaling: str = "dynamic"):
-    """TRAINING_RECIPES[name] as a recipe: its rule on its linears, every other linear and lm_head kept."""
+def training_recipe(name: str, scaling: str = "dynamic", fp8_all_gather: bool = False):
+    """TRAINING_RECIPES[name] as a recipe: its rule on its linears, every other linear and lm_head kept;
+    `fp8_all_gather`: the fp8 rules' option (FSDP2 all-gathers their weights in e4m3)."""
     modules, rule = TRAINING_RECIPES[name]
+    all_gather = ", fp8_all_gather = true" if fp8_all_gather else ""
     return parse_recipe(f"name = \"{name}-training\"\n[[rules]]\nkind = \"linear\"\nmodules = [\"lm_head\"]\n"
                         f"op = \"keep\"\n[[rules]]\nkind = \"linear\"\nmodules = ['{modules}']\n"
-                        f"{rule.format(scaling=scaling)}\n", "scripts/train_fp8.py")
+                        f"{rule.format(scaling=scaling, all_gather=all_gather)}\n", "scripts/train_fp8.py")
 
 
 def loss_of(model, tokens, device, autocast):

@@ -100,6 +100,9 @@ def test_unsupported_site_is_kept_with_its_reason():
      "r.toml: rule 1: options.amax_history_len: must be in [1, 1024] (got 5000)"),
     ('[[rules]]\nop = "fp8"\noptions = { amax_reduction = "mean" }',
      "r.toml: rule 1: options.amax_reduction: got 'mean'; expected one of 'max', 'most_recent'"),
+    ('[[rules]]\nop = "fp8"\noptions = { fp8_all_gather = true }',
+     "r.toml: rule 1: options.fp8_all_gather: is for training (an inference layer's weight is an e4m3 buffer, "
+     "which FSDP2 does not all-gather): set training = true or leave fp8_all_gather out"),
     ("[report]\nmin_sqnr_db = 'high'", "r.toml: [report].min_sqnr_db: expected integer or float, got 'high'"),
     ("[report]\nmin_sqnr_db = nan", "r.toml: [report].min_sqnr_db must be a finite number of dB, got nan"),
     ("[report]\nmin_sqnr_db = -inf", "r.toml: [report].min_sqnr_db must be a finite number of dB, got -inf"),

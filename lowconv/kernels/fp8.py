@@ -461,12 +461,19 @@ class Fp8LinearFunction(torch.autograd.Function):
     scales in dX, x's per-row scales in dW) cannot be applied to its output, so it is folded into
     dY as dY is quantized (one e5m2 tensor scale per GEMM). dbias comes from the unquantized
     grad, as in TransformerEngine.
+    w_fp8, w_scale: W already in e4m3, as `granularity` scales W (FSDP2's e4m3 all-gather,
+    fp8_all_gather.py), computed with as they are (W^T a transposed view); `weight` then only
+    gives the gradient's dtype and shape.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False, clipped=None):
+    def forward(ctx, x, weight, bias, x_scale, granularity, fast_accum=False, clipped=None, w_fp8=None,
+                w_scale=None):
         x_fp8, x_t, x_scale = quantize_for_training(x.reshape(-1, x.shape[-1]), granularity, x_scale, clipped)
-        w_fp8, w_t, w_scale = quantize_for_training(weight, LINEAR_GRANULARITIES[granularity][1])
+        if w_fp8 is None:
+            w_fp8, w_t, w_scale = quantize_for_training(weight, LINEAR_GRANULARITIES[granularity][1])
+        else:
+            w_t = w_fp8.t()
         ctx.save_for_backward(x_t, x_scale, w_t, w_scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         y = fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, x.dtype, fast_accum)
@@ -493,4 +500,4 @@ class Fp8LinearFunction(torch.autograd.Function):
             g_t, g_scale = quantize_transposed(g, E5M2, per_row, "rows")
             grad_w = fp8_linear(g_t, g_scale, x_t, unit, None, w_dtype)
         grad_bias = g.float().sum(0).to(bias_dtype) if needs_bias else None
-        return grad_x, grad_w, grad_bias, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None

@@ -7,6 +7,7 @@ State dict (inference, compressed-tensors names):
     input_scale   (1,) float32, static scaling only
     amax_history  (amax_history_len,) float32, delayed scaling only
 Training (options.training): `weight` is the high-precision master weight; no weight_scale.
+With fp8_all_gather, FSDP2 all-gathers it in e4m3 (kernels/fp8_all_gather.py); the state dict is the same.
 
 granularity, dynamic scaling (kernels/fp8.py LINEAR_GRANULARITIES):
     tensor   one scale for x, one for W
@@ -29,6 +30,7 @@ from lowconv.kernels.fp8 import (
     amax_to_scale, block_count, dequantize, fp8_frozen_linear, fp8_linear, quantize_activation,
     quantize_rows_after, quantize_weight,
 )
+from lowconv.kernels.fp8_all_gather import Fp8MasterWeight, gathered_fp8, master_tensor, plain_weight_in_state_dict
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype
 from lowconv.ops.registry import register_op
@@ -47,6 +49,9 @@ class Fp8Options:
     # delayed scaling: x's scale is max(history) / 448, or the last step's amax / 448 (TransformerEngine's
     # amax_compute_algo)
     amax_reduction: Literal["max", "most_recent"] = "max"
+    # training under FSDP2: W quantized to e4m3 on each rank before the all-gather, which then moves 1 byte per
+    # weight element (kernels/fp8_all_gather.py); the same numbers as without it
+    fp8_all_gather: bool = False
 
     def __post_init__(self):
         if self.granularity in ("token", "block") and self.scaling != "dynamic":
@@ -56,6 +61,9 @@ class Fp8Options:
         if self.granularity == "block" and self.training:
             raise ValueError('"block" is for inference: training scales W per tensor or per row '
                              '(use "tensor", "row" or "token")', "granularity")
+        if self.fp8_all_gather and not self.training:
+            raise ValueError("is for training (an inference layer's weight is an e4m3 buffer, which FSDP2 does not "
+                             "all-gather): set training = true or leave fp8_all_gather out", "fp8_all_gather")
         if not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
             raise ValueError(f"must be in [1, {MAX_AMAX_HISTORY}] (got {self.amax_history_len})", "amax_history_len")
 
@@ -67,7 +75,11 @@ class Fp8Linear(LinearOp, nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.options = in_features, out_features, options
         if options.training:
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            weight = torch.empty(out_features, in_features, dtype=dtype)
+            if options.fp8_all_gather:
+                weight = Fp8MasterWeight(weight, LINEAR_GRANULARITIES[options.granularity][1])
+                self.register_state_dict_post_hook(plain_weight_in_state_dict)
+            self.weight = nn.Parameter(weight)
         else:
             scale_shape = {"tensor": (1,), "row": (out_features, 1),
                            "block": (block_count(out_features), block_count(in_features))}[
@@ -133,7 +145,7 @@ class Fp8Linear(LinearOp, nn.Module):
         o = self.options
         if o.training:
             return Fp8LinearFunction.apply(x, self.weight, self.bias, x_scale, o.granularity, o.fast_accum,
-                                           self.clipped if x_scale is not None else None)
+                                           self.clipped if x_scale is not None else None, *gathered_fp8(self.weight))
         args = (x, x_scale, o.granularity, self.weight, self.weight_scale, self.bias, o.fast_accum,
                 self.clipped if x_scale is not None else None, not self.input_shared)
         if needs_autograd(x, self.bias):
@@ -149,7 +161,7 @@ class Fp8Linear(LinearOp, nn.Module):
     def linear_weight(self) -> torch.Tensor:
         """The master weight (training), or the e4m3 weight dequantized to the model's dtype."""
         if self.options.training:
-            return self.weight
+            return master_tensor(self.weight)
         return dequantize(self.weight, self.weight_scale).to(self.weight_scale.dtype)
 
     def fixed_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -251,7 +263,7 @@ class Fp8Linear(LinearOp, nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scaling={o.scaling}, granularity={o.granularity}, training={o.training}"
                 + (f", amax_history_len={o.amax_history_len}, amax_reduction={o.amax_reduction}"
-                   if o.scaling == "delayed" else ""))
+                   if o.scaling == "delayed" else "") + (", fp8_all_gather=True" if o.fp8_all_gather else ""))
 
     @classmethod
     def site_problem(cls, site, options: Fp8Options) -> str | None:
