@@ -38,7 +38,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 import lowconv  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
-from scripts.train_fp8 import FULL, TINY, TRAINING_RECIPES, MarkovLanguage, init_weights, training_recipe  # noqa: E402
+from scripts.train_fp8 import (FULL, TINY, TRAINING_RECIPES, Config, MarkovLanguage, init_weights,  # noqa: E402
+                               training_recipe)
+
+# Where the GEMMs, not the host, set the step's time: a 0.4B-parameter GPT (timing runs, not loss parity)
+LARGE = Config(vocab=16, context=1024, dim=2048, depth=8, heads=16, batch=16, lr=2e-4)
 
 class CountingAllGather:
     """FSDP2's all-gather (FSDPModule.set_custom_all_gather's protocol) counting the bytes it
@@ -92,6 +96,10 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 10 steps (plumbing)")
+    parser.add_argument("--large", action="store_true", help="a GPT of dim 2048, depth 8, context 1024, global "
+                                                             "batch 16 (step times)")
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
+                        help="save the trained model with lowconv.save (default)")
     parser.add_argument("--compile", action="store_true", help="compile the model's forward (torch.compile, after "
                                                                "sharding; the backward through AOTAutograd)")
     parser.add_argument("--fp8-all-gather", action=argparse.BooleanOptionalAction, default=True,
@@ -100,7 +108,7 @@ def main():
                         help="the dtype FSDP2 all-gathers parameters in (its MixedPrecisionPolicy; the master "
                              "weights stay float32)")
     args = parser.parse_args()
-    cfg, steps = (TINY, min(args.steps, 10)) if args.tiny else (FULL, args.steps)
+    cfg, steps = (TINY, min(args.steps, 10)) if args.tiny else (LARGE if args.large else FULL, args.steps)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -140,7 +148,7 @@ def main():
         if rank == 0 and step % 10 == 0:
             print(f"step {step}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     all_gathered = sharded.all_gather_line(steps)
-    checkpoint = lowconv.save(model, args.out / "checkpoint") if args.recipe != "none" else None
+    checkpoint = lowconv.save(model, args.out / "checkpoint") if args.recipe != "none" and args.save else None
     if rank == 0:
         print(all_gathered, file=sys.stderr)
         fp8_all_gather = " (fp8 weights all-gathered in e4m3)" if args.fp8_all_gather and "fp8" in args.recipe else ""
