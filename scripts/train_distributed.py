@@ -57,7 +57,7 @@ class CountingAllGather:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.bytes += output_tensor.nbytes
         self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 @dataclass
@@ -70,6 +70,8 @@ class Sharded:
         """The bytes all-gathered per step, and per parameter element for the blocks."""
         elements = sum(p.numel() for p in self.blocks[0].parameters())  # DTensors: the whole parameters'
         blocks, rest = self.blocks_all_gather, self.rest_all_gather
+        if not blocks.calls:  # one rank: FSDP2 gathers nothing
+            return "all-gathered per step: nothing (one rank)"
         return (f"all-gathered per step, on each rank: blocks {blocks.bytes / steps / 1e6:.3f} MB "
                 f"({blocks.calls // steps} all-gathers, {blocks.bytes / (blocks.calls * elements):.2f} bytes per "
                 f"parameter element), the rest {rest.bytes / steps / 1e6:.3f} MB")

@@ -78,7 +78,7 @@ class CountingAllGather:
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.bytes.append(output_tensor.nbytes)
-        return torch.distributed.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def sharded(model, mesh) -> dict[str, CountingAllGather]:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import lowconv.kernels.fp8 as fp8
-from lowconv.kernels import gpu
+from lowconv.kernels import fp8_training, gpu
 from lowconv.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize
+from lowconv.kernels.fp8_training import Fp8LinearFunction
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -164,9 +165,9 @@ def test_training_backward_runs_fp8_gemms_with_the_scales_folded_into_the_gradie
     grad = torch.randn(32, 48, generator=gen)
     gemms = []
     real = fp8.fp8_linear
-    monkeypatch.setattr(fp8, "fp8_linear", lambda x_fp8, *args, **kwargs: gemms.append(x_fp8.dtype) or
+    monkeypatch.setattr(fp8_training, "fp8_linear", lambda x_fp8, *args, **kwargs: gemms.append(x_fp8.dtype) or
                         real(x_fp8, *args, **kwargs))
-    fp8.Fp8LinearFunction.apply(x, w, None, None, granularity).backward(grad)
+    Fp8LinearFunction.apply(x, w, None, None, granularity).backward(grad)
     assert gemms == [fp8.E4M3, fp8.E5M2, fp8.E5M2]  # forward, dX, dW: FP8 GEMMs, e5m2 gradients
 
     x_granularity, w_granularity = fp8.LINEAR_GRANULARITIES[granularity]
@@ -201,7 +202,7 @@ def test_training_on_cuda_matches_the_cpu_reference(granularity, static, dtype, 
         leaves = [t.to(device, dtype).detach().requires_grad_() for t in (x, w, bias)]
         clipped = torch.zeros((), dtype=torch.int64, device=device) if static else None
         scale = torch.tensor([0.004], device=device) if static else None  # clips the largest x
-        y = fp8.Fp8LinearFunction.apply(*leaves, scale, granularity, False, clipped)
+        y = Fp8LinearFunction.apply(*leaves, scale, granularity, False, clipped)
         y.backward(grad.to(device, dtype))
         results[device] = [y, *(t.grad for t in leaves)], clipped
     (cpu, cpu_clipped), (cuda, cuda_clipped) = results["cpu"], results["cuda"]

@@ -144,7 +144,7 @@ def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def gathered_row_scales(scale: torch.Tensor, group) -> torch.Tensor:
     """Every rank's padded row scales, in rank order (as FSDP2 gathers the e4m3 rows)."""
     gathered = scale.new_empty(scale.shape[0] * dist.get_world_size(group), *scale.shape[1:])
-    dist.all_gather_single(gathered, scale.contiguous(), group=group)
+    dist.all_gather_into_tensor(gathered, scale.contiguous(), group=group)
     return gathered
 
 

@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowconv.kernels.fp8 import (
-    BLOCK, E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, Fp8LinearFunction, abs_max, activate,
+    BLOCK, E4M3, LINEAR_GRANULARITIES, Fp8FrozenLinearFunction, abs_max, activate,
     amax_to_scale, block_count, dequantize, fp8_frozen_linear, fp8_linear, quantize_activation,
     quantize_rows_after, quantize_weight,
 )
 from lowconv.kernels.fp8_all_gather import Fp8MasterWeight, gathered_fp8, master_tensor, plain_weight_in_state_dict
+from lowconv.kernels.fp8_training import Fp8LinearFunction
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype
 from lowconv.ops.registry import register_op
