@@ -43,7 +43,8 @@ def test_the_weight_is_2_4_and_the_layer_computes_fp8s_product_of_the_pruned_wei
     assert "no CUDA backend chosen yet" in module.plan_note()
 
 
-@pytest.mark.parametrize("option", ['scaling = "static"', "training = true", "amax_history_len = 4"])
+@pytest.mark.parametrize("option", ['scaling = "static"', "training = true", "amax_history_len = 4",
+                                    "fp8_all_gather = true"])
 def test_fp8s_other_options_are_no_keys_of_this_op(option):
     """Inference with x scaled dynamically: fp8's scaling, training and delayed-scaling options are
     unknown keys here, and the error lists the valid ones."""
@@ -51,6 +52,11 @@ def test_fp8s_other_options_are_no_keys_of_this_op(option):
     with pytest.raises(LowconvError, match=option.split()[0]) as error:
         parse_recipe(text, "r.toml")
     assert "backend" in str(error.value) and "granularity" in str(error.value)
+
+
+def test_the_layer_prints_what_it_reads_of_fp8s_options():
+    """Its Options fix what fp8's layer reads but this op does not take (fp8_all_gather too)."""
+    assert "scaling=dynamic, granularity=row, training=False" in repr(layer()[2])
 
 
 @pytest.mark.parametrize("recipe", ["fp8-semi-sparse", "semi-sparse", "mixed"])

@@ -42,6 +42,7 @@ class Fp8SemiSparseOptions:
     # What fp8's layer reads of its options, fixed here (not recipe keys): inference, x's scales dynamic.
     scaling: ClassVar[str] = "dynamic"
     training: ClassVar[bool] = False
+    fp8_all_gather: ClassVar[bool] = False
 
 
 @register_op(Fp8SemiSparseOptions, name="fp8_semi_sparse", kind="linear", timed=True,

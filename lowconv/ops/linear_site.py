@@ -36,8 +36,9 @@ def linear_info(site: Site) -> LinearInfo:
 
 
 class LinearOp:
-    """A linear op's builder (registry.OpBuilder) but its `empty` and `site_problem`: `from_site`
-    builds the module with `empty`, then gives it the site's weight (in the site's dtype) and bias."""
+    """The `from_site` of a linear op's builder (registry.OpBuilder), whose subclass defines `empty`
+    and `site_problem`: the module built by `empty`, then given the site's weight (in the site's
+    dtype) and bias."""
 
     @classmethod
     def from_site(cls, site: Site, options, params: dict[str, torch.Tensor]):
