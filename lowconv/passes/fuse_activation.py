@@ -41,10 +41,10 @@ def fuse_activations(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[n
     for fqn, module in modules.items():
         if not (isinstance(module, TakesActivation) and module.takes_activation()):
             continue
-        found = caller_graph(model, fqn, modules, traced)
-        if found is None:
+        caller = caller_graph(model, fqn, modules, traced)
+        if caller is None:
             continue
-        owner, gm, target = found
+        owner, gm, target = caller
         moved = [fuse_call(gm, node) for node in list(gm.graph.nodes)
                  if node.op == "call_module" and node.target == target]  # each call on its own
         moved = [what for what in moved if what]

@@ -46,11 +46,11 @@ def is_cast(node: fx.Node) -> bool:
 
 def casts(node) -> list[fx.Node]:
     """The chain of integer casts (`.int()`, `.long()`) that node is, outermost first."""
-    found = []
+    chain = []
     while op_is(node, (), INT_CASTS):
-        found.append(node)
+        chain.append(node)
         node = node.args[0]
-    return found
+    return chain
 
 
 def uncast(node):

@@ -128,10 +128,10 @@ def find_regions(model: nn.Module, only: list[str] | None = None,
             constants = constant_args.get(fqn, {})
         fixed = {**dict.fromkeys(nones), **constants}
         graph = trace_module(module, fixed, call=call)
-        found = Region(fqn, module, graph, nones, constants, decided=graph.meta["decided"], example_args=example_args,
-                       training_check=lambda: branches_on_training(module, graph, fixed, call))
-        propagate_shapes(found)  # a graph that does not run its example call is no region: its children are tried
-        return found
+        traced = Region(fqn, module, graph, nones, constants, decided=graph.meta["decided"], example_args=example_args,
+                        training_check=lambda: branches_on_training(module, graph, fixed, call))
+        propagate_shapes(traced)  # a graph that does not run its example call is no region: its children are tried
+        return traced
 
     def replayed(fqn: str, call: Call | None) -> Region:
         try:
@@ -165,15 +165,15 @@ def search_level(level: list[tuple[str, nn.Module]], calls: dict[str, Call], reg
     below = []
     for fqn, module in level:
         try:
-            found = region(fqn, module, calls.get(fqn))
+            traced = region(fqn, module, calls.get(fqn))
         except Exception as err:  # any trace failure: fall back to the children
             untraced.append(Untraced(fqn, first_line(err)))
             below += children(fqn, module)
             continue
-        regions.append(found)
-        if found.graph is not None:
-            for target in opaque_calls(found.graph):
-                below += children(join_fqn(fqn, target), found.graph.get_submodule(target))
+        regions.append(traced)
+        if traced.graph is not None:
+            for target in opaque_calls(traced.graph):
+                below += children(join_fqn(fqn, target), traced.graph.get_submodule(target))
     return with_own_forward(below)
 
 
