@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 import lowconv  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
+from scripts.bench_common import kernel_table  # noqa: E402
 from scripts.train_fp8 import (FULL, TINY, TRAINING_RECIPES, Config, MarkovLanguage, init_weights,  # noqa: E402
                                training_recipe)
 
@@ -100,6 +101,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 10 steps (plumbing)")
     parser.add_argument("--large", action="store_true", help="a GPT of dim 2048, depth 8, context 1024, global "
                                                              "batch 16 (step times)")
+    parser.add_argument("--profile", action="store_true", help="after training, the GPU kernels of 3 more steps "
+                                                                  "(rank 0's) to DIR/profile-rank0.txt")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
                         help="save the trained model with lowconv.save (default)")
     parser.add_argument("--compile", action="store_true", help="compile the model's forward (torch.compile, after "
@@ -110,6 +113,8 @@ def main():
                         help="the dtype FSDP2 all-gathers parameters in (its MixedPrecisionPolicy; the master "
                              "weights stay float32)")
     args = parser.parse_args()
+    if args.profile and args.device != "cuda":
+        parser.error("--profile times GPU kernels: it needs --device cuda")
     cfg, steps = (TINY, min(args.steps, 10)) if args.tiny else (LARGE if args.large else FULL, args.steps)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
@@ -133,9 +138,9 @@ def main():
     forward = torch.compile(model) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    losses, times = [], []
-    for step, tokens in enumerate(batches):
-        start = time.perf_counter()
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        """One step on this rank's share of a global batch; its loss."""
         tokens = tokens.chunk(world)[rank].to(device)
         with autocast:
             logits = forward(tokens[:, :-1])
@@ -143,6 +148,12 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        return loss
+
+    losses, times = [], []
+    for step, tokens in enumerate(batches):
+        start = time.perf_counter()
+        loss = train_step(tokens)
         whole = loss.detach().clone()
         dist.all_reduce(whole)  # the mean of the ranks' losses: the global batch's
         losses.append(whole.item() / world)
@@ -150,6 +161,11 @@ def main():
         if rank == 0 and step % 10 == 0:
             print(f"step {step}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     all_gathered = sharded.all_gather_line(steps)
+    if args.profile:  # every rank steps (the steps are collectives); rank 0 writes its kernels
+        kernels = kernel_table(lambda: train_step(batches[-1]))
+        if rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "profile-rank0.txt").write_text(kernels)
     checkpoint = lowconv.save(model, args.out / "checkpoint") if args.recipe != "none" and args.save else None
     if rank == 0:
         print(all_gathered, file=sys.stderr)
