@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 import lowconv  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
+from lowconv.kernels.fp8_all_gather import all_gather_into  # noqa: E402
 from scripts.bench_common import kernel_table  # noqa: E402
 from scripts.train_fp8 import (FULL, TINY, TRAINING_RECIPES, Config, MarkovLanguage, init_weights,  # noqa: E402
                                training_recipe)
@@ -58,7 +59,7 @@ class CountingAllGather:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.bytes += output_tensor.nbytes
         self.calls += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_into(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 @dataclass

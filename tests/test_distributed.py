@@ -13,7 +13,7 @@ from torch import nn
 
 import lowconv
 import lowconv.distributed
-from lowconv.kernels.fp8_all_gather import Fp8MasterWeight
+from lowconv.kernels.fp8_all_gather import Fp8MasterWeight, all_gather_into
 from lowconv.ops.fp8 import Fp8Linear
 from lowconv.recipe import parse_recipe
 
@@ -78,7 +78,7 @@ class CountingAllGather:
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.bytes.append(output_tensor.nbytes)
-        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_into(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def sharded(model, mesh) -> dict[str, CountingAllGather]:
@@ -131,6 +131,7 @@ def sharded_run(rank, name, port, out):
         if name in WITHOUT_ALL_GATHER:
             result["losses_without_all_gather"] = sharded_training(WITHOUT_ALL_GATHER[name], rank, mesh).losses
             result["uneven"] = uneven_shards_differences(run.model[0].options, mesh)
+            result["meta_load"] = meta_load(RECIPES[name][0], run.model, mesh)
         trained = lowconv.distributed.full_state_dict(run.model)
         result["path"] = str(lowconv.save(run.model, out / "checkpoint"))
         if rank == 0:
@@ -162,6 +163,24 @@ def uneven_shards_differences(options, mesh) -> dict[str, float]:
     return {"output": (outputs[0] - outputs[1]).abs().max().item(),
             **{name: (getattr(whole[0], name).grad - getattr(split[0], name).grad.full_tensor()).abs().max().item()
                for name in ("weight", "bias")}}
+
+
+def meta_load(rule: str, trained, mesh) -> dict:
+    """The trained model's whole state dict loaded, from rank 0, into the model converted by `rule`
+    on the meta device and sharded (torch.distributed.checkpoint's large-model load:
+    load_state_dict(assign=True)): the types of the first layer's local shard and of the weight its
+    forward sees, and whether it computes what the trained model does."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = lowconv.distributed.full_state_dict(trained)
+    model = lowconv.convert(original(), recipe("meta", rule), (torch.randn(4, 32),)).train().to("meta")
+    seen = []
+    model[0].register_forward_pre_hook(lambda module, args: seen.append(type(module.weight).__name__))
+    sharded(model, mesh)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(4))
+    return {"local": type(model[0].weight._local_tensor).__name__, "seen": seen,
+            "same": torch.equal(model(x), trained(x))}
 
 
 def free_port():
@@ -221,6 +240,12 @@ def test_fsdp2_all_gathers_fp8_weights_in_a_byte_per_element(name, sharded_resul
 
 
 @pytest.mark.parametrize("name", WITHOUT_ALL_GATHER)
+def test_a_model_made_on_the_meta_device_keeps_fp8_all_gather_when_loaded(name, sharded_result):
+    assert sharded_result(name)[1]["meta_load"] == {"local": "Fp8MasterWeight", "seen": ["GatheredFp8Weight"],
+                                                    "same": True}
+
+
+@pytest.mark.parametrize("name", WITHOUT_ALL_GATHER)
 def test_fp8_all_gather_computes_what_the_recipe_without_it_does(name, sharded_result):
     """The same e4m3 weights and scales (the tensor scale from the ranks' amaxes all-reduced), so
     the same losses, bit for bit; and on a layer whose rows FSDP2 pads (33 over 2 ranks)."""
@@ -262,3 +287,25 @@ def test_fp8_all_gather_outside_fsdp_is_the_training_layer_as_before():
     reverted = lowconv.revert(models[1].float())
     assert type(reverted[0].weight.data) is torch.Tensor
     assert torch.equal(reverted[0].weight, models[0][0].weight)
+
+
+def test_fp8_all_gather_weight_takes_data_assignments_assign_loads_and_inference_mode():
+    """What a user's trial found the weight subclass missed outside FSDP2: `weight.data = t` (and
+    vector_to_parameters) sets the master weight, inference_mode runs a row-scaled layer, and
+    load_state_dict(assign=True) (a model made on the meta device) keeps the weight an Fp8MasterWeight."""
+    import copy
+
+    models = [lowconv.convert(original(), recipe("r", fp8_rule("row", all_gather)), (torch.randn(4, 32),))
+              for all_gather in (False, True)]
+    x = torch.randn(8, 32)
+    before = models[1](x)
+    for model in models:
+        vector = torch.nn.utils.parameters_to_vector(model.parameters())
+        torch.nn.utils.vector_to_parameters(vector * 0.5, model.parameters())
+    assert not torch.equal(models[1](x), before) and torch.equal(models[1](x), models[0](x))
+    with torch.inference_mode():
+        assert torch.equal(models[1](x), models[0](x))
+    on_meta = copy.deepcopy(models[1]).to("meta")
+    on_meta.load_state_dict(models[1].state_dict(), assign=True)
+    assert isinstance(on_meta[0].weight, Fp8MasterWeight) and isinstance(on_meta[0].weight, nn.Parameter)
+    assert torch.equal(on_meta(x), models[1](x))

@@ -22,9 +22,10 @@ that padded shape only, so the e4m3 shard is padded with zero rows (cut off afte
 row scales, whose shape cannot be the padded shard's, are gathered by a small all-gather of their own.
 
 Two tensor subclasses carry it:
-    Fp8MasterWeight    the parameter: the master weight, a plain tensor to every op (the optimizer,
-                       .to(), copy_) except those FSDP2 shards and pads it with, which keep the type
-                       so that the shard has the all-gather hooks.
+    Fp8MasterWeight    the parameter: the master weight, computed with as the plain tensor it wraps
+                       by every op; the ops FSDP2 shards, pads, moves and loads it with (SHARDING_OPS:
+                       slices, views, copies, casts, detach) give Fp8MasterWeights, so that the shard
+                       has the all-gather hooks, every other op plain tensors.
     GatheredFp8Weight  the unsharded weight FSDP2 gives the layer between all-gather and reshard:
                        the e4m3 W and its scales, a tensor of W's dtype to autograd (its gradient's).
 """
@@ -36,6 +37,10 @@ import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 
 from lowconv.kernels.fp8 import E4M3, abs_max, amax_to_scale, quantize_rowwise, quantize_with_scale
+
+# torch.distributed's all-gather into one tensor: all_gather_single where this torch has it (it
+# deprecates all_gather_into_tensor), else all_gather_into_tensor.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # What FSDP2 does to a parameter to shard and pad it, to move it and to load a state dict into it:
 # their outputs stay Fp8MasterWeight (so the shard keeps the hooks); every other op's are plain.
@@ -70,13 +75,30 @@ class Fp8MasterWeight(torch.Tensor):
     def __repr__(self):
         return f"Fp8MasterWeight({self.master}, granularity={self.granularity})"
 
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor):
+        """`weight.data = t` (vector_to_parameters, user code) makes t the master weight: the base
+        setter alone would swap the wrapper and leave `master`, which every op computes with, as it
+        was. The wrapper is swapped only where t's shape, dtype or device differ (a wrapper so set
+        cannot be deep-copied)."""
+        master = value.master if isinstance(value, Fp8MasterWeight) else value
+        if (master.shape, master.dtype, master.device) != (self.shape, self.dtype, self.device):
+            torch.Tensor.data.__set__(self, Fp8MasterWeight(master, self.granularity))
+        self.master = master
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t.master, (args, kwargs or {}))
         out = func(*plain_args, **plain_kwargs)
         if isinstance(args[0], cls) and out is plain_args[0]:  # an in-place op returns its input
             return args[0]
-        if func not in SHARDING_OPS:
+        # Inference mode makes inference tensors, which a wrapper cannot hold (its detach fails); FSDP2
+        # never shards there.
+        if func not in SHARDING_OPS or torch.is_inference_mode_enabled():
             return out
         granularity = next(a.granularity for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, granularity), out)
@@ -144,7 +166,7 @@ def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def gathered_row_scales(scale: torch.Tensor, group) -> torch.Tensor:
     """Every rank's padded row scales, in rank order (as FSDP2 gathers the e4m3 rows)."""
     gathered = scale.new_empty(scale.shape[0] * dist.get_world_size(group), *scale.shape[1:])
-    dist.all_gather_into_tensor(gathered, scale.contiguous(), group=group)
+    all_gather_into(gathered, scale.contiguous(), group=group)
     return gathered
 
 
@@ -210,6 +232,24 @@ def master_tensor(weight: torch.Tensor) -> torch.Tensor:
             return DTensor.from_local(weight._local_tensor.master, weight.device_mesh, weight.placements,
                                       run_check=False, shape=weight.shape, stride=weight.stride())
     return weight
+
+
+def as_fp8_master_weight(weight: torch.nn.Parameter, granularity: str) -> torch.nn.Parameter:
+    """weight as an Fp8MasterWeight parameter (FSDP2's shard of one: a DTensor of it), as it is where it
+    is one already. load_state_dict(assign=True), as torch.distributed.checkpoint loads a model made on
+    the meta device, puts the state dict's plain tensors in its place."""
+    if isinstance(master_tensor(weight), Fp8MasterWeight) or master_tensor(weight) is not weight:
+        return weight
+    if dist.is_available():
+        from torch.distributed.tensor import DTensor
+        if isinstance(weight, DTensor):
+            if isinstance(weight._local_tensor, Fp8MasterWeight):
+                return weight
+            local = Fp8MasterWeight(weight._local_tensor, granularity)
+            sharded = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                                         shape=weight.shape, stride=weight.stride())
+            return torch.nn.Parameter(sharded, requires_grad=weight.requires_grad)
+    return torch.nn.Parameter(Fp8MasterWeight(weight.detach(), granularity), requires_grad=weight.requires_grad)
 
 
 def plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):

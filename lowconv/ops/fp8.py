@@ -30,7 +30,8 @@ from lowconv.kernels.fp8 import (
     amax_to_scale, block_count, dequantize, fp8_frozen_linear, fp8_linear, quantize_activation,
     quantize_rows_after, quantize_weight,
 )
-from lowconv.kernels.fp8_all_gather import Fp8MasterWeight, gathered_fp8, master_tensor, plain_weight_in_state_dict
+from lowconv.kernels.fp8_all_gather import (Fp8MasterWeight, as_fp8_master_weight, gathered_fp8, master_tensor,
+                                            plain_weight_in_state_dict)
 from lowconv.kernels.fp8_training import Fp8LinearFunction
 from lowconv.kernels.operands import needs_autograd
 from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype
@@ -238,6 +239,8 @@ class Fp8Linear(LinearOp, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.options.fp8_all_gather:  # load_state_dict(assign=True) put a plain tensor there
+            self.weight = as_fp8_master_weight(self.weight, LINEAR_GRANULARITIES[self.options.granularity][1])
         if self.options.scaling == "static" and f"{prefix}input_scale" in state_dict:
             self.input_scale_set = bool((self.input_scale > 0).all())  # read once here, not per call
 
