@@ -12,4 +12,5 @@ from lowconv.errors import LowconvError, LowconvWarning
 from lowconv.recipe import Recipe, load_recipe
 from lowconv.version import __version__
 
-__all__ = ["convert", "save", "load", "compare", "revert", "Recipe", "load_recipe", "LowconvError", "LowconvWarning", "__version__"]
+__all__ = ["convert", "save", "load", "compare", "revert", "Recipe", "load_recipe", "LowconvError", "LowconvWarning",
+           "__version__"]

@@ -120,7 +120,6 @@ def conversion_warnings(model: nn.Module, analysis: Analysis, decisions: list[De
     return plan_warnings(decisions, analysis.sites, analysis.trace, recipe) + nested_tensor_warnings(model, decisions)
 
 
-
 def untrained_weights_warnings(model: nn.Module, decisions: list[Decision]) -> list[str]:
     """What a model converted in train mode no longer trains: the converted linears whose op holds
     the weight for inference (options with training false: e4m3, 2:4 compressed buffers), which

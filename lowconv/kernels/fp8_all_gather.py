@@ -238,13 +238,11 @@ def as_fp8_master_weight(weight: torch.nn.Parameter, granularity: str) -> torch.
     """weight as an Fp8MasterWeight parameter (FSDP2's shard of one: a DTensor of it), as it is where it
     is one already. load_state_dict(assign=True), as torch.distributed.checkpoint loads a model made on
     the meta device, puts the state dict's plain tensors in its place."""
-    if isinstance(master_tensor(weight), Fp8MasterWeight) or master_tensor(weight) is not weight:
+    if master_tensor(weight) is not weight:  # an Fp8MasterWeight, or FSDP2's shard of one
         return weight
     if dist.is_available():
         from torch.distributed.tensor import DTensor
         if isinstance(weight, DTensor):
-            if isinstance(weight._local_tensor, Fp8MasterWeight):
-                return weight
             local = Fp8MasterWeight(weight._local_tensor, granularity)
             sharded = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
                                          shape=weight.shape, stride=weight.stride())
