@@ -35,8 +35,8 @@ class Analysis:
 def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
     """The copy lowconv works on, leaving the user's model as it is. With share_tensors only the
     modules are copied: the copy's parameters and buffers are the model's own, for a copy whose
-    tensors nothing writes (tracing, a comparison, a conversion that neither model outlives
-    unchanged), at no memory cost."""
+    tensors nothing writes (tracing, a comparison, a conversion: own_tensors then gives the
+    converted model copies of the tensors it keeps), at no memory cost."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())} if share_tensors else {}
     try:
         return copy.deepcopy(model, memo)
@@ -45,12 +45,43 @@ def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
                            f"{type(err).__name__}: {err}") from err
 
 
+def own_tensors(converted: nn.Module, model: nn.Module) -> None:
+    """Give `converted` copies of the tensors it shares with `model` (the layers a conversion kept,
+    taken over from a copy_of(share_tensors=True)): its parameters, buffers and tensor attributes
+    whose storage is one of model's, each copied once (tied weights stay tied). Made after the
+    replaced layers are gone, so a conversion never holds the model twice."""
+    theirs = set().union(*map(storages_of, itertools.chain(model.parameters(), model.buffers())))
+    copies: dict[int, torch.Tensor] = {}
 
-def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None,
-            share_tensors: bool = False) -> Analysis:
-    """Trace a copy of `model` (copy_of) and find its sites (the user's model is never touched).
+    def owned(t):
+        shared = isinstance(t, torch.Tensor) and storages_of(t) & theirs
+        return copy.deepcopy(t, copies) if shared else t
+
+    for module in converted.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                tensors[name] = owned(t)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, owned(value))
+
+
+def storages_of(t: torch.Tensor) -> set[int]:
+    """The data pointers of the storages t's values live in: a wrapper subclass's (as a training fp8
+    layer's master weight) are its inner tensors'. An empty storage has none (its pointer may be
+    any other's)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return set().union(*(storages_of(getattr(t, name)) for name in names))
+    storage = t.untyped_storage()
+    return {storage.data_ptr()} if storage.nbytes() else set()
+
+
+def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None) -> Analysis:
+    """Trace a copy of `model` (copy_of, holding model's tensors: nothing writes them) and find its
+    sites (the user's model is never touched).
     With a recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
-    work = copy_of(model, share_tensors)
+    work = copy_of(model, share_tensors=True)
     expanded = mha_to_expand(work, lambda site: would_convert(site, recipe.rules)) if recipe else []
     work = expand_mha(work, expanded)
     trace = trace_model(work, example_inputs)
@@ -58,7 +89,7 @@ def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None,
 
 
 
-def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: bool = False) -> tuple[Analysis, Plan]:
+def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis, Plan]:
     if not isinstance(model, nn.Module):
         raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if example_inputs is None:
@@ -78,7 +109,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_tensors: boo
         raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
                            f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
                            f"or to_empty() then load)")
-    analysis = analyze(model, example_inputs, recipe, share_tensors)
+    analysis = analyze(model, example_inputs, recipe)
     return analysis, plan_for(model, analysis, recipe, decide_sites(analysis.sites, recipe), example_inputs)
 
 

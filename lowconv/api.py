@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, distributed, hf
-from lowconv.analysis import copy_of, plan_conversion, plan_for, untrained_weights_warnings, with_calibration
+from lowconv.analysis import copy_of, own_tensors, plan_conversion, plan_for, untrained_weights_warnings, with_calibration
 from lowconv.build import (
     build_op_modules, carried_out_all, check_runs, decision_groups, mark_shared_inputs, rewritten, site_device,
 )
@@ -51,13 +51,14 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     `calibration_name`) is given.
     share_weights: the layers the conversion keeps hold `model`'s own tensors, not copies, so the
     model is not in memory twice; for when neither model is trained or changed afterwards (the
-    command line's convert does this).
+    command line's convert does this). Either way the conversion works on `model`'s tensors (it
+    writes none) and copies the kept ones only once the layers it replaced are gone.
     recorded: what the plan records of the model beside what it finds (the command line's model
     path, seed and dtype, for `lowconv compare`).
     """
     progress("tracing and finding sites")
     recipe = load_recipe(recipe)
-    analysis, planned = plan_conversion(model, recipe, example_inputs, share_weights)
+    analysis, planned = plan_conversion(model, recipe, example_inputs)
     to_convert = planned.converted()
     progress(f"{len(analysis.sites)} sites, {len(to_convert)} to convert")
     modules, measured, groups = build_op_modules(to_convert, analysis, progress)
@@ -69,6 +70,8 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     plan = plan_for(model, analysis, recipe, decisions, example_inputs, recorded)
     # The analysed copy holds the layers the converted model replaced: let them go before it runs
     del analysis
+    if not share_weights:
+        own_tensors(converted, model)
     seen = calibrate(converted, calibration if calibration is not None else [example_inputs], progress)
     if not seen:  # calibration ran the converted model already
         check_runs(converted, example_inputs)

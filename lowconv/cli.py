@@ -117,7 +117,7 @@ def cmd_recipes(args) -> int:
 def cmd_inspect(args) -> int:
     loaded = load_model(args.model, device=pick_device(args.device), dtype=args.dtype, seed=args.seed)
     recipe = args.recipe or "keep-all"
-    _, plan = plan_conversion(loaded.model, recipe, loaded.inputs, share_tensors=True)
+    _, plan = plan_conversion(loaded.model, recipe, loaded.inputs)
     print(sites_table(plan))
     if args.recipe:
         print(f"\nrecipe {plan.recipe}:")
