@@ -417,6 +417,23 @@ def test_converted_linears_answer_autocast_as_nn_linear_does(rule):
     got.float().sum().backward()  # differentiable through the cast
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_an_fp8_linear_casts_an_fp32_input_under_autocast_as_nn_linear_does(training):
+    """Its GEMM writes autocast's dtype (on the GPU an fp32 x with row scales would take the fp32
+    reference GEMM): the layer computes, forward and backward, what it computes on x in that dtype."""
+    model, x = nn.Sequential(nn.Linear(64, 32)), torch.randn(8, 64)
+    recipe = f'[[rules]]\nop = "fp8"\noptions = {{ granularity = "row", training = {str(training).lower()} }}\n'
+    converted = lowconv.convert(model, lowconv.recipe.parse_recipe(recipe, "r.toml"), (x,))
+    x_autocast, x_cast = x.clone().requires_grad_(), x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        got = converted(x_autocast)
+    want = converted(x_cast)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.float().sum().backward()
+    want.float().sum().backward()
+    assert x_autocast.grad.dtype == torch.float32 and torch.equal(x_autocast.grad, x_cast.grad.float())
+
+
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_an_fp16acc_linear_takes_an_fp32_input_under_autocast(autocast_dtype):
     model, x = nn.Sequential(nn.Linear(64, 32)).half(), torch.randn(8, 64)

@@ -34,7 +34,7 @@ from lowconv.kernels.fp8_all_gather import (Fp8MasterWeight, as_fp8_master_weigh
                                             plain_weight_in_state_dict)
 from lowconv.kernels.fp8_training import Fp8LinearFunction
 from lowconv.kernels.operands import needs_autograd
-from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype
+from lowconv.ops.linear_site import LinearOp, linear_info, outside_autocast, site_dtype
 from lowconv.ops.registry import register_op
 
 
@@ -124,6 +124,7 @@ class Fp8Linear(LinearOp, nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
 
+    @outside_autocast
     def forward(self, input: torch.Tensor, *, activation: str | None = None,
                 up: torch.Tensor | None = None) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
         """nn.Linear's forward. With `activation` (kernels/fp8.py ACTIVATIONS) the layer's x is
@@ -132,10 +133,10 @@ class Fp8Linear(LinearOp, nn.Module):
         if activation is not None:
             if self.takes_activation() and not self.calibrating and not needs_autograd(input, up, self.bias):
                 x_fp8, x_scale = quantize_rows_after(input, activation, up)
-                return in_autocast_dtype(fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias,
-                                                    input.dtype, self.options.fast_accum))
+                return fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, input.dtype,
+                                  self.options.fast_accum)
             input = activate(input, activation, up)
-        return in_autocast_dtype(self.calibration_forward(input) if self.calibrating else self.fp8_forward(input))
+        return self.calibration_forward(input) if self.calibrating else self.fp8_forward(input)
 
     def takes_activation(self) -> bool:
         """registry.TakesActivation: dynamic scaling with a scale per row of x, for inference."""

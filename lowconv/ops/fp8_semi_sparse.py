@@ -28,7 +28,7 @@ from lowconv.kernels.fp8_sparse24 import GemmCase, choose_backend, fp8_sparse24_
 from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.sparse24 import BackendChoice, prune_24
 from lowconv.ops.fp8 import Fp8Linear
-from lowconv.ops.linear_site import in_autocast_dtype, linear_info, site_dtype, site_rows
+from lowconv.ops.linear_site import linear_info, outside_autocast, site_dtype, site_rows
 from lowconv.ops.registry import register_op
 
 
@@ -105,6 +105,7 @@ class Fp8SemiSparseLinear(Fp8Linear):
             self.prepare(x.device, x.numel() // self.in_features)
         return self.gemm is not None and self.chosen_for == x.device
 
+    @outside_autocast
     def forward(self, input: torch.Tensor, *, activation: str | None = None,
                 up: torch.Tensor | None = None) -> torch.Tensor:
         if self.calibrating or needs_autograd(input, up, self.bias) or not self.sparse_ready(input):
@@ -115,8 +116,8 @@ class Fp8SemiSparseLinear(Fp8Linear):
             x = input if activation is None else activate(input, activation, up)
             x_fp8, x_scale = quantize_activation(x, self.options.granularity, alone=not self.input_shared)
         tuned = input.numel() // self.in_features == self.rows
-        return in_autocast_dtype(fp8_sparse24_linear(x_fp8, x_scale, self.cusparselt_weight, self.weight_scale,
-                                                     self.bias, input.dtype, self.gemm, tuned))
+        return fp8_sparse24_linear(x_fp8, x_scale, self.cusparselt_weight, self.weight_scale, self.bias, input.dtype,
+                                   self.gemm, tuned)
 
     def plan_note(self) -> str:
         """The CUDA backend chosen at conversion and why (measured times for "auto"), for the plan."""
