@@ -119,16 +119,23 @@ def run_header(args, device, **extra) -> dict:
     }
 
 
-def kernel_table(call, calls: int = 3) -> str:
-    """The GPU kernels of `calls` calls (after a warm one), by total time."""
+def kernel_table(call, calls: int = 3, host: bool = False) -> str:
+    """The GPU kernels of `calls` calls (after a warm one), by total time; with `host`, then the
+    host's own time per op (Python's dispatch and launches, collectives' waits), by total."""
     from torch.profiler import ProfilerActivity, profile
     call()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    with profile(activities=activities) as prof:
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=120)
+    averages = prof.key_averages()
+    kernels = averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=120)
+    if not host:
+        return kernels
+    return kernels + "\n\nHost, by self CPU time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40,
+                                                                         max_name_column_width=120)
 
 
 def cuda_context_error(device) -> str | None:

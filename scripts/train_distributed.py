@@ -102,12 +102,13 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 10 steps (plumbing)")
     parser.add_argument("--large", action="store_true", help="a GPT of dim 2048, depth 8, context 1024, global "
                                                              "batch 16 (step times)")
-    parser.add_argument("--profile", action="store_true", help="after training, the GPU kernels of 3 more steps "
-                                                                  "(rank 0's) to DIR/profile-rank0.txt")
+    parser.add_argument("--profile", action="store_true", help="after training, the GPU kernels and the host's "
+                                                                  "ops of 3 more steps (rank 0's) to DIR/profile-rank0.txt")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
                         help="save the trained model with lowconv.save (default)")
-    parser.add_argument("--compile", action="store_true", help="compile the model's forward (torch.compile, after "
-                                                               "sharding; the backward through AOTAutograd)")
+    parser.add_argument("--compile", action="store_true", help="compile each transformer block's forward "
+                                                               "(torch.compile, after sharding, FSDP2's hooks left "
+                                                               "eager; the backward through AOTAutograd)")
     parser.add_argument("--fp8-all-gather", action=argparse.BooleanOptionalAction, default=True,
                         help="the fp8 recipes' weights all-gathered in e4m3 (default), or in the param dtype")
     parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -136,7 +137,9 @@ def main():
         model = lowconv.convert(model, recipe, (batches[0][:, :-1].to(device),))
     model.train()
     sharded = shard(model, init_device_mesh(device.type, (world,)), getattr(torch, args.param_dtype))
-    forward = torch.compile(model) if args.compile else model
+    if args.compile:  # as torchtitan does: each block, its hooks (FSDP2's all-gather and reshard) outside the graph
+        for block in sharded.blocks:
+            block.forward = torch.compile(block.forward, fullgraph=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -144,7 +147,7 @@ def main():
         """One step on this rank's share of a global batch; its loss."""
         tokens = tokens.chunk(world)[rank].to(device)
         with autocast:
-            logits = forward(tokens[:, :-1])
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -163,7 +166,7 @@ def main():
             print(f"step {step}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     all_gathered = sharded.all_gather_line(steps)
     if args.profile:  # every rank steps (the steps are collectives); rank 0 writes its kernels
-        kernels = kernel_table(lambda: train_step(batches[-1]))
+        kernels = kernel_table(lambda: train_step(batches[-1]), host=True)
         if rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "profile-rank0.txt").write_text(kernels)
