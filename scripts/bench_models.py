@@ -30,7 +30,9 @@ Models (random weights, bf16, eval):
                  built in, defined here
 The bench's own recipes fp8-row-attention and fp8-semi-sparse-attention are those built-in recipes
 with the attention on lowconv's op in the model's dtype too (its exact semantics): what FP8 (and
-2:4) weights add where the attention was the bottleneck.
+2:4) weights add where the attention was the bottleneck. The variant torch-fp8-row is no recipe but
+the peer issue 22 measured: a torch-native FP8 linear (scripts/torch_fp8_peer.py) in every linear
+but lm_head, as fp8-row converts them.
 
     PYTHONPATH=. python3 scripts/bench_models.py --out DIR [--models llama-prefill,vit_b_16]
         [--recipes fp8-row,fp8-dynamic] [--rounds 5]
@@ -61,6 +63,7 @@ from tabulate import tabulate  # noqa: E402
 import lowconv  # noqa: E402
 from lowconv.recipe import builtin_recipes, parse_recipe  # noqa: E402
 from scripts.bench_common import first_line, kernel_table  # noqa: E402
+from scripts.torch_fp8_peer import torch_fp8_row  # noqa: E402
 
 MODELS = ("llama-prefill", "llama-decode", "vit_b_16", "vit_l_16", "gpt-16k", "gpt-16k-d256")
 # fp16acc converts fp16 models only; keep-all converts nothing.
@@ -212,6 +215,10 @@ options = { dtype = "bfloat16", layout = "local", window = 256 }
 """, **{f"{recipe}-attention": with_attention(recipe) for recipe in ("fp8-row", "fp8-semi-sparse")}}
 
 
+# Variants that are not lowconv's: what a user could write instead, made from the bf16 model
+PEERS = {"torch-fp8-row": torch_fp8_row}
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in (*model.parameters(), *model.buffers())}
@@ -317,12 +324,16 @@ def bench_model(name: str, args) -> dict:
         variant = Variant(recipe, recipe)
         variants.append(variant)
         try:
-            models[recipe] = convert(case, recipe, variant, device)
+            if recipe in PEERS:
+                models[recipe] = PEERS[recipe](case.model)
+                variant.weight_bytes = weight_bytes(models[recipe])
+            else:
+                models[recipe] = convert(case, recipe, variant, device)
         except Exception as error:  # noqa: BLE001 - a recipe that fails is a row of the table
             variant.error = f"convert: {first_line(error)}"
             del error  # its traceback holds the conversion's tensors
             gc.collect()
-        print(f"[{name}] converted {recipe}: {variant.error or f'{variant.convert_s:.1f} s'}", flush=True)
+        print(f"[{name}] made {recipe}: {variant.error or 'ok'}", flush=True)
     for variant in variants:
         model = models.get(variant.name)
         if model is None:
@@ -457,7 +468,8 @@ def run_models(args, bench: str, script: str, models, bench_model, table):
 
 def main():
     parser = model_bench_parser(__doc__, MODELS, RECIPES, f"comma-separated built-in recipes, or the bench's own: "
-                                f"{', '.join(BENCH_RECIPES)}", rounds=5, warmup_ms=50, rep_ms=300, profiled="call")
+                                f"{', '.join(BENCH_RECIPES)}; or the peer {', '.join(PEERS)}", rounds=5, warmup_ms=50,
+                                rep_ms=300, profiled="call")
     args = parser.parse_args()
     args.recipes = [r for r in args.recipes.split(",") if r]
     args.profile = [v for v in args.profile.split(",") if v]
