@@ -192,7 +192,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         raise LowconvError(
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
-    work = expand_mha(copy_of(model), plan.expanded_mha)
+    work = expand_mha(copy_of(model, share_tensors=True), plan.expanded_mha)
     made_up = example_inputs is None and plan.example_inputs is not None and decided_by_inputs(plan)
     if made_up:
         example_inputs = stand_ins(plan.example_inputs, next(work.parameters(), torch.empty(0)).device, str(path))
@@ -212,6 +212,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     mark_shared_inputs(modules, decision_groups(plan.converted(), sites))
     converted, _ = fuse_activations(rewrite(work, trace, list(sites.values()), modules), modules)
     release_graphs(trace, converted)
+    own_tensors(converted, model)  # before the checkpoint's values are loaded into the kept layers
     cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
     converted.load_state_dict(tensors, strict=True)

@@ -211,13 +211,17 @@ class TiedLinears(nn.Module):
         return self.head(torch.relu(self.fc(self.embed(ids))))
 
 
-def test_converted_model_owns_its_tensors_unless_sharing_weights():
-    """The analysis shares the model's tensors, the converted model does not (it trains on its own),
-    and tied weights stay tied; with share_weights the kept layers are the model's own."""
+@pytest.mark.parametrize("made_by", ["convert", "load"])
+def test_converted_model_owns_its_tensors_unless_sharing_weights(made_by, tmp_path):
+    """convert and load work on the model's own tensors, the model they return does not (it trains
+    on its own), and tied weights stay tied; with share_weights the kept layers are the model's own."""
     model = TiedLinears().eval()
     ids = torch.randint(0, 16, (4, 8))
     theirs = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
     converted = lowconv.convert(model, "fp8-dynamic", (ids,))
+    if made_by == "load":
+        lowconv.save(converted, tmp_path)
+        converted = lowconv.load(model, tmp_path)
     assert converted.lowconv_plan.converted()
     assert not theirs & {t.untyped_storage().data_ptr() for t in converted.state_dict().values()}
     head, embed = converted.get_submodule("head").weight, converted.get_submodule("embed").weight
