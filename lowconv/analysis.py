@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowconv import checkpoint, hf
 from lowconv.errors import LowconvError
@@ -32,12 +33,13 @@ class Analysis:
 
 
 
-def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
-    """The copy lowconv works on, leaving the user's model as it is. With share_tensors only the
-    modules are copied: the copy's parameters and buffers are the model's own, for a copy whose
-    tensors nothing writes (tracing, a comparison, a conversion: own_tensors then gives the
-    converted model copies of the tensors it keeps), at no memory cost."""
-    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())} if share_tensors else {}
+def copy_of(model: nn.Module, share_buffers: bool = False) -> nn.Module:
+    """The copy lowconv works on, leaving the user's model as it is: its modules and buffers copied,
+    its parameters its own (no memory: tracing, a comparison and a conversion read them and write
+    none; a forward may write its buffers, a counter or a cache). A converted model gets copies of
+    the parameters it keeps from own_tensors. share_buffers: the buffers the model's own too, for a
+    model lowconv built itself (a streamed conversion's, which finds its tensors by identity)."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers() if share_buffers else ())}
     try:
         return copy.deepcopy(model, memo)
     except Exception as err:  # e.g. torch.nn.utils.weight_norm's and prune's hooks hold non-leaf tensors
@@ -47,41 +49,60 @@ def copy_of(model: nn.Module, share_tensors: bool = False) -> nn.Module:
 
 def own_tensors(converted: nn.Module, model: nn.Module) -> None:
     """Give `converted` copies of the tensors it shares with `model` (the layers a conversion kept,
-    taken over from a copy_of(share_tensors=True)): its parameters, buffers and tensor attributes
-    whose storage is one of model's, each copied once (tied weights stay tied). Made after the
-    replaced layers are gone, so a conversion never holds the model twice."""
+    taken over from copy_of): its parameters, buffers and tensor attributes (in dicts, lists and
+    tuples too) whose storage is one of model's, each copied once (tied weights stay tied). Made
+    after the replaced layers are gone, so a conversion never holds the model twice. A tensor a
+    module holds inside another object (a dataclass, a namespace) is not looked for."""
     theirs = set().union(*map(storages_of, itertools.chain(model.parameters(), model.buffers())))
-    copies: dict[int, torch.Tensor] = {}
+    memo: dict = {}  # copy.deepcopy's: each shared tensor's copy, by id
 
-    def owned(t):
-        shared = isinstance(t, torch.Tensor) and storages_of(t) & theirs
-        return copy.deepcopy(t, copies) if shared else t
+    def owned(value):
+        """value, or where shared tensors are in it a new one with them copied (a dict, list or tuple,
+        their subclasses too, remade, not changed: it may be one the model holds too)."""
+        if isinstance(value, torch.Tensor):
+            return copy.deepcopy(value, memo) if storages_of(value) & theirs else value
+        if isinstance(value, (dict, list)):
+            keys = list(value) if isinstance(value, dict) else range(len(value))
+            changed = {key: owned(value[key]) for key in keys}
+            if all(changed[key] is value[key] for key in keys):
+                return value
+            remade = copy.copy(value)  # its type and the rest of its state (a defaultdict's factory)
+            for key, item in changed.items():
+                remade[key] = item
+            return remade
+        if isinstance(value, tuple):
+            items = [owned(item) for item in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)  # a namedtuple's
+        return value
 
     for module in converted.modules():
         for tensors in (module._parameters, module._buffers):
             for name, t in tensors.items():
                 tensors[name] = owned(t)
         for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor):
-                setattr(module, name, owned(value))
+            if name not in ("_parameters", "_buffers", "_modules"):
+                changed = owned(value)
+                if changed is not value:
+                    setattr(module, name, changed)
 
 
-def storages_of(t: torch.Tensor) -> set[int]:
-    """The data pointers of the storages t's values live in: a wrapper subclass's (as a training fp8
-    layer's master weight) are its inner tensors'. An empty storage has none (its pointer may be
-    any other's)."""
-    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+def storages_of(t: torch.Tensor) -> set[tuple[torch.device, int]]:
+    """The (device, data pointer) of each storage t's values live in: a wrapper subclass's (as a
+    training fp8 layer's master weight) are its inner tensors'. An empty storage has none (its
+    pointer may be any other's)."""
+    if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         return set().union(*(storages_of(getattr(t, name)) for name in names))
     storage = t.untyped_storage()
-    return {storage.data_ptr()} if storage.nbytes() else set()
+    return {(t.device, storage.data_ptr())} if storage.nbytes() else set()
 
 
-def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None) -> Analysis:
-    """Trace a copy of `model` (copy_of, holding model's tensors: nothing writes them) and find its
-    sites (the user's model is never touched).
+def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None, share_buffers: bool = False) -> Analysis:
+    """Trace a copy of `model` (copy_of) and find its sites (the user's model is never touched).
     With a recipe, the nn.MultiheadAttention modules whose projections it converts are expanded first."""
-    work = copy_of(model, share_tensors=True)
+    work = copy_of(model, share_buffers)
     expanded = mha_to_expand(work, lambda site: would_convert(site, recipe.rules)) if recipe else []
     work = expand_mha(work, expanded)
     trace = trace_model(work, example_inputs)
@@ -89,7 +110,7 @@ def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None) -> A
 
 
 
-def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis, Plan]:
+def plan_conversion(model: nn.Module, recipe, example_inputs, share_buffers: bool = False) -> tuple[Analysis, Plan]:
     if not isinstance(model, nn.Module):
         raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if example_inputs is None:
@@ -109,7 +130,7 @@ def plan_conversion(model: nn.Module, recipe, example_inputs) -> tuple[Analysis,
         raise LowconvError(f"the model has {len(on_meta)} tensors on the meta device (no values), e.g. "
                            f"{', '.join(on_meta[:3])}: load its weights first (e.g. load_state_dict(..., assign=True) "
                            f"or to_empty() then load)")
-    analysis = analyze(model, example_inputs, recipe)
+    analysis = analyze(model, example_inputs, recipe, share_buffers)
     return analysis, plan_for(model, analysis, recipe, decide_sites(analysis.sites, recipe), example_inputs)
 
 

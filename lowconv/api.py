@@ -13,7 +13,9 @@ import torch
 from torch import fx, nn
 
 from lowconv import checkpoint, distributed, hf
-from lowconv.analysis import copy_of, own_tensors, plan_conversion, plan_for, untrained_weights_warnings, with_calibration
+from lowconv.analysis import (
+    copy_of, own_tensors, plan_conversion, plan_for, untrained_weights_warnings, with_calibration,
+)
 from lowconv.build import (
     build_op_modules, carried_out_all, check_runs, decision_groups, mark_shared_inputs, rewritten, site_device,
 )
@@ -49,10 +51,11 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     output) or one tensor; it drives shape propagation and calibration (static/delayed FP8
     scales) unless `calibration` (an iterable of such inputs, which the report calls
     `calibration_name`) is given.
-    share_weights: the layers the conversion keeps hold `model`'s own tensors, not copies, so the
-    model is not in memory twice; for when neither model is trained or changed afterwards (the
-    command line's convert does this). Either way the conversion works on `model`'s tensors (it
-    writes none) and copies the kept ones only once the layers it replaced are gone.
+    The conversion reads `model`'s parameters where they are (its modules and buffers are copied)
+    and gives the converted model copies of those it keeps only once the layers it replaced are
+    gone: the model is never in memory twice. share_weights: no such copies, the kept layers hold
+    `model`'s own parameters; for when neither model is trained or changed afterwards (the command
+    line's convert does this).
     recorded: what the plan records of the model beside what it finds (the command line's model
     path, seed and dtype, for `lowconv compare`).
     """
@@ -192,7 +195,7 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
         raise LowconvError(
             f"{path} was converted from a different model (its parameter names, shapes or "
             f"dtypes differ from this one's): load it with the model it was made from")
-    work = expand_mha(copy_of(model, share_tensors=True), plan.expanded_mha)
+    work = expand_mha(copy_of(model), plan.expanded_mha)
     made_up = example_inputs is None and plan.example_inputs is not None and decided_by_inputs(plan)
     if made_up:
         example_inputs = stand_ins(plan.example_inputs, next(work.parameters(), torch.empty(0)).device, str(path))

@@ -51,7 +51,7 @@ def run_original(original: nn.Module, plan: Plan, inputs) -> tuple[object, dict[
     The sites are seen through a traced copy; that copy must compute what the original does,
     or tracing changed the model (data-dependent code frozen) and no number would mean anything.
     """
-    work = expand_mha(copy_of(original, share_tensors=True), plan.expanded_mha)
+    work = expand_mha(copy_of(original), plan.expanded_mha)
     args, kwargs = normalize_inputs(inputs)
     # The traced copy is checked against the copy it was traced from: an expanded MHA computes what
     # nn.MultiheadAttention does, but not in the operations of torch's fused kernel.

@@ -80,11 +80,16 @@ def load_recipe(spec: str | Path | Recipe) -> Recipe:
         raise LowconvError(f"recipe must be a file path, a built-in recipe's name or a Recipe, got "
                            f"{type(spec).__name__}")
     path = Path(spec)
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name longer than a path may be (TOML text passed as the recipe, say)
+        is_file = False
+    if not is_file:
         builtins = builtin_recipes()
         if str(spec) not in builtins:
+            text = " (it reads as TOML text: pass lowconv.recipe.parse_recipe(text))" if "\n" in str(spec) else ""
             raise LowconvError(
-                f"recipe {spec!r} is neither a file nor a built-in recipe "
+                f"recipe {str(spec)[:200]!r} is neither a file nor a built-in recipe{text} "
                 f"(built-in: {', '.join(builtins)})")
         path = builtins[str(spec)]
     try:

@@ -176,7 +176,7 @@ def stream_convert(spec: str, recipe: str | Path | Recipe, out: str | Path, *, s
     if calibration_batches and not calibration_text and to_stream.loaded.calibration is None:
         raise no_calibration_inputs(spec)  # as convert refuses it in memory
     with StandInLinears(set(to_stream.built)):
-        analysis, planned = plan_conversion(model, recipe, inputs)
+        analysis, planned = plan_conversion(model, recipe, inputs, share_buffers=True)  # its own model
     sites = {s.fqn: s for s in analysis.sites}
     modules = op_modules(planned, sites)
     check_streamable(planned, modules, recipe)

@@ -333,7 +333,8 @@ def bench_model(name: str, args) -> dict:
             variant.error = f"convert: {first_line(error)}"
             del error  # its traceback holds the conversion's tensors
             gc.collect()
-        print(f"[{name}] made {recipe}: {variant.error or 'ok'}", flush=True)
+        made = "made" if variant.convert_s is None else f"converted in {variant.convert_s:.1f} s"
+        print(f"[{name}] {recipe}: {variant.error or made}", flush=True)
     for variant in variants:
         model = models.get(variant.name)
         if model is None:

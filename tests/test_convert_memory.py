@@ -1,5 +1,6 @@
 """What convert holds in memory: at its peak, the converted model and one forward's activations
 (no copy of the user's model); once it returns, nothing (no reference cycle left holding a tensor)."""
+import collections
 import copy
 import gc
 import json
@@ -206,6 +207,8 @@ class TiedLinears(nn.Module):
         self.fc = nn.Linear(32, 32)
         self.head = nn.Linear(32, 16, bias=False)
         self.head.weight = self.embed.weight
+        self.held = [self.embed.weight]  # tensors a module keeps in containers
+        self.named = collections.OrderedDict(w=self.embed.weight)
 
     def forward(self, ids):
         return self.head(torch.relu(self.fc(self.embed(ids))))
@@ -225,7 +228,7 @@ def test_converted_model_owns_its_tensors_unless_sharing_weights(made_by, tmp_pa
     assert converted.lowconv_plan.converted()
     assert not theirs & {t.untyped_storage().data_ptr() for t in converted.state_dict().values()}
     head, embed = converted.get_submodule("head").weight, converted.get_submodule("embed").weight
-    assert head is embed and head.requires_grad
+    assert head is embed and head.requires_grad and converted.held[0] is embed and converted.named["w"] is embed
     before = copy.deepcopy(model.state_dict())
     converted.train()
     converted(ids).sum().backward()
@@ -233,3 +236,25 @@ def test_converted_model_owns_its_tensors_unless_sharing_weights(made_by, tmp_pa
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     shared = lowconv.convert(model, "fp8-dynamic", (ids,), share_weights=True)
     assert shared.get_submodule("embed").weight is model.embed.weight
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.fc(x)
+
+
+def test_convert_and_load_leave_a_buffer_the_forward_writes_as_it_was(tmp_path):
+    """The copy lowconv runs shares the model's parameters, not its buffers: a forward that writes
+    one (a counter, a cache) writes the copy's."""
+    model, x = CountsCalls().eval(), torch.randn(4, 32)
+    converted = lowconv.convert(model, "fp8-dynamic", (x,))
+    assert model.calls == 0
+    lowconv.save(converted, tmp_path)
+    lowconv.load(model, tmp_path, example_inputs=(x,))
+    assert model.calls == 0

@@ -129,6 +129,14 @@ def test_unknown_recipe_name_lists_the_builtins():
         load_recipe("no-such-recipe")
 
 
+@pytest.mark.parametrize("comments", [0, 10], ids=["short", "longer than a path"])
+def test_toml_text_given_as_the_recipe_says_how_to_pass_it(comments):
+    text = "# my recipe\n" * comments + '[[rules]]\nkind = "linear"\nop = "fp8"\n'
+    with pytest.raises(LowconvError, match=r"neither a file nor a built-in recipe \(it reads as TOML text: pass "
+                                           r"lowconv.recipe.parse_recipe\(text\)\)"):
+        load_recipe(text)
+
+
 def test_every_builtin_recipe_parses_and_has_a_description():
     recipes = builtin_recipes()
     assert {"keep-all", "fp8-dynamic", "semi-sparse", "fp16acc", "sparse-attention-bf16", "mixed"} <= set(recipes)

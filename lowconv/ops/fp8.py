@@ -18,6 +18,7 @@ granularity, dynamic scaling (kernels/fp8.py LINEAR_GRANULARITIES):
 Static and delayed scales take x per tensor (tokens vary; a per-token scale cannot be fixed);
 `granularity` then applies to W only, and "token" and "block" (which scale x as it comes) are refused.
 """
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,7 +35,7 @@ from lowconv.kernels.fp8_all_gather import (Fp8MasterWeight, as_fp8_master_weigh
                                             plain_weight_in_state_dict)
 from lowconv.kernels.fp8_training import Fp8LinearFunction
 from lowconv.kernels.operands import needs_autograd
-from lowconv.ops.linear_site import LinearOp, linear_info, outside_autocast, site_dtype
+from lowconv.ops.linear_site import LinearOp, linear_info, site_dtype
 from lowconv.ops.registry import register_op
 
 
@@ -68,6 +69,26 @@ class Fp8Options:
                              "all-gather): set training = true or leave fp8_all_gather out", "fp8_all_gather")
         if not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
             raise ValueError(f"must be in [1, {MAX_AMAX_HISTORY}] (got {self.amax_history_len})", "amax_history_len")
+
+
+def outside_autocast(forward):
+    """An FP8 layer's forward as nn.Linear's is under autocast: x cast to autocast's dtype, so that
+    the GEMM writes that dtype (an fp32 x, as a LayerNorm makes under autocast, would take the fp32
+    reference GEMM with row scales), the activation it takes computed first where its inputs are in
+    another dtype (as the model computed it); inside, autocast off, so that the op keeps its own
+    numerics (the CPU reference's fp32 GEMM would run in bf16)."""
+    @functools.wraps(forward)
+    def forward_in_autocast_dtype(self, input: torch.Tensor, *, activation: str | None = None,
+                                  up: torch.Tensor | None = None) -> torch.Tensor:
+        device = input.device.type
+        if not (torch.is_autocast_enabled(device) and input.is_floating_point()):
+            return forward(self, input, activation=activation, up=up)
+        dtype = torch.get_autocast_dtype(device)
+        if activation is not None and any(t is not None and t.dtype != dtype for t in (input, up)):
+            input, activation, up = activate(input, activation, up), None, None
+        with torch.autocast(device, enabled=False):
+            return forward(self, input.to(dtype), activation=activation, up=up)
+    return forward_in_autocast_dtype
 
 
 @register_op(Fp8Options, name="fp8", kind="linear", timed=True,

@@ -27,8 +27,8 @@ from lowconv.kernels.fp8 import E4M3, LINEAR_GRANULARITIES, activate, quantize_a
 from lowconv.kernels.fp8_sparse24 import GemmCase, choose_backend, fp8_sparse24_linear, sparse_gemm
 from lowconv.kernels.operands import needs_autograd
 from lowconv.kernels.sparse24 import BackendChoice, prune_24
-from lowconv.ops.fp8 import Fp8Linear
-from lowconv.ops.linear_site import linear_info, outside_autocast, site_dtype, site_rows
+from lowconv.ops.fp8 import Fp8Linear, outside_autocast
+from lowconv.ops.linear_site import linear_info, site_dtype, site_rows
 from lowconv.ops.registry import register_op
 
 

@@ -1,5 +1,4 @@
 """What the linear ops (fp8, semi_sparse, fp16acc) share: reading a linear Site and its params."""
-import functools
 import math
 
 import torch
@@ -17,30 +16,12 @@ def site_dtype(site: Site) -> torch.dtype:
 
 
 def in_autocast_dtype(y: torch.Tensor) -> torch.Tensor:
-    """y in autocast's dtype where autocast is on for y's device, as nn.Linear's input and output
-    would be; else y. The ops compute in their own precision (fp8, 2:4, fp16 accumulation) either way."""
+    """y in autocast's dtype where autocast is on for y's device, as nn.Linear's output would be;
+    else y. The ops compute in their own precision (fp8, 2:4, fp16 accumulation) either way."""
     device = y.device.type
     if torch.is_autocast_enabled(device) and y.is_floating_point():
         return y.to(torch.get_autocast_dtype(device))
     return y
-
-
-def outside_autocast(forward):
-    """An FP8 layer's forward as nn.Linear's is under autocast: x (and `up`, the gated half) cast to
-    autocast's dtype, so that the GEMM writes it (an fp32 x, as a LayerNorm makes under autocast,
-    would otherwise take the fp32 reference GEMM with row scales); inside, autocast off, so that
-    the op keeps its own numerics (the CPU reference's fp32 GEMM would run in bf16)."""
-    @functools.wraps(forward)
-    def under_autocast(self, input: torch.Tensor, **kwargs):
-        device = input.device.type
-        if not (torch.is_autocast_enabled(device) and input.is_floating_point()):
-            return forward(self, input, **kwargs)
-        dtype = torch.get_autocast_dtype(device)
-        if kwargs.get("up") is not None:
-            kwargs["up"] = kwargs["up"].to(dtype)
-        with torch.autocast(device, enabled=False):
-            return forward(self, input.to(dtype), **kwargs)
-    return under_autocast
 
 
 def site_rows(site: Site) -> int | None:
