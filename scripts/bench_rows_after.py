@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The FP8 row quantization of an activation's output (kernels/fp8.py quantize_rows_after), three ways,
-on the GPU: what decides which one an FP8 layer after an MLP's activation runs (fp8_quant's
-ONE_PASS_ROWS_MAX).
+on the GPU: whether the kernel an FP8 layer after an MLP's activation runs beats what inductor
+makes of the same torch ops.
 
-- registers: fp8_quant's one-pass kernel, a whole row of x (and up) held in registers;
+- kernel: fp8_quant's kernel, a program per row that never writes the activation (a row of up to
+  ONE_PASS_ROWS_MAX values held in registers, a longer one computed twice: amax, then the cast);
 - activation, then rows: the activation in torch ops under torch.compile (one inductor kernel, as
   in a compiled model), then fp8_quant's per-row kernel;
 - inductor: torch.compile of the torch reference (activation and quantization in torch ops).
@@ -31,8 +32,7 @@ CASES = [(16384, 14336, "silu", True), (64, 14336, "silu", True), (4096, 8192, "
          (12608, 4096, "gelu", False)]
 
 
-def registers(x, activation, up):
-    """fp8_quant's one-pass kernel (kernels/fp8.py runs it up to ONE_PASS_ROWS_MAX)."""
+def kernel(x, activation, up):
     return fp8_quant.quantize_rows_after(x, activation, up, fp8.E4M3)
 
 
@@ -47,7 +47,7 @@ def reference(x, activation, up):
     return fp8.quantize_rowwise(fp8.activate(x, activation, up), fp8.E4M3)
 
 
-WAYS = {"registers": registers, "activation, then rows": activation_then_rows,
+WAYS = {"kernel": kernel, "activation, then rows": activation_then_rows,
         "inductor": torch.compile(reference, fullgraph=True, dynamic=False)}
 
 

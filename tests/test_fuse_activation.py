@@ -152,7 +152,7 @@ def test_layers_without_a_scale_per_row_of_x_keep_the_activation_before_them(rec
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [4096, 12288], ids=["one kernel", "rows past ONE_PASS_ROWS_MAX"])
+@pytest.mark.parametrize("k", [4096, 20000], ids=["one pass", "two loops, a part chunk"])
 @pytest.mark.parametrize("activation,gated", [("silu", True), ("gelu", False)])
 def test_the_layer_computes_the_activation_in_its_kernel_on_the_gpu(activation, gated, k):
     """The layer given h against the layer given act(h): within an e4m3 step of x (the kernel's exp

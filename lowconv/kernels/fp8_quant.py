@@ -8,9 +8,10 @@
 - with a given scale (static or delayed scaling): one pass that also counts the clipped values.
 - transposed (training's GEMM operands): a tiled cast that writes x^T (K, M) of a 2D x.
 - per row after an activation (an FP8 layer whose input an activation makes, fp8.py
-  quantize_rows_after): a program holds a whole row of the activation's input (and of `up`, the
-  gated half) in registers: act(x) [* up], rounded to x's dtype as the model's own ops round it,
-  its amax, the cast; x read once.
+  quantize_rows_after): a program per row computes act(x) [* up] (`up` the gated half), rounded
+  to x's dtype as the model's own ops round it, its amax and the cast; h is never written. A row
+  of up to ONE_PASS_ROWS_MAX values stays in registers; a longer one is computed twice, for the
+  amax and for the cast (its second read from L1 / L2).
 The per-tensor quantizers may multiply x by a vector along its columns or rows first (the
 backward's folding of the forward's row scales into the gradient) without materializing it.
 
@@ -21,8 +22,10 @@ torch ops instead, which inductor fuses into the op that produces x (kernels/fp8
 Division is IEEE (div_rn) and the fp32 -> fp8 cast rounds to nearest even and saturates, as
 torch's `(x.float() / scale).clamp(-max, max).to(fp8)`, on sm_90 (one cvt.rn.satfinite; Triton
 casts through fp16 on sm_89, a double rounding, so fp8.py runs the torch reference there): the
-outputs equal the torch reference's bit for bit. NaN inputs stay NaN in their element and do not
-enter the amax (the reference skips them too). Triton's interpreter does not emulate fp8 casts
+outputs equal the torch reference's bit for bit (but for the activation before a row
+quantization: its exp, erf and SiLU's division are not torch's to the last bit, and its cast
+multiplies by the scale's reciprocal). NaN inputs stay
+NaN in their element and do not enter the amax (the reference skips them too). Triton's interpreter does not emulate fp8 casts
 faithfully: the casts are checked on the GPU, the rest also in the interpreter.
 """
 import torch
@@ -309,43 +312,83 @@ def _row_outputs(x: torch.Tensor, fp8_dtype: torch.dtype):
 
 
 ROW_ACTIVATIONS = {"silu": 0, "gelu": 1}  # what quantize_rows_after's kernel computes before the cast
-# A row held in registers: 16 values a thread (and 16 of up) at 16 warps. Longer rows spill: Llama's
-# 14336-wide SiLU * up took 1.24 ms a layer at 8 x 2048 tokens (H200), the activation in torch
-# then quantize_rowwise 0.55 ms.
-ONE_PASS_ROWS_MAX = 8192
+# quantize_rows_after's kernel holds a row of up to this many values in registers (64 values a
+# thread, and 64 of up, at 8 warps) and reads it once: Llama-8B's 14336-wide SiLU * up at 16384
+# rows in 275 us on an H200, inductor's fusion 602 us. Longer rows go over the row twice in chunks
+# of ROWS_AFTER_BLOCK, the second loop backwards, so that it starts on the chunks the first read
+# last, still in L1 / L2 (399 us at that shape). A persistent grid (132 to 528 programs, each
+# looping over rows) took 750-2500 us: too few bytes in flight (BENCHMARKS.md).
+ONE_PASS_ROWS_MAX = 16384
+ROWS_AFTER_BLOCK = 2048
 
 
 @triton.jit
 def _activation(v, ACT: tl.constexpr):
-    """SiLU (x / (1 + e^-x)) or GELU (x / 2 * (1 + erf(x / sqrt 2))) of fp32 v, as torch computes them."""
+    """SiLU (x / (1 + e^-x)) or GELU (x / 2 * (1 + erf(x / sqrt 2))) of fp32 v. SiLU divides
+    with the fast (2-ulp) division: IEEE division took a quarter of the kernel's time, and exp is
+    already not torch's to the last bit."""
     if ACT == 0:
-        return tl.math.div_rn(v, 1.0 + tl.exp(-v))
+        return v / (1.0 + tl.exp(-v))
     return 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
 
 
 @triton.jit
-def _activation_rows_kernel(x, up, out, scales, K, ACT: tl.constexpr, GATED: tl.constexpr,
-                            FP8_MAX: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Row r: h = act(x[r]) [* up[r]], each op rounded to x's dtype; scale = amax(h) / FP8_MAX (1
-    for a zero row); out[r] = saturate(h / scale)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_K)
-    ok = cols < K
-    v = tl.load(x + row * K + cols, mask=ok, other=0.0)
+def _activated(x, up, offs, ok, ACT: tl.constexpr, GATED: tl.constexpr, EVICT: tl.constexpr):
+    """act(x[offs]) [* up[offs]] in fp32, each op rounded to x's dtype as the model's own ops round it."""
+    v = tl.load(x + offs, mask=ok, other=0.0, eviction_policy=EVICT)
     h = _activation(v.to(tl.float32), ACT).to(v.dtype)
     if GATED:
-        u = tl.load(up + row * K + cols, mask=ok, other=0.0)
+        u = tl.load(up + offs, mask=ok, other=0.0, eviction_policy=EVICT)
         h = (h.to(tl.float32) * u.to(tl.float32)).to(v.dtype)
-    h = h.to(tl.float32)
-    a = tl.abs(h)
-    amax = tl.max(tl.where(a == a, a, 0.0), 0)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _amax_to_row_scale(a, row, scales, FP8_MAX: tl.constexpr):
+    """The row's scale, amax(a) / FP8_MAX (1 for a zero row; NaN skipped: a tl.where for it took
+    the kernel from 275 to 429 us at Llama-8B's MLP), stored; returns its
+    reciprocal, which the cast multiplies by (as torchao's casts do): with IEEE division per value
+    the kernel took 442-545 us at Llama-8B's MLP against 285, and one value in 2000 lands one
+    e4m3 step from where torch's division puts it."""
+    amax = tl.max(a, 0)  # max.f32 takes the number of a NaN and a number: NaN is skipped
     s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
     tl.store(scales + row, s)
-    tl.store(out + row * K + cols, _cast(h, s, FP8_MAX, FP8), mask=ok)
+    return tl.math.div_rn(1.0, s)
+
+
+@triton.jit
+def _cast_by_reciprocal(v, reciprocal, FP8_MAX: tl.constexpr, FP8: tl.constexpr):
+    return tl.clamp(v * reciprocal, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(FP8)
+
+
+@triton.jit
+def _activation_rows_kernel(x, up, out, scales, K, ACT: tl.constexpr, GATED: tl.constexpr, ONE_PASS: tl.constexpr,
+                            FP8_MAX: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row r: h = act(x[r]) [* up[r]]; scale = amax(h) / FP8_MAX; out[r] = saturate(h * (1 / scale)).
+    ONE_PASS: the row is one block, h stays in registers. Otherwise two loops over the row's
+    blocks: the first keeps its reads in L2 for the second, which evicts them."""
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * K
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_K)
+        h = _activated(x, up, base + cols, cols < K, ACT, GATED, "")
+        r = _amax_to_row_scale(tl.abs(h), row, scales, FP8_MAX)
+        tl.store(out + base + cols, _cast_by_reciprocal(h, r, FP8_MAX, FP8), mask=cols < K)
+    else:
+        amax = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            amax = tl.maximum(amax, tl.abs(_activated(x, up, base + cols, cols < K, ACT, GATED, "evict_last")))
+        r = _amax_to_row_scale(amax, row, scales, FP8_MAX)
+        chunks = tl.cdiv(K, BLOCK_K)
+        for i in range(0, chunks):
+            cols = (chunks - 1 - i) * BLOCK_K + tl.arange(0, BLOCK_K)
+            h = _activated(x, up, base + cols, cols < K, ACT, GATED, "evict_first")
+            tl.store(out + base + cols, _cast_by_reciprocal(h, r, FP8_MAX, FP8), mask=cols < K)
 
 
 def quantize_rows_after(x: torch.Tensor, activation: str, up: torch.Tensor | None, fp8_dtype: torch.dtype):
-    """(e4m3 rows, scales (..., 1)) of act(x) [* up], for rows of up to ONE_PASS_ROWS_MAX values."""
+    """(e4m3 rows, scales (..., 1)) of act(x) [* up] (up of x's shape and dtype)."""
     return torch.ops.lowconv.fp8_quantize_rows_after(x, ROW_ACTIVATIONS[activation], up, fp8_dtype)
 
 
@@ -355,9 +398,10 @@ def _quantize_rows_after(x: torch.Tensor, activation: int, up: torch.Tensor | No
     x, m, k, out, scales = _row_outputs(x, fp8_dtype)
     if m == 0 or k == 0:
         return out, scales.fill_(1.0)
-    block_k = triton.next_power_of_2(k)
+    one_pass = k <= ONE_PASS_ROWS_MAX
+    block_k = triton.next_power_of_2(k) if one_pass else ROWS_AFTER_BLOCK
     gated = up is not None  # (up may be x itself: SiLU(x) * x)
     wrap(_activation_rows_kernel)[(m,)](x, up.contiguous() if gated else x, out, scales, k, ACT=activation, GATED=gated,
-                                        FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
-                                        BLOCK_K=block_k, num_warps=max(4, min(16, block_k // 512)))
+                                        ONE_PASS=one_pass, FP8_MAX=torch.finfo(fp8_dtype).max, FP8=FP8_TL[fp8_dtype],
+                                        BLOCK_K=block_k, num_warps=max(1, min(8, block_k // 256)))
     return out, scales
