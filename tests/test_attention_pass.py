@@ -444,6 +444,14 @@ class TensorScale(Attention):
         return ((q @ k.transpose(-2, -1)) * self.learned_scale).softmax(-1) @ v
 
 
+class ShapeScaled(Attention):  # the head_dim from x's shape, not q's: no fold, and the reason says how
+    def forward(self, x, mask=None):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, H, c // H).permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // H)
+        return self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c))
+
+
 class InPlaceMask(Attention):
     def core(self, q, k, v, mask):
         scores = q @ k.transpose(-2, -1)
@@ -467,7 +475,8 @@ def test_a_softmax_that_is_not_attention_is_no_site():
 
 
 @pytest.mark.parametrize("model, inputs, reason", [
-    (TensorScale, x_only, "scaled by a tensor"),
+    (TensorScale, x_only, "scaled by a tensor (mul)"),
+    (ShapeScaled, x_only, "computed from the shape of x (truediv), which lowconv folds only from q's or k's last size"),
     (InPlaceMask, with_drop_mask, "in-place"),
     (TwoMasksScaledBetween, with_drop_mask, "more than one attention mask"),
     (ScaledAdditiveMask, with_additive_mask, "scaled with the scores"),

@@ -162,7 +162,14 @@ def fold_computed_scale(match: Match, scalings: list[tuple[fx.Node, fx.Node]]) -
     meta = tensor_meta(match.q)
     if factor(TRIAL_HEAD_DIMS[0]) is None:
         names = ", ".join(node.name for node, _ in scalings)
-        match.problems.append(f"the scores are scaled by a tensor ({names}), not a constant")
+        sources = [size_sources(a) for node, up in scalings for a in node.args if a is not up]
+        if sources and None not in sources:
+            sized = ", ".join(dict.fromkeys(x.name for found in sources for x in found))
+            match.problems.append(f"the scores are scaled by a number computed from the shape of {sized} ({names}), "
+                                  f"which lowconv folds only from q's or k's last size: write it as "
+                                  f"q.size(-1) ** -0.5 or as a constant")
+        else:
+            match.problems.append(f"the scores are scaled by a tensor ({names}), not a constant")
     elif match.scale == 1.0 and all(math.isclose(factor(d), d ** -0.5) for d in TRIAL_HEAD_DIMS):
         match.scale = None
     elif meta is not None:
@@ -185,6 +192,23 @@ def scalar_value(node, env: dict, sized: tuple, head_dim: int) -> float | None:
     if node.op == "call_function" and node.target in SCALAR_OPS and not node.kwargs:
         values = [scalar_value(a, env, sized, head_dim) for a in node.args]
         return None if None in values else node.target(*values)
+    return None
+
+
+def size_sources(node) -> list[fx.Node] | None:
+    """The tensors whose sizes a scalar expression of constants and sizes reads (`b, t, c =
+    x.shape`, then `c // heads`), or None where it reads anything else."""
+    if is_number(node):
+        return []
+    if not isinstance(node, fx.Node):
+        return None
+    if op_is(node, (), ("size",)) or is_shape_of(node):
+        return [node.args[0]]
+    if is_slice(node) and is_shape_of(node.args[0]):
+        return [node.args[0].args[0]]
+    if node.op == "call_function" and node.target in SCALAR_OPS and not node.kwargs:
+        found = [size_sources(a) for a in node.args]
+        return None if None in found else [x for sources in found for x in sources]
     return None
 
 
