@@ -173,7 +173,8 @@ def cmd_convert(args) -> int:
     report = compare(loaded.model, converted, loaded.inputs, logits=loaded.logits)
     # Everything is computed before the first write, and the four files replace the old ones all
     # or none, so a failure leaves out/ as it was.
-    progress(f"writing {out / 'model.safetensors'}")
+    replaced = " (replacing the conversion there)" if (out / "plan.json").exists() else ""
+    progress(f"writing {out / 'model.safetensors'}{replaced}")
     api.save(converted, out, text_files={
         "plan.json": plan.to_json(), "report.md": reports.report_to_markdown(report),
         "report.json": json.dumps(reports.report_to_dict(report), indent=1)}, max_shard_bytes=args.max_shard_size)
@@ -277,16 +278,46 @@ def cmd_compare(args) -> int:
     return print_report(report)
 
 
+# A converted linear's weight (e4m3, or pruned 2:4) against the original's reads about 30 dB, or
+# 5-10 dB for random weights pruned 2:4; another draw of the same random init about -3 dB.
+OTHER_WEIGHTS_SQNR_DB = 0.0
+
+
 def parameters_not_from(original: torch.nn.Module, converted: torch.nn.Module, plan: Plan) -> list[str]:
-    """Names of the parameters outside every converted site (kept as they were) whose values
-    differ between the original model and the one rebuilt from a checkpoint (NaN equal to NaN).
-    Buffers are left out: one made with torch.empty holds other bytes on every build."""
-    sites = [d.fqn + "." for d in plan.converted()]
+    """Names of the parameters of the model rebuilt from a checkpoint that did not come from the
+    original model: those outside every converted site (kept as they were) whose values differ (NaN
+    equal to NaN), and converted linears' weights that are no quantization or pruning of the
+    original's (SQNR under OTHER_WEIGHTS_SQNR_DB). Buffers are left out: one made with torch.empty
+    holds other bytes on every build."""
+    sites = [d.fqn for d in plan.converted()]
     rebuilt = dict(converted.named_parameters())
-    return [name for name, t in original.named_parameters()
-            if not any(name.startswith(site) for site in sites) and name in rebuilt
+    kept = [name for name, t in original.named_parameters()
+            if not any(site in ("", name) or name.startswith(site + ".") for site in sites) and name in rebuilt
             and rebuilt[name].shape == t.shape and rebuilt[name].dtype == t.dtype
             and not torch.allclose(rebuilt[name], t, rtol=0, atol=0, equal_nan=True)]
+    return kept + converted_weights_not_from(original, converted, plan)
+
+
+def converted_weights_not_from(original: torch.nn.Module, converted: torch.nn.Module, plan: Plan) -> list[str]:
+    """The converted linears whose weight (linear_weight(): the e4m3 weight dequantized, the 2:4
+    pruned one) is further from the original's than OTHER_WEIGHTS_SQNR_DB: a model whose every
+    parameter was converted shows another seed's weights here only."""
+    weights = dict(original.named_parameters())
+    differ = []
+    for decision in plan.converted():
+        name = f"{decision.fqn}.weight" if decision.fqn else "weight"
+        try:
+            module = converted.get_submodule(decision.fqn)
+        except AttributeError:
+            continue
+        if name not in weights or not hasattr(module, "linear_weight"):
+            continue
+        ours, theirs = module.linear_weight().detach().float(), weights[name].detach().float()
+        if ours.shape != theirs.shape and ours.shape == theirs.t().shape:
+            theirs = theirs.t()  # GPT-2's Conv1D holds (in, out)
+        if ours.shape == theirs.shape and reports.tensor_metrics(theirs, ours).sqnr_db < OTHER_WEIGHTS_SQNR_DB:
+            differ.append(name)
+    return differ
 
 
 def parser() -> argparse.ArgumentParser:

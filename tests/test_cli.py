@@ -38,6 +38,25 @@ def test_convert_then_compare(tmp_path, capsys):
     assert main(["compare", "examples/text_classifier.py", str(out), "--seed", "1"]) == 2
     err = capsys.readouterr().err
     assert "holds other values than this model" in err and "converted with --seed 0, this run used --seed 1" in err
+    assert main(["convert", "examples/text_classifier.py", "fp8-dynamic", "-o", str(out), "--device", "cpu"]) == 0
+    assert "(replacing the conversion there)" in capsys.readouterr().err
+
+
+def test_compare_with_another_seed_is_refused_where_every_parameter_was_converted(tmp_path, capsys):
+    """No parameter was kept as it was: the converted weights themselves (quantized, pruned) are
+    told from another seed's."""
+    model = tmp_path / "m.py"
+    model.write_text("import torch\nfrom torch import nn\ndef build_model():\n"
+                     "    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()\n"
+                     "def example_inputs():\n    return torch.randn(4, 64)\n")
+    out = tmp_path / "out"
+    assert main(["convert", str(model), "fp8-row", "-o", str(out), "--device", "cpu"]) == 0
+    assert main(["compare", str(model), str(out), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(model), str(out), "--device", "cpu", "--seed", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "holds other values than this model" in err and "(e.g. 0.weight, 2.weight)" in err
+    assert "converted with --seed 0, this run used --seed 5" in err
 
 
 def test_compare_passes_a_model_with_per_build_buffers_and_a_nan_parameter(tmp_path):

@@ -255,3 +255,32 @@ def test_a_factory_sized_by_traced_values_traces_and_follows_the_input():
     assert [r.fqn for r in trace.regions] == [""] and trace.untraced == []
     x = torch.randn(4, 5)
     assert torch.equal(trace.regions[0].graph(x), SizedByItsInput()(x))
+
+
+class BranchOnLength(nn.Module):
+    """transformers' masking code: a branch on a sequence length, which tracing decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[1] == 1:
+            x = x * 2
+        return self.proj(x)
+
+
+def test_a_decided_branch_compiles_with_dynamic_shapes():
+    """The guard of a branch on a size compares a SymBool under torch.compile(dynamic=True): a
+    new length takes the branch the example took, and one that branches the other way still fails."""
+    import pytest
+
+    model = BranchOnLength()
+    (region,) = trace_model(model, (torch.randn(2, 5, 8),)).regions
+    assert len(region.decided) == 1
+    compiled = torch.compile(region.graph, fullgraph=True, dynamic=True, backend="eager")
+    for length in (5, 7):
+        x = torch.randn(2, length, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    with pytest.raises(AssertionError, match="this branch was decided as False"):
+        region.graph(torch.randn(2, 1, 8))

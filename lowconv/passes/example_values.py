@@ -39,8 +39,10 @@ MACHINERY = (os.path.dirname(fx.__file__), os.path.dirname(os.path.dirname(__fil
 
 
 def decided(value, expected: bool, where: str) -> None:
-    """The guard of a branch decided at trace time (a graph node: runs on every call)."""
-    if bool(value) != expected:
+    """The guard of a branch decided at trace time (a graph node: runs on every call). A branch,
+    not `bool(value) != expected`: under torch.compile with dynamic shapes value is a SymBool,
+    which dynamo compares with a bool as a sympy expression that fails."""
+    if (not value) if expected else value:
         raise AssertionError(f"{where}: this branch was decided as {expected} by the example inputs at "
                              f"conversion; these inputs take the other branch: convert with inputs like them")
 
