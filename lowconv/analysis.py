@@ -190,6 +190,24 @@ def untrained_weights_warnings(model: nn.Module, decisions: list[Decision]) -> l
             f"for inference)"]
 
 
+def lost_methods_warnings(model: nn.Module, converted: nn.Module) -> list[str]:
+    """What a model whose whole forward was rewritten (the converted model is a GraphModule of it,
+    as a GPT-2 whose Conv1D layers convert) no longer has: the public methods of its class beyond
+    nn.Module's, transformers' generate() and save_pretrained() first. Said to Python's callers."""
+    if not isinstance(converted, torch.fx.GraphModule) or isinstance(model, torch.fx.GraphModule):
+        return []
+    cls = type(model)
+    lost = sorted((name for name in dir(cls) if not name.startswith("_") and not hasattr(nn.Module, name)
+                   and callable(getattr(cls, name, None)) and not hasattr(converted, name)),
+                  key=lambda name: (name not in ("generate", "save_pretrained"), name))
+    if not lost:
+        return []
+    named = ", ".join(f"{name}()" for name in lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+    return [f"the converted model is a torch.fx GraphModule of the whole {cls.__name__} (its forward's code was "
+            f"rewritten), which has only forward() of its methods: {named} {'is' if len(lost) == 1 else 'are'} not "
+            f"on it; save it with lowconv.save"]
+
+
 def nested_tensor_warnings(model: nn.Module, decisions: list[Decision]) -> list[str]:
     """An nn.TransformerEncoder with its nested-tensor path on, around converted sites, loses that
     path (passes/rewrite.py leave_fused_paths): say what changes, which compare cannot show (it

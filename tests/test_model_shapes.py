@@ -360,6 +360,34 @@ def test_python_convert_warns_of_its_plans_warnings_and_of_weights_training_leav
         assert lowconv.convert(model, training, inputs).lowconv_plan.warnings == []
 
 
+class GeneratesToo(nn.Module):
+    """A functional linear in the model's own forward (GPT-2's Conv1D is one): the whole model
+    becomes a GraphModule, which has forward() only."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+    def generate(self, x):
+        return self(x).argmax(-1)
+
+
+def test_a_model_rewritten_whole_warns_of_the_methods_it_loses(tmp_path):
+    model, inputs = GeneratesToo().eval(), (torch.randn(2, 32),)
+    with pytest.warns(lowconv.LowconvWarning, match=r"GraphModule of the whole GeneratesToo .*: generate\(\) is not"):
+        converted = lowconv.convert(model, "fp8-dynamic", inputs)
+    assert not hasattr(converted, "generate")
+    lowconv.save(converted, tmp_path)
+    with pytest.warns(lowconv.LowconvWarning, match=r"generate\(\) is not on it"):
+        lowconv.load(model, tmp_path)
+    with warnings.catch_warnings():  # a conversion that swaps modules keeps the model's class and methods
+        warnings.simplefilter("error", lowconv.LowconvWarning)
+        lowconv.convert(nn.Sequential(nn.Linear(16, 16)).eval(), "fp8-dynamic", (torch.randn(2, 16),))
+
+
 class ReadsWeightDevice(nn.Module):
     """Code that reads a linear's weight only for its device (a common way to place new tensors)."""
 
