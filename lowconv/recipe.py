@@ -266,6 +266,11 @@ def plan_warnings(decisions: list[Decision], sites: list[Site], trace: Trace, re
         for rule in recipe.rules
         if not rule.optional and not any(rule_matches(rule, s) for s in sites)
     ]
+    chosen = [d for d in decisions if d.rule is not None and recipe.rules[d.rule - 1].op != "keep"]
+    if chosen and not any(d.converted for d in decisions):
+        none_took = f"{len(chosen)} sites and none took it" if len(chosen) > 1 else "1 site and it did not take it"
+        warnings.append(f"no site is converted: the recipe's rules chose an op for {none_took} "
+                        f"(e.g. {chosen[0].fqn or '(whole model)'}: {chosen[0].reason})")
     converted = {d.fqn for d in decisions if d.converted}
     rewritten = {r.fqn for r in trace.regions
                  if replaces_region(r, [s for s in sites if s.region == r.fqn and s.fqn in converted])}

@@ -360,6 +360,14 @@ def test_python_convert_warns_of_its_plans_warnings_and_of_weights_training_leav
         assert lowconv.convert(model, training, inputs).lowconv_plan.warnings == []
 
 
+def test_a_recipe_whose_sites_all_refuse_its_op_says_nothing_was_converted():
+    model, inputs = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval(), (torch.randn(2, 64),)
+    with pytest.warns(lowconv.LowconvWarning, match=r"no site is converted: the recipe's rules chose an op for 2 "
+                                                     r"sites and none took it \(e.g. 0: rule 2 chose fp8, but fp8 block"):
+        lowconv.convert(model, "fp8-block", inputs)
+    assert lowconv.convert(model, "keep-all", inputs).lowconv_plan.warnings == []  # keeping is what it chose
+
+
 class GeneratesToo(nn.Module):
     """A functional linear in the model's own forward (GPT-2's Conv1D is one): the whole model
     becomes a GraphModule, which has forward() only."""

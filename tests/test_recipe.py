@@ -66,8 +66,11 @@ op = "semi_sparse"
     plan = plan_for(text, [linear("odd", k=24, n=40)])
     assert plan.decisions[0].op == "keep" and "divisible by 16" in plan.decisions[0].reason
     assert plan.decisions[0].reason.startswith("rule 1 chose fp8, but")
-    assert plan.warnings == ["rule 2 (op semi_sparse) matched no site"]
-    assert plan_for(text + "optional = true\n", [linear("odd", k=24, n=40)]).warnings == []
+    assert plan.warnings[0] == "rule 2 (op semi_sparse) matched no site"
+    assert plan.warnings[1].startswith("no site is converted: the recipe's rules chose an op for 1 site and it did "
+                                       "not take it (e.g. odd: rule 1 chose fp8, but")
+    assert len(plan.warnings) == 2
+    assert plan_for(text + "optional = true\n", [linear("odd", k=24, n=40)]).warnings == plan.warnings[1:]
 
 
 def test_unsupported_site_is_kept_with_its_reason():
