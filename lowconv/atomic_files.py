@@ -80,6 +80,8 @@ def replace_atomically(writes: dict[Path, Callable[[Path], None]]) -> None:
 def locked(directory: Path):
     """An exclusive lock on the directory itself for the duration (flock on POSIX; elsewhere none):
     a second save into it waits."""
+    if directory.exists() and not directory.is_dir():
+        raise LowconvError(f"{directory} is a file, not a directory: give the directory to save into")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -167,6 +167,13 @@ def test_an_output_directory_named_like_a_checkpoint_file(tmp_path):
     assert torch.equal(read_checkpoint(out / CHECKPOINT_FILE)[0]["w"], torch.ones(2))
 
 
+def test_saving_into_a_file_says_it_is_one(tmp_path):
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(LowconvError, match="a_file is a file, not a directory: give the directory to save into"):
+        save_checkpoint(tmp_path / "a_file", {"w": torch.ones(2)}, METADATA)
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
 def test_truncated_file(tmp_path):
     path = save_checkpoint(tmp_path, mixed_tensors(), METADATA)
     data = path.read_bytes()
