@@ -1,7 +1,8 @@
 """The free alternative to lowconv's fp8-row that issue 22 measured: a torch-native FP8 linear, per-token
 and per-channel scales in torch ops around torch._scaled_mm (no custom kernel), swapped into a copy of
 a model for every nn.Linear but its lm_head (as fp8-row keeps it). Compiled, inductor fuses each
-quantization into the op that makes its input. A peer for scripts/bench_models.py, not part of lowconv."""
+quantization into the op that makes its input. A linear inside nn.MultiheadAttention stays: that module
+reads its out_proj's weight itself. A peer for scripts/bench_models.py, not part of lowconv."""
 import copy
 
 import torch
@@ -33,10 +34,12 @@ class TorchFp8Linear(nn.Module):
 
 
 def torch_fp8_row(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose nn.Linear layers but lm_head are TorchFp8Linear."""
+    """A copy of `model` whose nn.Linear layers but lm_head and those of nn.MultiheadAttention are TorchFp8Linear."""
     model = copy.deepcopy(model)
+    in_attention = {f"{name}.{child}" for name, module in model.named_modules()
+                    if isinstance(module, nn.MultiheadAttention) for child, _ in module.named_children()}
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and name.split(".")[-1] != "lm_head":
+        if isinstance(module, nn.Linear) and name.split(".")[-1] != "lm_head" and name not in in_attention:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, TorchFp8Linear(module))
     return model
