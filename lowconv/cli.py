@@ -18,7 +18,7 @@ from lowconv import api, checkpoint, report as reports
 from lowconv.analysis import plan_conversion
 from lowconv.compare import compare
 from lowconv.replay import read_plan
-from lowconv.errors import LowconvError, LowconvWarning
+from lowconv.errors import LowconvError, LowconvWarning, ModelRunError
 from lowconv.model_file import CALIBRATION_BATCHES, CALIBRATION_INPUTS, no_calibration_inputs
 from lowconv.model_sources import load_model, text_calibration
 from lowconv.plan import Plan
@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (LowconvError, OSError) as err:
-        print(f"lowconv: error: {err}", file=sys.stderr)
+        model = f"{args.model}: " if isinstance(err, ModelRunError) and getattr(args, "model", None) else ""
+        print(f"lowconv: error: {model}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lowconv: interrupted", file=sys.stderr)

@@ -9,6 +9,10 @@ class LowconvError(Exception):
     """
 
 
+class ModelRunError(LowconvError):
+    """The user's model raised when run on its own example inputs; the CLI names the model's file."""
+
+
 class LowconvWarning(UserWarning):
     """What a conversion changed beside the sites (Plan.warnings), as lowconv.convert warns of it."""
 

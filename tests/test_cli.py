@@ -102,6 +102,9 @@ def test_bad_recipe_is_exit_2_with_the_file_and_key(tmp_path, capsys):
     ("def build_model():\n    raise ValueError('no weights')\ndef example_inputs():\n    return ()\n",
      "build_model() failed: ValueError: no weights"),
     ("def build_model():\n    return 3\ndef example_inputs():\n    return ()\n", "not a torch.nn.Module"),
+    ("import torch\nclass M(torch.nn.Linear):\n    def forward(self, x):\n        raise KeyError('mask')\n"
+     "def build_model():\n    return M(4, 4)\ndef example_inputs():\n    return torch.randn(2, 4)\n",
+     "the model failed on its example inputs: KeyError: 'mask'"),
 ])
 def test_model_file_mistakes_name_the_file_and_function(tmp_path, capsys, body, message):
     path = tmp_path / "m.py"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lowconv.errors import LowconvError
+from lowconv.errors import ModelRunError
 from lowconv.inputs import as_called, evaluating, fresh_inputs, is_constant, normalize_inputs
 from lowconv.site import TensorMeta, value_meta
 
@@ -99,7 +99,7 @@ def first_calls(model: nn.Module, example_inputs, fqns: list[str]) -> dict[str, 
         with evaluating(model):
             model(*run_args, **run_kwargs)
     except Exception as err:
-        raise LowconvError(f"the model failed on its example inputs: {type(err).__name__}: {err}") from err
+        raise ModelRunError(f"the model failed on its example inputs: {type(err).__name__}: {err}") from err
     finally:
         for h in handles:
             h.remove()
