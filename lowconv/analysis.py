@@ -110,17 +110,22 @@ def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None, shar
 
 
 
+PLAIN_OPS = ("keep", "dense")  # a model lowconv made whose sites are all these holds no op module: it converts again
+
+
 def plan_conversion(model: nn.Module, recipe, example_inputs, share_buffers: bool = False) -> tuple[Analysis, Plan]:
     if not isinstance(model, nn.Module):
         raise LowconvError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if example_inputs is None:
         raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
                            "of keyword arguments, or one tensor")
-    if hasattr(model, PLAN_ATTR):
-        raise LowconvError("the model was made by lowconv (it holds a plan): its converted sites are op modules and "
-                           "its checkpoint would not load as it is; convert the original model (a recipe with every "
-                           "rule), or lowconv.revert(model) first, for plain layers with the weights it holds (a "
-                           "trained model's), and convert that")
+    held = [d for d in getattr(model, PLAN_ATTR).decisions if d.op not in PLAIN_OPS] if hasattr(model, PLAN_ATTR) else []
+    if held:
+        raise LowconvError(f"the model was made by lowconv and {len(held)} of its sites are lowconv's op modules "
+                           f"({', '.join(sorted({d.op for d in held}))}; e.g. {held[0].fqn}), whose checkpoint would "
+                           f"not load as it is; convert the original model (a recipe with every rule), or, where "
+                           f"only linears were converted, lowconv.revert(model) first (every op), for plain layers "
+                           f"with the weights it holds (a trained model's), and convert that")
     recipe = load_recipe(recipe)
     quantized = quantized_model_problem(model)
     if quantized:

@@ -337,7 +337,8 @@ def test_converting_a_converted_model_is_refused_with_the_way_out():
     """Its checkpoint would hold a plan of the second conversion only: loaded on the original, another model."""
     model, inputs = nn.Sequential(nn.Linear(16, 16)), (torch.randn(2, 16),)
     converted = lowconv.convert(model, "fp8-dynamic", inputs)
-    with pytest.raises(LowconvError, match=r"made by lowconv .* lowconv.revert\(model\) first"):
+    with pytest.raises(LowconvError, match=r"made by lowconv and 1 of its sites are lowconv's op modules .* "
+                                           r"lowconv.revert\(model\) first"):
         lowconv.convert(converted, "fp8-dynamic", inputs)
 
 

@@ -70,6 +70,31 @@ def test_revert_only_the_ops_named():
     assert {d.fqn: d.op for d in plan_of(one).decisions} == ops
 
 
+def test_a_trained_model_reverted_converts_again_for_inference(tmp_path):
+    """README's deploy path: train converted, revert, convert that; its checkpoint loads on the original."""
+    torch.manual_seed(0)
+    model, inputs = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), (torch.randn(4, 32),)
+    trained = lowconv.convert(model, recipe('training = true, granularity = "row"', op="fp8"), inputs)
+    trained(*inputs).square().sum().backward()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p -= 0.1 * p.grad
+    served = lowconv.convert(lowconv.revert(trained).eval(), "fp8-row", inputs)
+    assert {d.op for d in plan_of(served).converted()} == {"fp8"}
+    with torch.no_grad():
+        torch.testing.assert_close(run(served, inputs), run(trained.eval(), inputs))  # the same e4m3 numerics
+    lowconv.save(served, tmp_path)
+    torch.testing.assert_close(run(lowconv.load(model, tmp_path), inputs), run(served, inputs))
+
+
+def test_a_partly_reverted_model_is_refused_naming_the_ops_left():
+    example = load_model_file("examples/vit.py")
+    partly = lowconv.revert(lowconv.convert(example.model, "mixed", example.inputs), ops="semi_sparse")
+    with pytest.raises(LowconvError, match=r"made by lowconv and \d+ of its sites are lowconv's op modules "
+                                           r"\(fp8, sparse_attention; e\.g\. "):
+        lowconv.convert(partly, "fp8-row", example.inputs)
+
+
 def test_reverted_fp8_linear_holds_the_dequantized_weight():
     example = load_model_file("examples/vit.py")
     converted = lowconv.convert(example.model, "fp8-dynamic", example.inputs)
