@@ -195,6 +195,20 @@ def untrained_weights_warnings(model: nn.Module, decisions: list[Decision]) -> l
             f"for inference)"]
 
 
+def static_training_warnings(decisions: list[Decision]) -> list[str]:
+    """FP8 layers that train with static scales: x's scale stays as calibrated while training
+    changes x, so what grows past it clips (a trial: 48% of a head's inputs after 50 steps)."""
+    static = [d.fqn for d in decisions if d.converted and getattr(d.options, "training", False)
+              and getattr(d.options, "scaling", None) == "static"]
+    if not static:
+        return []
+    some = f"{len(static)} converted linears ({', '.join(static[:3])}{', ...' if len(static) > 3 else ''}) train" \
+        if len(static) > 1 else f"1 converted linear ({static[0]}) trains"
+    return [f"{some} with static FP8 scales: x's scale stays as calibrated while training changes x, and what grows "
+            f"past it clips (each layer's report_stats() counts it); scaling = \"delayed\" follows x, \"dynamic\" "
+            f"takes each x's own"]
+
+
 def lost_methods_warnings(model: nn.Module, converted: nn.Module) -> list[str]:
     """What a model whose whole forward was rewritten (the converted model is a GraphModule of it,
     as a GPT-2 whose Conv1D layers convert) no longer has: the public methods of its class beyond

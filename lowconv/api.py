@@ -14,8 +14,8 @@ from torch import fx, nn
 
 from lowconv import checkpoint, distributed, hf
 from lowconv.analysis import (
-    copy_of, lost_methods_warnings, own_tensors, plan_conversion, plan_for, untrained_weights_warnings,
-    with_calibration,
+    copy_of, lost_methods_warnings, own_tensors, plan_conversion, plan_for, static_training_warnings,
+    untrained_weights_warnings, with_calibration,
 )
 from lowconv.build import (
     build_op_modules, carried_out_all, check_runs, decision_groups, mark_shared_inputs, rewritten, site_device,
@@ -82,7 +82,7 @@ def convert(model: nn.Module, recipe: str | Path | Recipe, example_inputs, *,
     calibrated = calibrated_on(seen, calibration_name if calibration is not None else None) if seen else None
     attach_plan(converted, with_calibration(plan, calibrated))
     for warning in [*plan.warnings, *untrained_weights_warnings(model, plan.converted()),
-                    *lost_methods_warnings(model, converted)]:
+                    *static_training_warnings(plan.converted()), *lost_methods_warnings(model, converted)]:
         warnings.warn(warning, LowconvWarning, stacklevel=2)
     return converted
 

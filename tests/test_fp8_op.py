@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from lowconv.kernels.fp8 import (
     quantize_rowwise, quantize_tensorwise, quantize_weight, quantize_with_scale, weight_rows,
 )
 from lowconv.ops.fp8 import Fp8Linear, Fp8Options
+from lowconv.recipe import parse_recipe
 from tests import sites
 
 from_site, empty, site_problem = Fp8Linear.from_site, Fp8Linear.empty, Fp8Linear.site_problem
@@ -389,3 +392,16 @@ def test_module_casts_keep_the_e4m3_weight():
         y = half(x.half())
     # x rounded to fp16 moves some of its e4m3 roundings: the two runs differ by fp8's own error (~2%)
     assert y.dtype == torch.float16 and (y.float() - before).norm() / before.norm() < 0.05
+
+
+@pytest.mark.parametrize("scaling", ["static", "delayed", "dynamic"])
+def test_training_with_static_scales_warns_that_what_outgrows_them_clips(scaling):
+    recipe = parse_recipe(f'name = "t"\n[[rules]]\nkind = "linear"\nop = "fp8"\n'
+                          f'options = {{ training = true, scaling = "{scaling}" }}\n', "t")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lowconv.convert(nn.Sequential(nn.Linear(16, 16)), recipe, (torch.randn(4, 16),))
+    static = [str(w.message) for w in caught if "with static FP8 scales" in str(w.message)]
+    assert static == (["1 converted linear (0) trains with static FP8 scales: x's scale stays as calibrated while "
+                       "training changes x, and what grows past it clips (each layer's report_stats() counts it); "
+                       "scaling = \"delayed\" follows x, \"dynamic\" takes each x's own"] if scaling == "static" else [])
