@@ -1,9 +1,10 @@
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from lowconv.passes.trace import find_regions, trace_model
-from lowconv.passes.tracer import SiteTracer
+from lowconv.passes.tracer import SiteTracer, trace_module
 
 
 class Untraceable(nn.Module):
@@ -284,3 +285,19 @@ def test_a_decided_branch_compiles_with_dynamic_shapes():
         torch.testing.assert_close(compiled(x), model(x))
     with pytest.raises(AssertionError, match="this branch was decided as False"):
         region.graph(torch.randn(2, 1, 8))
+
+
+def test_an_argument_fixed_by_the_example_says_how_to_pass_it():
+    """fx guards an argument traced as the example's None or constant; the message names the way out."""
+    class Masked(nn.Module):
+        def forward(self, x, mask=None, scale=1.0):
+            return (x if mask is None else x * mask) * scale
+
+    traced = trace_module(Masked(), fixed={"mask": None, "scale": 2.0})
+    x = torch.randn(3)
+    assert torch.equal(traced(x, scale=2.0), x * 2.0)
+    with pytest.raises(AssertionError, match="mask was None in the example inputs at conversion, and the converted "
+                                             "code takes only None there: convert with mask in the example inputs"):
+        traced(x, mask=torch.ones(3), scale=2.0)
+    with pytest.raises(AssertionError, match="scale was 2.0 in the example inputs at conversion"):
+        traced(x, scale=3.0)

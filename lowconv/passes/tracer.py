@@ -30,6 +30,7 @@ import dataclasses
 import dis
 import inspect
 import operator
+import re
 import sys
 import types
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.fx._symbolic_trace import _assert_is_none
 from torch.fx.proxy import TraceError
 
 from lowconv.compat import flash_attn, sptr_install, timm, transformers
@@ -354,6 +356,11 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
     for node in list(graph.nodes):
         if node.op == "placeholder" and node.target.removesuffix("_1") in (fixed or {}):
             node.target = node.target.removesuffix("_1")  # fx named it `name_1`: keep it callable by keyword
+        elif fixed_argument_guard(node):
+            name, value = FX_FIXED_MESSAGE.match(node.args[1]).groups()
+            node.args = (node.args[0], f"{name} was {value} in the example inputs at conversion, and the converted "
+                                       f"code takes only {value} there: convert with {name} in the example inputs "
+                                       f"as you will pass it")
         elif node.op == "get_attr" and not node.users:
             graph.erase_node(node)  # read by a branch not taken (a fast path's checks): no site's weight use
     with COMPILING.held():
@@ -361,6 +368,15 @@ def trace_module(module: nn.Module, fixed: dict | None = None, training: bool = 
     traced.meta["decided"] = decisions
     keep_read_containers(traced, module)
     return traced
+
+
+FX_FIXED_MESSAGE = re.compile(r"(\w+) has been specialized to have value (.*) but got another value")  # fx's guard
+
+
+def fixed_argument_guard(node: fx.Node) -> bool:
+    """Whether the node is fx's guard of an argument traced as the example's None or constant."""
+    return node.op == "call_function" and node.target in (torch._assert, _assert_is_none) and len(node.args) == 2 \
+        and isinstance(node.args[1], str) and FX_FIXED_MESSAGE.fullmatch(node.args[1]) is not None
 
 
 def keep_read_containers(traced: fx.GraphModule, module: nn.Module) -> None:
