@@ -109,7 +109,6 @@ def analyze(model: nn.Module, example_inputs, recipe: Recipe | None = None, shar
     return Analysis(work, trace, find_sites(work, trace), expanded)
 
 
-
 PLAIN_OPS = ("keep", "dense")  # a model lowconv made whose sites are all these holds no op module: it converts again
 
 
@@ -119,7 +118,8 @@ def plan_conversion(model: nn.Module, recipe, example_inputs, share_buffers: boo
     if example_inputs is None:
         raise LowconvError("example_inputs is None: give a tuple of forward arguments (() for none), a dict "
                            "of keyword arguments, or one tensor")
-    held = [d for d in getattr(model, PLAN_ATTR).decisions if d.op not in PLAIN_OPS] if hasattr(model, PLAN_ATTR) else []
+    made_by = getattr(model, PLAN_ATTR, None)  # the plan of an earlier conversion
+    held = [d for d in made_by.decisions if d.op not in PLAIN_OPS] if made_by is not None else []
     if held:
         raise LowconvError(f"the model was made by lowconv and {len(held)} of its sites are lowconv's op modules "
                            f"({', '.join(sorted({d.op for d in held}))}; e.g. {held[0].fqn}), whose checkpoint would "
