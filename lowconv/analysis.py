@@ -188,8 +188,7 @@ def untrained_weights_warnings(model: nn.Module, decisions: list[Decision]) -> l
             and getattr(d.options, "training", True) is False]
     if not held:
         return []
-    some = f"{len(held)} converted linears ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) hold their weights" \
-        if len(held) > 1 else f"1 converted linear ({held[0]}) holds its weight"
+    some = f"{converted_linears(held)} {'hold their weights' if len(held) > 1 else 'holds its weight'}"
     return [f"the model was converted in train mode, but {some} for inference, as buffers: training the converted "
             f"model leaves them as they are (an op's training = true keeps them trainable; eval() before converting "
             f"for inference)"]
@@ -202,11 +201,15 @@ def static_training_warnings(decisions: list[Decision]) -> list[str]:
               and getattr(d.options, "scaling", None) == "static"]
     if not static:
         return []
-    some = f"{len(static)} converted linears ({', '.join(static[:3])}{', ...' if len(static) > 3 else ''}) train" \
-        if len(static) > 1 else f"1 converted linear ({static[0]}) trains"
-    return [f"{some} with static FP8 scales: x's scale stays as calibrated while training changes x, and what grows "
+    return [f"{converted_linears(static)} {'train' if len(static) > 1 else 'trains'} with static FP8 scales: x's scale stays as calibrated while training changes x, and what grows "
             f"past it clips (each layer's report_stats() counts it); scaling = \"delayed\" follows x, \"dynamic\" "
             f"takes each x's own"]
+
+
+def converted_linears(fqns: list[str]) -> str:
+    """A warning's subject: "3 converted linears (a, b, c)", "1 converted linear (a)"."""
+    listed = ", ".join(fqns[:3]) + (", ..." if len(fqns) > 3 else "")
+    return f"{len(fqns)} converted linear{'s' if len(fqns) > 1 else ''} ({listed})"
 
 
 def lost_methods_warnings(model: nn.Module, converted: nn.Module) -> list[str]:
