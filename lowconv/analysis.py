@@ -201,7 +201,8 @@ def static_training_warnings(decisions: list[Decision]) -> list[str]:
               and getattr(d.options, "scaling", None) == "static"]
     if not static:
         return []
-    return [f"{converted_linears(static)} {'train' if len(static) > 1 else 'trains'} with static FP8 scales: x's scale stays as calibrated while training changes x, and what grows "
+    some = f"{converted_linears(static)} {'train' if len(static) > 1 else 'trains'}"
+    return [f"{some} with static FP8 scales: x's scale stays as calibrated while training changes x, and what grows "
             f"past it clips (each layer's report_stats() counts it); scaling = \"delayed\" follows x, \"dynamic\" "
             f"takes each x's own"]
 

@@ -274,8 +274,6 @@ class BranchOnLength(nn.Module):
 def test_a_decided_branch_compiles_with_dynamic_shapes():
     """The guard of a branch on a size compares a SymBool under torch.compile(dynamic=True): a
     new length takes the branch the example took, and one that branches the other way still fails."""
-    import pytest
-
     model = BranchOnLength()
     (region,) = trace_model(model, (torch.randn(2, 5, 8),)).regions
     assert len(region.decided) == 1
