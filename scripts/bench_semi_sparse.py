@@ -61,7 +61,9 @@ from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
 from lowconv.kernels import cusparselt, cusparselt_library  # noqa: E402
-from lowconv.kernels.sparse24 import compress_bitmask, mask_24, mask_24_transposable, prune_24  # noqa: E402
+from lowconv.kernels.sparse24 import (  # noqa: E402
+    compress_bitmask, kept_to_dense, mask_24, mask_24_transposable, prune_24,
+)
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear  # noqa: E402
 from lowconv.recipe import parse_recipe  # noqa: E402
 from lowconv.kernels.cuda_timing import captured  # noqa: E402
@@ -307,19 +309,20 @@ def forward_builders():
 
 
 def training_builders(device):
-    """Peer -> build(x, w) -> (layer(x) -> y, weight leaf, mask); the weight starts as w. On CUDA
-    each peer also as ", graph": its step captured in a CUDA graph and replayed (GPU time alone,
-    where the eager step is host-bound)."""
+    """Peer -> build(x, w) -> (layer(x) -> y, weight leaf, mask, to_dense); the weight starts as w,
+    to_dense maps the leaf, or its gradient, to the dense (N, K) tensor (lowconv's leaf is the kept
+    values). On CUDA each peer also as ", graph": its step captured in a CUDA graph and replayed (GPU
+    time alone, where the eager step is host-bound)."""
     def dense(x, w):
         mask = mask_24(w)
         weight = (w * mask).requires_grad_()
-        return (lambda t: F.linear(t, weight * mask)), weight, mask
+        return (lambda t: F.linear(t, weight * mask)), weight, mask, (lambda t: t)
 
     def lowconv_peer(transposable):
         def build(x, w):
             options = f'backend = "cusparselt", training = true, transposable = {str(transposable).lower()}'
             layer = lowconv_layer(options, w, x, MaskedSemiSparseLinear).train()
-            return layer, layer.weight, layer.mask
+            return layer, layer.weight, layer.mask, (lambda t: kept_to_dense(t, layer.positions))
         return build
 
     builders = {"dense": dense, "lowconv transposable": lowconv_peer(True), "lowconv": lowconv_peer(False)}
@@ -410,12 +413,13 @@ class Run(BudgetedRun):
             result = Result("training", f"{shape.label()} {dtype_name}", peer, shape.dims, dtype_name)
 
             def work():
-                layer, weight, mask = build(x, w)
+                layer, weight, mask, to_dense = build(x, w)
                 call = train_call(layer, weight, x, grad_out)
                 if peer.endswith(", graph"):
                     call = graphed(call)
                 got = dict(zip(GRADIENTS, call()))
-                ref = training_reference(x, (weight * mask).detach(), mask, grad_out, rows)
+                got["dw"] = to_dense(got["dw"])
+                ref = training_reference(x, to_dense(weight.detach()), mask, grad_out, rows)
                 error = {"out": relative_error(got["out"][:rows], ref["out"]),
                          "dx": relative_error(got["dx"][:rows], ref["dx"]),
                          "dw": relative_error(got["dw"][:rows], ref["dw"])}

@@ -125,26 +125,50 @@ def test_compressed_module_follows_a_later_load():
 
 
 def test_fixed_mask_training_keeps_24():
+    """The trainable weight is the kept values (out, in/2): its gradient is the dense gradient's
+    kept entries (against float64), and the dense weight stays 2:4 under the same mask."""
     torch.manual_seed(0)
     K, N = 32, 16
     target = torch.nn.Linear(K, N)
+    w = torch.randn(N, K)
     module = from_site(linear_site(K, N, dtype="float32"), SemiSparseOptions(training=True),
-                       {"weight": torch.randn(N, K), "bias": torch.zeros(N)})
+                       {"weight": w, "bias": torch.zeros(N)})
     mask = module.mask.clone()
-    assert torch.equal(mask, mask_24(module.weight))
+    assert torch.equal(mask, mask_24(w)) and module.weight.shape == (N, K // 2)
+    assert torch.equal(module.linear_weight(), w * mask)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
     losses = []
-    for _ in range(20):
+    for step in range(20):
         x = torch.randn(64, K)
-        loss = F.mse_loss(module(x), target(x).detach())
+        y = module(x)
+        loss = F.mse_loss(y, target(x).detach())
         optimizer.zero_grad()
         loss.backward()
-        assert (module.weight.grad[~mask] == 0).all() and (module.weight.grad[mask] != 0).any()
+        if step == 0:
+            grad_y = 2 * (y.double() - target(x).double()) / y.numel()
+            dense_grad = grad_y.t() @ x.double()
+            torch.testing.assert_close(module.weight.grad.double(), dense_grad[mask].reshape(N, K // 2))
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
-    assert_24(module.weight.detach())
-    assert (module.weight[~mask] == 0).all()
+    dense = module.linear_weight().detach()
+    assert_24(dense)
+    assert (dense[~mask] == 0).all() and (dense[mask] != 0).all()
+
+
+def test_fixed_mask_training_module_follows_a_loaded_mask_and_names_a_bad_one():
+    """Loading another checkpoint moves the kept positions to its mask (the forward computes that
+    layer); a mask that is not 2:4 is named by loaded_state_problem, which lowconv.load raises."""
+    site, options = linear_site(16, 8, dtype="float32"), SemiSparseOptions(training=True)
+    module = from_site(site, options, {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    other = from_site(site, options, {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    module.load_state_dict(other.state_dict())
+    x = torch.randn(3, 16)
+    assert torch.equal(module(x), other(x)) and module.loaded_state_problem() is None
+    state = other.state_dict()
+    state["mask"][0, :4] = True
+    module.load_state_dict(state)
+    assert module.loaded_state_problem() == "mask must keep 2 of every 4 weights; 1 groups of 4 keep [4]"
 
 
 def test_runtime_mask_straight_through_grads():

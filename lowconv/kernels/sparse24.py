@@ -126,6 +126,32 @@ def bitmask_to_dense(compressed: torch.Tensor, bitmask: torch.Tensor, cols: int)
     return torch.zeros(mask.shape, dtype=compressed.dtype, device=compressed.device).masked_scatter(mask, compressed)
 
 
+def kept_positions(mask: torch.Tensor) -> torch.Tensor:
+    """uint8 (2, rows, cols/4): where in each group of 4 of a 2:4 bool mask (rows, cols) its two
+    kept entries sit (0-3), the lower first."""
+    groups = mask.reshape(mask.shape[0], -1, 4)
+    index = torch.arange(4, dtype=torch.uint8, device=mask.device)
+    first = torch.where(groups, index, torch.tensor(4, dtype=torch.uint8, device=mask.device)).amin(-1)
+    second = torch.where(groups, index, torch.tensor(0, dtype=torch.uint8, device=mask.device)).amax(-1)
+    return torch.stack([first, second])
+
+
+def kept_values(w: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(rows, cols/2): w's (rows, cols) entries at kept_positions, two per group of 4 in order (the
+    bitmask format's `compressed`). In torch ops that autograd and torch.compile take whole."""
+    rows = w.shape[0]
+    at = positions.permute(1, 2, 0).unsqueeze(-1) == torch.arange(4, device=w.device)  # (rows, cols/4, 2, 4)
+    return torch.where(at, w.reshape(rows, -1, 1, 4), 0).sum(-1).reshape(rows, -1)
+
+
+def kept_to_dense(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The dense (rows, cols) tensor with `values` (rows, cols/2) at kept_positions and zeros elsewhere
+    (kept_values's inverse); its gradient is kept_values of the dense gradient."""
+    rows = values.shape[0]
+    at = positions.permute(1, 2, 0).unsqueeze(-1) == torch.arange(4, device=values.device)  # (rows, cols/4, 2, 4)
+    return torch.where(at, values.reshape(rows, -1, 2, 1), 0).sum(-2).reshape(rows, -1)
+
+
 def semi_sparse_linear_reference(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Masked dense product: fp32 accumulation, one rounding to x's dtype (as the sparse GEMM)."""
     y = x.float() @ w_pruned.float().t()

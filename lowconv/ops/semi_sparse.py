@@ -37,8 +37,8 @@ from torch import nn
 from lowconv.kernels.cusparselt import SparseGemm, shape_problem
 from lowconv.kernels.sparse24 import (
     BackendChoice, GemmCase, TrainingGemms, bitmask_to_dense, choose_backend, compress_bitmask, compressed_linear,
-    decompress_bitmask, fixed_mask_linear, mask_24, mask_24_transposable, prune_24_straight_through,
-    semi_sparse_linear, unpack_bits,
+    decompress_bitmask, fixed_mask_linear, kept_positions, kept_to_dense, kept_values, mask_24, mask_24_transposable,
+    prune_24_straight_through, semi_sparse_linear, unpack_bits,
 )
 from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype, site_rows
 from lowconv.ops.registry import register_op
@@ -207,12 +207,7 @@ class CompressedSemiSparseLinear(FixedMaskLinear):
         size = [[self.out_features], [self.in_features]]
         if self.shape.tolist() != size:
             return f"shape must be {size}, got {self.shape.tolist()}"
-        groups = unpack_bits(self.bitmask, self.in_features).reshape(self.out_features, -1, 4).sum(-1)
-        wrong = (groups != 2).sum().item()
-        if wrong:
-            kept = sorted(set(groups[groups != 2].tolist()))
-            return f"bitmask must keep 2 of every 4 weights; {wrong} groups of 4 keep {kept}"
-        return None
+        return two_of_four_problem(unpack_bits(self.bitmask, self.in_features), "bitmask")
 
 
 @torch.no_grad()
@@ -233,23 +228,33 @@ def remake_derived_weights(module: CompressedSemiSparseLinear, incompatible_keys
 
 
 class MaskedSemiSparseLinear(FixedMaskLinear):
-    """Fine-tuning with a fixed 2:4 mask: pruned weights get zero gradient and stay zero. On CUDA
-    with cuSPARSELt: the forward (and dX when transposable) through 2:4 GEMMs, dW dense."""
+    """Fine-tuning with a fixed 2:4 mask. The trainable `weight` is the kept values alone, (out,
+    in/2), two of every 4 along in_features in order (the bitmask format's `compressed`); each
+    forward makes the dense pruned weight from them (kept_to_dense), so pruned weights stay zero and
+    the optimizer steps half the entries. A dense weight with zeros under the mask would cost the
+    optimizer more than its share: torch's fused AdamW took 8.7 ms against 5.9 on llama-2048 whose
+    MLP weights, gradients and moments were half exact zeros (H200; BENCHMARKS.md). On CUDA with
+    cuSPARSELt: the forward (and dX when transposable) through 2:4 GEMMs, dW dense."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  options: SemiSparseOptions, rows: int | None = None):
         super().__init__(in_features, out_features, options, rows)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=dtype))
         self.register_buffer("mask", torch.empty(out_features, in_features, dtype=torch.bool))
+        # kept_positions(mask), derived: made again from the mask whenever the mask is set or loaded
+        self.register_buffer("positions", torch.empty(2, out_features, in_features // 4, dtype=torch.uint8),
+                             persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.gemms: TrainingGemms | None = None  # cuSPARSELt's plans, on one GPU
-        self.register_load_state_dict_post_hook(compress_under_loaded_mask)
+        self.register_load_state_dict_post_hook(follow_loaded_mask)
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
         mask = fixed_mask(weight, self.options)  # on the weight's device, which may not be the module's yet
+        positions = kept_positions(mask)
         self.mask.copy_(mask)
-        self.weight.copy_(weight * mask)
+        self.positions.copy_(positions)
+        self.weight.copy_(kept_values(weight, positions))
         if bias is not None:
             self.bias.copy_(bias)
         if weight.is_cuda and self.rows:
@@ -261,7 +266,7 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
 
     def prepare_backend(self, backend: str):
         if backend == "cusparselt" and not self.cusparselt_ready():
-            self.gemms = TrainingGemms.of(self.weight, self.options.transposable, self.rows)
+            self.gemms = TrainingGemms.of(self.linear_weight(), self.options.transposable, self.rows)
             # Their buffers made now: made at the first call, under CUDA graph trees they would be
             # taken from the graph's pool and outlive the call that made them.
             self.gemms.compressions(self.mask)
@@ -273,19 +278,28 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
+        weight = self.linear_weight()
         if self.backend(input) == "cusparselt":
-            y = fixed_mask_linear(input, self.weight, self.mask, self.bias, self.gemms.key)
+            y = fixed_mask_linear(input, weight, self.mask, self.bias, self.gemms.key)
         else:
-            y = semi_sparse_linear(input, self.weight * self.mask, self.bias)
+            y = semi_sparse_linear(input, weight, self.bias)
         return in_autocast_dtype(y)
 
     def linear_weight(self) -> torch.Tensor:
-        return self.weight * self.mask
+        """The dense pruned weight (out, in), made from the kept values (differentiably)."""
+        return kept_to_dense(self.weight, self.positions)
+
+    def loaded_state_problem(self) -> str | None:
+        """A loaded mask that does not keep exactly 2 of every 4 weights (lowconv.load asks), or None."""
+        return two_of_four_problem(self.mask, "mask")
 
 
-def compress_under_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
-    """After load_state_dict: cuSPARSELt's compressions follow the loaded mask now, in place (a
-    CUDA graph that captured a training step runs under the new mask), not at the next call."""
+@torch.no_grad()
+def follow_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
+    """After load_state_dict: the kept positions and cuSPARSELt's compressions follow the loaded
+    mask now, in place (a CUDA graph that captured a training step runs under the new mask), not at
+    the next call."""
+    module.positions.copy_(kept_positions(module.mask))
     if module.gemms is not None:
         module.gemms.compressions(module.mask)
 
@@ -322,6 +336,17 @@ class RuntimeSemiSparseLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"target={self.options.target}")
+
+
+def two_of_four_problem(mask: torch.Tensor, name: str) -> str | None:
+    """What is wrong with a loaded 2:4 bool mask (rows, cols) that does not keep exactly 2 of every
+    4 along cols, or None."""
+    groups = mask.reshape(mask.shape[0], -1, 4).sum(-1)
+    wrong = (groups != 2).sum().item()
+    if not wrong:
+        return None
+    kept = sorted(set(groups[groups != 2].tolist()))
+    return f"{name} must keep 2 of every 4 weights; {wrong} groups of 4 keep {kept}"
 
 
 def fixed_mask(weight: torch.Tensor, options: SemiSparseOptions) -> torch.Tensor:
