@@ -3,7 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowconv.kernels.sparse24 import compress_bitmask, decompress_bitmask, mask_24, prune_24
+from lowconv.kernels.sparse24 import (
+    compress_bitmask, decompress_bitmask, kept_positions, kept_to_dense, kept_values, mask_24, mask_24_transposable,
+    prune_24,
+)
 from lowconv.ops.semi_sparse import (
     CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparse, SemiSparseOptions,
 )
@@ -122,6 +125,25 @@ def test_compressed_module_follows_a_later_load():
     model = torch.nn.Sequential(module)  # checkpoints load at the model level
     model.load_state_dict(torch.nn.Sequential(other).state_dict())
     assert torch.equal(module(x), other(x))
+
+
+@pytest.mark.parametrize("transposable", [False, True])
+def test_kept_values_are_the_bitmask_formats_compressed_and_kept_to_dense_inverts_them(transposable):
+    """Eagerly and compiled whole: kept_values of a weight under its 2:4 mask is compress_bitmask's
+    `compressed`, kept_to_dense puts it back (zeros elsewhere), and kept_to_dense's gradient is
+    kept_values of the dense gradient."""
+    torch.manual_seed(0)
+    w, grad = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    mask = mask_24_transposable(w) if transposable else mask_24(w)
+    positions = kept_positions(mask)
+    values = kept_values(w, positions)
+    assert torch.equal(values, compress_bitmask(w * mask)[0])
+    compiled = torch.compile(kept_to_dense, fullgraph=True)
+    for dense_of in (kept_to_dense, compiled):
+        leaf = values.clone().requires_grad_()
+        dense = dense_of(leaf, positions)
+        dense.backward(grad)
+        assert torch.equal(dense, w * mask) and torch.equal(leaf.grad, grad[mask].reshape(8, 8))
 
 
 def test_fixed_mask_training_keeps_24():

@@ -138,18 +138,37 @@ def kept_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def kept_values(w: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """(rows, cols/2): w's (rows, cols) entries at kept_positions, two per group of 4 in order (the
-    bitmask format's `compressed`). In torch ops that autograd and torch.compile take whole."""
+    bitmask format's `compressed`)."""
     rows = w.shape[0]
-    at = positions.permute(1, 2, 0).unsqueeze(-1) == torch.arange(4, device=w.device)  # (rows, cols/4, 2, 4)
-    return torch.where(at, w.reshape(rows, -1, 1, 4), 0).sum(-1).reshape(rows, -1)
+    index = positions.permute(1, 2, 0).long()  # (rows, cols/4, 2)
+    return w.reshape(rows, -1, 4).gather(-1, index).reshape(rows, -1)
+
+
+class KeptToDense(torch.autograd.Function):
+    """kept_to_dense with the backward kept_values of the gradient: only the uint8 positions are
+    saved (a where's backward would save its (rows, cols/4, 2, 4) bool condition)."""
+
+    @staticmethod
+    def forward(ctx, values, positions):
+        ctx.save_for_backward(positions)
+        rows = values.shape[0]
+        first, second = positions.unsqueeze(-1)  # (rows, cols/4, 1) each
+        pairs = values.reshape(rows, -1, 2)
+        at = torch.arange(4, dtype=positions.dtype, device=values.device)
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        dense = torch.where(first == at, pairs[..., :1], torch.where(second == at, pairs[..., 1:], zero))
+        return dense.reshape(rows, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        return kept_values(grad, positions), None
 
 
 def kept_to_dense(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The dense (rows, cols) tensor with `values` (rows, cols/2) at kept_positions and zeros elsewhere
-    (kept_values's inverse); its gradient is kept_values of the dense gradient."""
-    rows = values.shape[0]
-    at = positions.permute(1, 2, 0).unsqueeze(-1) == torch.arange(4, device=values.device)  # (rows, cols/4, 2, 4)
-    return torch.where(at, values.reshape(rows, -1, 2, 1), 0).sum(-2).reshape(rows, -1)
+    (kept_values's inverse), differentiable in values: one pointwise kernel each way under torch.compile."""
+    return KeptToDense.apply(values, positions)
 
 
 def semi_sparse_linear_reference(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
