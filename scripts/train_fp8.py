@@ -15,7 +15,7 @@ held to it).
 
     python3 scripts/train_fp8.py --out DIR [--steps 1500] [--recipes fp8-tensor,fp8-row] [--scaling dynamic|delayed]
     python3 scripts/train_fp8.py --out DIR --device cpu --small    # a smaller model, minutes on a CPU
-    python3 scripts/train_fp8.py --out DIR --device cpu --small --corpus text --steps 600
+    python3 scripts/train_fp8.py --out DIR --device cpu --small --corpus text --steps 600 [--seed 1]
     python3 scripts/train_fp8.py --out DIR --device cpu --tiny     # plumbing only
 """
 import argparse
@@ -239,6 +239,8 @@ def main():
     parser.add_argument("--recipes", default=",".join(TRAINING_RECIPES),
                         help=f"comma-separated: {', '.join(TRAINING_RECIPES)}")
     parser.add_argument("--scaling", choices=("dynamic", "delayed"), default="dynamic", help="the fp8 recipes' scaling")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' draws (the "
+                        "language stays the same)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help=f"dim {SMALL.dim}, depth {SMALL.depth}: a CPU run")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 20 steps (plumbing)")
@@ -261,11 +263,11 @@ def main():
         cfg = replace(cfg, vocab=language.vocab)
     else:
         language = MarkovLanguage(cfg.vocab)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + args.seed)
     batches = [language.batch(cfg.batch, cfg.context, gen) for _ in range(steps)]
     eval_batches = [language.batch(cfg.batch, cfg.context, gen, held_out=True) for _ in range(EVAL_BATCHES)]
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     baseline = GPT(cfg.vocab, cfg.context, cfg.dim, cfg.depth, cfg.heads).to(device)
     init_weights(baseline)
     models = {"baseline": baseline}

@@ -4,7 +4,8 @@ Which module, and its state dict, by options:
     target="weight", mask="fixed", inference    CompressedSemiSparseLinear
         compressed (out, in/2), bitmask uint8 (out, ceil(in/8)), shape int64 (2, 1), bias
         (compressed-tensors' sparse-24-bitmask; no dense weight in the checkpoint)
-    target="weight", mask="fixed", training     MaskedSemiSparseLinear: weight (pruned), mask bool, bias
+    target="weight", mask="fixed", training     MaskedSemiSparseLinear: weight (the kept values, (out, in/2)),
+                                                mask bool (out, in), bias
     target="weight", mask="runtime"             RuntimeSemiSparseLinear: weight (dense), bias;
                                                 re-pruned every forward (torchao's SemiSparseLinear)
     target="activation"                         RuntimeSemiSparseLinear: weight (dense), bias; x is
