@@ -19,7 +19,10 @@ Models (random weights, bf16, SDPA attention, vocab 32000, batch 4 x 1024 tokens
 Recipes (scripts/train_fp8.py TRAINING_RECIPES: every linear but lm_head, training = true;
 semi-sparse on the MLP linears only):
   fp8-tensor, fp8-row   fp8 with dynamic scaling, per tensor / per row of x and W
-  semi-sparse           2:4 weights with a fixed mask (pruned once), cuSPARSELt where it is faster
+  semi-sparse           2:4 weights with a fixed mask (pruned once), cuSPARSELt where `auto` finds
+                        its layer faster alone
+  semi-sparse-cusparselt, semi-sparse-transposable
+                        the same on cuSPARSELt wherever it can run; transposable: dX on it too
 
     PYTHONPATH=. python3 scripts/bench_training.py --out DIR [--models llama-2048] [--recipes fp8-row]
     python3 scripts/bench_training.py --out DIR --device cpu --tiny --rounds 1   # plumbing only

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does converted training keep up? A small GPT (examples/gpt.py) trained from the same initial
 weights on the same batches, once with its linears as they are (the baseline, under bf16 autocast
-on CUDA, fp32 on the CPU) and once per training recipe (TRAINING_RECIPES: lowconv's `fp8` op with
+on CUDA, fp32 on the CPU) and once per training recipe (LOSS_RECIPES by default: lowconv's `fp8` op with
 training = true, e4m3 weights and activations forward, e5m2 gradients backward, master weights in
 the model's dtype; `semi_sparse` training with a fixed 2:4 mask on the MLP linears; the rest of the
 model as the baseline). The language (--corpus) is synthetic and has a known floor: tokens from a
@@ -159,7 +159,16 @@ TRAINING_RECIPES = {
                          '{all_gather} }}'),
     "semi-sparse": ("re:.*mlp\\..*", 'op = "semi_sparse"\noptions = {{ training = true, target = "weight", '
                                       'mask = "fixed" }}'),
+    # the same on cuSPARSELt's 2:4 GEMMs wherever it can run (a step's speed, not `auto`'s layer alone);
+    # transposable: dX through the 2:4 GEMM of W^T too
+    "semi-sparse-cusparselt": ("re:.*mlp\\..*", 'op = "semi_sparse"\noptions = {{ training = true, '
+                                                 'target = "weight", mask = "fixed", backend = "cusparselt" }}'),
+    "semi-sparse-transposable": ("re:.*mlp\\..*", 'op = "semi_sparse"\noptions = {{ training = true, '
+                                                   'target = "weight", mask = "fixed", backend = "cusparselt", '
+                                                   'transposable = true }}'),
 }
+# What train_fp8 trains by default: the backends compute the same products
+LOSS_RECIPES = ("fp8-tensor", "fp8-row", "semi-sparse")
 
 
 def training_recipe(name: str, scaling: str = "dynamic", fp8_all_gather: bool = False):
@@ -236,7 +245,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--recipes", default=",".join(TRAINING_RECIPES),
+    parser.add_argument("--recipes", default=",".join(LOSS_RECIPES),
                         help=f"comma-separated: {', '.join(TRAINING_RECIPES)}")
     parser.add_argument("--scaling", choices=("dynamic", "delayed"), default="dynamic", help="the fp8 recipes' scaling")
     parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' draws (the "
