@@ -322,7 +322,7 @@ def training_builders(device):
         def build(x, w):
             options = f'backend = "cusparselt", training = true, transposable = {str(transposable).lower()}'
             layer = lowconv_layer(options, w, x, MaskedSemiSparseLinear).train()
-            return layer, layer.weight, layer.mask, (lambda t: kept_to_dense(t, layer.positions))
+            return layer, layer.weight, layer.mask, (lambda t: kept_to_dense(t, layer.mask))
         return build
 
     builders = {"dense": dense, "lowconv transposable": lowconv_peer(True), "lowconv": lowconv_peer(False)}

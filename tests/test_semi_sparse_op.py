@@ -141,7 +141,7 @@ def test_kept_values_are_the_bitmask_formats_compressed_and_kept_to_dense_invert
     compiled = torch.compile(kept_to_dense, fullgraph=True)
     for dense_of in (kept_to_dense, compiled):
         leaf = values.clone().requires_grad_()
-        dense = dense_of(leaf, positions)
+        dense = dense_of(leaf, mask)
         dense.backward(grad)
         assert torch.equal(dense, w * mask) and torch.equal(leaf.grad, grad[mask].reshape(8, 8))
 
@@ -179,8 +179,8 @@ def test_fixed_mask_training_keeps_24():
 
 
 def test_fixed_mask_training_module_follows_a_loaded_mask_and_names_a_bad_one():
-    """Loading another checkpoint moves the kept positions to its mask (the forward computes that
-    layer); a mask that is not 2:4 is named by loaded_state_problem, which lowconv.load raises."""
+    """After loading another checkpoint the forward computes that layer (its values where its mask
+    keeps); a mask that is not 2:4 is named by loaded_state_problem, which lowconv.load raises."""
     site, options = linear_site(16, 8, dtype="float32"), SemiSparseOptions(training=True)
     module = from_site(site, options, {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
     other = from_site(site, options, {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
@@ -191,6 +191,38 @@ def test_fixed_mask_training_module_follows_a_loaded_mask_and_names_a_bad_one():
     state["mask"][0, :4] = True
     module.load_state_dict(state)
     assert module.loaded_state_problem() == "mask must keep 2 of every 4 weights; 1 groups of 4 keep [4]"
+
+
+def test_fixed_mask_training_layer_takes_torch_func_and_weight_averaging():
+    """torch.func's grad and vmap (per-sample gradients) through the layer equal autograd's, and an
+    EMA of the whole module, buffers included (AveragedModel(use_buffers=True)), keeps its weight
+    under its mask: the layer holds no derived integer state that averaging would round."""
+    from torch.func import functional_call, grad, vmap
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    module = from_site(linear_site(16, 8, dtype="float32"), SemiSparseOptions(training=True),
+                       {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+    x, target = torch.randn(5, 16), torch.randn(5, 8)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+
+    def loss(p, x, t):
+        return F.mse_loss(functional_call(module, (p, dict(module.named_buffers())), (x,)), t)
+
+    F.mse_loss(module(x), target).backward()
+    torch.testing.assert_close(grad(loss)(params, x, target)["weight"], module.weight.grad)
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x[:, None], target[:, None])
+    assert per_sample["weight"].shape == (5, 8, 8)
+    torch.testing.assert_close(per_sample["weight"].mean(0), module.weight.grad)
+
+    ema = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for _ in range(3):
+        with torch.no_grad():
+            module.weight.add_(0.1)
+        ema.update_parameters(module)
+    assert torch.equal(ema.module.mask, module.mask)
+    dense = ema.module.linear_weight()
+    assert (dense[~module.mask] == 0).all() and (dense[module.mask] != 0).all()
 
 
 def test_runtime_mask_straight_through_grads():

@@ -145,30 +145,37 @@ def kept_values(w: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 class KeptToDense(torch.autograd.Function):
-    """kept_to_dense with the backward kept_values of the gradient: only the uint8 positions are
-    saved (a where's backward would save its (rows, cols/4, 2, 4) bool condition)."""
+    """kept_to_dense of a 2:4 bool mask: the positions come from the mask in the forward and again
+    in the backward, so nothing but the mask (the layer's own) is saved, and a layer's values
+    always sit where its mask says (a where's backward would save its (rows, cols/4, 2, 4) bool
+    condition). One fused kernel each way under torch.compile; torch.func transforms (grad, vmap)
+    take it too."""
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, values, positions):
-        ctx.save_for_backward(positions)
+    def forward(values, mask):
         rows = values.shape[0]
-        first, second = positions.unsqueeze(-1)  # (rows, cols/4, 1) each
+        first, second = kept_positions(mask).unsqueeze(-1)  # (rows, cols/4, 1) each
         pairs = values.reshape(rows, -1, 2)
-        at = torch.arange(4, dtype=positions.dtype, device=values.device)
+        at = torch.arange(4, dtype=first.dtype, device=values.device)
         zero = torch.zeros((), dtype=values.dtype, device=values.device)
         dense = torch.where(first == at, pairs[..., :1], torch.where(second == at, pairs[..., 1:], zero))
         return dense.reshape(rows, -1)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
     def backward(ctx, grad):
-        (positions,) = ctx.saved_tensors
-        return kept_values(grad, positions), None
+        (mask,) = ctx.saved_tensors
+        return kept_values(grad, kept_positions(mask)), None
 
 
-def kept_to_dense(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The dense (rows, cols) tensor with `values` (rows, cols/2) at kept_positions and zeros elsewhere
-    (kept_values's inverse), differentiable in values: one pointwise kernel each way under torch.compile."""
-    return KeptToDense.apply(values, positions)
+def kept_to_dense(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The dense (rows, cols) tensor with `values` (rows, cols/2) where the 2:4 bool `mask` (rows,
+    cols) keeps, in order, and zeros elsewhere (kept_values's inverse), differentiable in values."""
+    return KeptToDense.apply(values, mask)
 
 
 def semi_sparse_linear_reference(x: torch.Tensor, w_pruned: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

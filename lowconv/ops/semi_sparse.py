@@ -49,7 +49,7 @@ from lowconv.ops.registry import register_op
 class SemiSparseOptions:
     target: Literal["weight", "activation"] = "weight"  # which GEMM operand is 2:4
     mask: Literal["fixed", "runtime"] = "fixed"  # weight only: prune once, or by magnitude every forward
-    training: bool = False  # fixed mask: keep a trainable dense weight + mask instead of compressing
+    training: bool = False  # fixed mask: keep the kept values trainable (and the mask) instead of compressing
     # CUDA only (the CPU runs masked-dense): cuSPARSELt's 2:4 GEMM, the dense GEMM of the pruned
     # weight, or whichever is faster at the site's shape (fixed weight masks)
     backend: Literal["auto", "cusparselt", "masked-dense"] = "auto"
@@ -242,20 +242,15 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         super().__init__(in_features, out_features, options, rows)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=dtype))
         self.register_buffer("mask", torch.empty(out_features, in_features, dtype=torch.bool))
-        # kept_positions(mask), derived: made again from the mask whenever the mask is set or loaded
-        self.register_buffer("positions", torch.empty(2, out_features, in_features // 4, dtype=torch.uint8),
-                             persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.gemms: TrainingGemms | None = None  # cuSPARSELt's plans, on one GPU
-        self.register_load_state_dict_post_hook(follow_loaded_mask)
+        self.register_load_state_dict_post_hook(compress_under_loaded_mask)
 
     @torch.no_grad()
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
         mask = fixed_mask(weight, self.options)  # on the weight's device, which may not be the module's yet
-        positions = kept_positions(mask)
         self.mask.copy_(mask)
-        self.positions.copy_(positions)
-        self.weight.copy_(kept_values(weight, positions))
+        self.weight.copy_(kept_values(weight, kept_positions(mask)))
         if bias is not None:
             self.bias.copy_(bias)
         if weight.is_cuda and self.rows:
@@ -288,7 +283,7 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
 
     def linear_weight(self) -> torch.Tensor:
         """The dense pruned weight (out, in), made from the kept values (differentiably)."""
-        return kept_to_dense(self.weight, self.positions)
+        return kept_to_dense(self.weight, self.mask)
 
     def loaded_state_problem(self) -> str | None:
         """A loaded mask that does not keep exactly 2 of every 4 weights (lowconv.load asks), or None."""
@@ -296,11 +291,9 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
 
 
 @torch.no_grad()
-def follow_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
-    """After load_state_dict: the kept positions and cuSPARSELt's compressions follow the loaded
-    mask now, in place (a CUDA graph that captured a training step runs under the new mask), not at
-    the next call."""
-    module.positions.copy_(kept_positions(module.mask))
+def compress_under_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
+    """After load_state_dict: cuSPARSELt's compressions follow the loaded mask now, in place (a CUDA
+    graph that captured a training step runs under the new mask), not at the next call."""
     if module.gemms is not None:
         module.gemms.compressions(module.mask)
 
