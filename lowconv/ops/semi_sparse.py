@@ -290,10 +290,9 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         return two_of_four_problem(self.mask, "mask")
 
 
-@torch.no_grad()
 def compress_under_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
-    """After load_state_dict: cuSPARSELt's compressions follow the loaded mask now, in place (a CUDA
-    graph that captured a training step runs under the new mask), not at the next call."""
+    """After load_state_dict: cuSPARSELt's compressions follow the loaded mask now, in place (a
+    CUDA graph that captured a training step runs under the new mask), not at the next call."""
     if module.gemms is not None:
         module.gemms.compressions(module.mask)
 
