@@ -77,7 +77,9 @@ NAME = "bench_semi_sparse"
 ISSUE_SHAPES = [Shape("ViT-L fc1", 13008, 1024, 4096), Shape("ViT-L fc2", 13008, 4096, 1024),
                 Shape("square", 8192, 8192, 8192), Shape("decode", 16, 4096, 4096)]
 MORE_SHAPES = [Shape("ViT-L fc1, 5x batch", 65536, 1024, 4096),
-               Shape("Llama-8B gate/up", 8192, 4096, 14336), Shape("Llama-8B down", 8192, 14336, 4096)]
+               Shape("Llama-8B gate/up", 8192, 4096, 14336), Shape("Llama-8B down", 8192, 14336, 4096),
+               # bench_training.py's llama-2048 MLP (batch 4 x 1024 tokens)
+               Shape("llama-2048 gate/up", 4096, 2048, 8192), Shape("llama-2048 down", 4096, 8192, 2048)]
 TRAINING_SHAPE_NAMES = ("ViT-L fc1", "ViT-L fc2", "square")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 FORWARD_PEERS = ("dense", "torch 2:4", "graph replay", "graph + copies", "lowconv", "lowconv untuned", "lowconv, x^T",
@@ -86,7 +88,7 @@ HOST_CALLS = 200
 TRAINING_PEERS = ("dense", "lowconv transposable", "lowconv", "dense, graph", "lowconv transposable, graph",
                   "lowconv, graph")
 GRADIENTS = ("out", "dx", "dw")
-PRUNE_SHAPES = [(4096, 1024), (14336, 4096)]
+PRUNE_SHAPES = [(4096, 1024), (14336, 4096), (8192, 2048), (2048, 8192)]
 MLP_WIDTH, MLP_HIDDEN, MLP_BLOCKS, MLP_BATCH, MLP_TOKENS = 1024, 4096, 4, 16, 813  # 13008 tokens
 TINY_DIVISOR = 64
 REFERENCE_ROWS = 1024
