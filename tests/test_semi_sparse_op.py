@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lowconv.kernels.pack24 import kept_codes, mask_codes, pack_kept_reference
 from lowconv.kernels.sparse24 import (
-    compress_bitmask, decompress_bitmask, kept_positions, kept_to_dense, kept_values, mask_24, mask_24_transposable,
-    prune_24,
+    compress_bitmask, decompress_bitmask, kept_to_dense, mask_24, mask_24_transposable, prune_24,
 )
 from lowconv.ops.semi_sparse import (
     CompressedSemiSparseLinear, MaskedSemiSparseLinear, RuntimeSemiSparseLinear, SemiSparse, SemiSparseOptions,
@@ -129,14 +129,14 @@ def test_compressed_module_follows_a_later_load():
 
 @pytest.mark.parametrize("transposable", [False, True])
 def test_kept_values_are_the_bitmask_formats_compressed_and_kept_to_dense_inverts_them(transposable):
-    """Eagerly and compiled whole: kept_values of a weight under its 2:4 mask is compress_bitmask's
-    `compressed`, kept_to_dense puts it back (zeros elsewhere), and kept_to_dense's gradient is
-    kept_values of the dense gradient."""
+    """Eagerly and compiled whole: the kept values of a weight under its 2:4 mask (pack_kept) are
+    compress_bitmask's `compressed`, kept_to_dense puts them back (zeros elsewhere), and
+    kept_to_dense's gradient is the dense gradient's kept values."""
     torch.manual_seed(0)
     w, grad = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
     mask = mask_24_transposable(w) if transposable else mask_24(w)
-    positions = kept_positions(mask)
-    values = kept_values(w, positions)
+    assert torch.equal(mask_codes(mask), kept_codes(mask))
+    values = pack_kept_reference(w, kept_codes(mask))
     assert torch.equal(values, compress_bitmask(w * mask)[0])
     compiled = torch.compile(kept_to_dense, fullgraph=True)
     for dense_of in (kept_to_dense, compiled):

@@ -36,8 +36,17 @@ def kept_codes(mask: torch.Tensor, name: str = "a 2:4 mask") -> torch.Tensor:
         bad = (kept != 2).nonzero()[0].tolist()
         raise LowconvError(f"{name} ({rows}, {cols}) keeps {int(kept[bad[0], bad[1]])} values in the group of "
                            f"row {bad[0]}, columns {4 * bad[1]}..{4 * bad[1] + 3}; every group of 4 must keep 2")
-    positions = groups.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :2]
-    return (positions[..., 0] | positions[..., 1] << 2).to(torch.uint8).contiguous()
+    return mask_codes(mask)
+
+
+def mask_codes(mask: torch.Tensor) -> torch.Tensor:
+    """kept_codes of a mask known to be 2:4, unchecked: in torch ops that torch.compile takes whole
+    (no host sync)."""
+    groups = mask.reshape(mask.shape[0], -1, 4)
+    index = torch.arange(4, dtype=torch.uint8, device=mask.device)
+    first = torch.where(groups, index, torch.tensor(4, dtype=torch.uint8, device=mask.device)).amin(-1)
+    second = torch.where(groups, index, torch.tensor(0, dtype=torch.uint8, device=mask.device)).amax(-1)
+    return first | second << 2
 
 
 def pack_kept_reference(src: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

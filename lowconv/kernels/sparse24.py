@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt, cusparselt_library
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
-from lowconv.kernels.pack24 import zero_unkept
+from lowconv.kernels.pack24 import mask_codes, pack_kept_reference, zero_unkept
 
 
 def mask_24(x: torch.Tensor) -> torch.Tensor:
@@ -126,24 +126,6 @@ def bitmask_to_dense(compressed: torch.Tensor, bitmask: torch.Tensor, cols: int)
     return torch.zeros(mask.shape, dtype=compressed.dtype, device=compressed.device).masked_scatter(mask, compressed)
 
 
-def kept_positions(mask: torch.Tensor) -> torch.Tensor:
-    """uint8 (2, rows, cols/4): where in each group of 4 of a 2:4 bool mask (rows, cols) its two
-    kept entries sit (0-3), the lower first."""
-    groups = mask.reshape(mask.shape[0], -1, 4)
-    index = torch.arange(4, dtype=torch.uint8, device=mask.device)
-    first = torch.where(groups, index, torch.tensor(4, dtype=torch.uint8, device=mask.device)).amin(-1)
-    second = torch.where(groups, index, torch.tensor(0, dtype=torch.uint8, device=mask.device)).amax(-1)
-    return torch.stack([first, second])
-
-
-def kept_values(w: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(rows, cols/2): w's (rows, cols) entries at kept_positions, two per group of 4 in order (the
-    bitmask format's `compressed`)."""
-    rows = w.shape[0]
-    index = positions.permute(1, 2, 0).long()  # (rows, cols/4, 2)
-    return w.reshape(rows, -1, 4).gather(-1, index).reshape(rows, -1)
-
-
 class KeptToDense(torch.autograd.Function):
     """kept_to_dense of a 2:4 bool mask: the positions come from the mask in the forward and again
     in the backward, so nothing but the mask (the layer's own) is saved, and a layer's values
@@ -155,9 +137,10 @@ class KeptToDense(torch.autograd.Function):
     @staticmethod
     def forward(values, mask):
         rows = values.shape[0]
-        first, second = kept_positions(mask).unsqueeze(-1)  # (rows, cols/4, 1) each
+        codes = mask_codes(mask).unsqueeze(-1)  # (rows, cols/4, 1)
+        first, second = codes & 3, codes >> 2
         pairs = values.reshape(rows, -1, 2)
-        at = torch.arange(4, dtype=first.dtype, device=values.device)
+        at = torch.arange(4, dtype=codes.dtype, device=values.device)
         zero = torch.zeros((), dtype=values.dtype, device=values.device)
         dense = torch.where(first == at, pairs[..., :1], torch.where(second == at, pairs[..., 1:], zero))
         return dense.reshape(rows, -1)
@@ -169,12 +152,12 @@ class KeptToDense(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
-        return kept_values(grad, kept_positions(mask)), None
+        return pack_kept_reference(grad, mask_codes(mask)), None
 
 
 def kept_to_dense(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The dense (rows, cols) tensor with `values` (rows, cols/2) where the 2:4 bool `mask` (rows,
-    cols) keeps, in order, and zeros elsewhere (kept_values's inverse), differentiable in values."""
+    cols) keeps, in order, and zeros elsewhere (pack_kept's inverse), differentiable in values."""
     return KeptToDense.apply(values, mask)
 
 

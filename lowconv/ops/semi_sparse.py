@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from lowconv.kernels.cusparselt import SparseGemm, shape_problem
+from lowconv.kernels.pack24 import kept_codes, pack_kept_reference
 from lowconv.kernels.sparse24 import (
     BackendChoice, GemmCase, TrainingGemms, bitmask_to_dense, choose_backend, compress_bitmask, compressed_linear,
-    decompress_bitmask, fixed_mask_linear, kept_positions, kept_to_dense, kept_values, mask_24, mask_24_transposable,
-    prune_24_straight_through, semi_sparse_linear, unpack_bits,
+    decompress_bitmask, fixed_mask_linear, kept_to_dense, mask_24, mask_24_transposable, prune_24_straight_through,
+    semi_sparse_linear, unpack_bits,
 )
 from lowconv.ops.linear_site import LinearOp, in_autocast_dtype, linear_info, site_dtype, site_rows
 from lowconv.ops.registry import register_op
@@ -250,7 +251,7 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
     def set_params(self, weight: torch.Tensor, bias: torch.Tensor | None):
         mask = fixed_mask(weight, self.options)  # on the weight's device, which may not be the module's yet
         self.mask.copy_(mask)
-        self.weight.copy_(kept_values(weight, kept_positions(mask)))
+        self.weight.copy_(pack_kept_reference(weight, kept_codes(mask)))
         if bias is not None:
             self.bias.copy_(bias)
         if weight.is_cuda and self.rows:
