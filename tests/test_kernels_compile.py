@@ -34,7 +34,8 @@ BLOCK_CASES = ([(kernel, dtype, 128, "none", "dense") for kernel in BLOCK_KERNEL
                + [(kernel, "fp16", 64, "bool", "listed") for kernel in BLOCK_KERNELS]
                + [(kernel, "bf16", 16, "additive", "listed") for kernel in BLOCK_KERNELS])
 # The fixed-mask 2:4 kernels, with int32 and int64 (WIDE) offsets; the packing from a strided source.
-PACK_CASES = [(kernel, dtype, wide) for kernel in ("pack", "zero") for dtype in ("fp16", "bf16") for wide in (False, True)]
+PACK_CASES = [(kernel, dtype, wide) for kernel in ("pack", "transpose") for dtype in ("fp16", "bf16")
+              for wide in (False, True)]
 FP16ACC_CASES = [(has_bias, combine_fp32, block_m) for has_bias in (False, True) for combine_fp32 in (False, True)
                  for block_m in (16, 64)]
 # The Gluon wgmma GEMM: the forward's operand layouts and the backward's (dX: w transposed; dW: both),
@@ -200,13 +201,13 @@ def fp8_case(kernel_name, fp8, mul, variant):
 
 
 def pack_case(kernel_name, dtype, wide):
-    """A pack24 kernel as pack_kept / zero_unkept launch it."""
+    """A pack24 kernel as pack_kept / transpose_kept launch it."""
     import lowconv.kernels.pack24 as pack24
 
-    kernel = pack24._pack_kept_kernel if kernel_name == "pack" else pack24._zero_unkept_kernel
-    tile = pack24.PACK_TILE if kernel_name == "pack" else pack24.ZERO_TILE
-    types = {"*": POINTER[dtype], "codes": "*u8", **{name: "i32" for name in ("rows", "groups", "stride_row",
-                                                                                "stride_col")}}
+    kernel = pack24._pack_kept_kernel if kernel_name == "pack" else pack24._transpose_kept_kernel
+    tile = pack24.PACK_TILE if kernel_name == "pack" else pack24.TRANSPOSE_TILE
+    types = {"*": POINTER[dtype], "codes": "*u8", "codes_t": "*u8",
+             **{name: "i32" for name in ("rows", "groups", "stride_row", "stride_col", "rows_t", "groups_t")}}
     return compile_for_sm90(kernel, types, dict(BLOCK_ROWS=tile[0], BLOCK_GROUPS=tile[1], WIDE=wide), tile[2])
 
 

@@ -6,8 +6,8 @@ import torch
 
 from lowconv.errors import LowconvError
 from lowconv.kernels import pack24
-from lowconv.kernels.pack24 import (kept_codes, pack_kept, pack_kept_into, pack_kept_reference, zero_unkept,
-                                    zero_unkept_in_place)
+from lowconv.kernels.pack24 import (kept_codes, pack_kept, pack_kept_into, pack_kept_reference, transpose_kept,
+                                    transpose_kept_into, transpose_kept_reference, unpack_kept)
 from lowconv.kernels.sparse24 import mask_24, mask_24_transposable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,24 +77,30 @@ def test_operands_that_do_not_fit_are_refused():
         pack_kept(w, codes, torch.empty(8, 8, dtype=torch.float32, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", SHAPES)  # zero_unkept's tile: 8 rows x 128 groups
-def test_zero_unkept_zeroes_what_the_mask_drops_in_place(dtype, shape, offsets):
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    mask = mask_24(torch.randn(shape, generator=torch.Generator().manual_seed(4)))
-    on_device = x.to(DEVICE)
-    assert zero_unkept(on_device, kept_codes(mask).to(DEVICE)) is on_device
-    assert torch.equal(on_device.cpu(), x * mask)
-    with pytest.raises(LowconvError, match="do not fit"):
-        zero_unkept(on_device.t(), kept_codes(mask).to(DEVICE))
-
-
-def test_the_kernels_are_library_ops():
-    """lowconv::pack_kept and lowconv::zero_unkept: schema (what they write), fake implementation
-    and torch.compile's dispatch, checked by torch.library.opcheck, W^T's strided view too."""
+def test_the_kernel_is_a_library_op():
+    """lowconv::pack_kept: schema (what it writes), fake implementation and torch.compile's
+    dispatch, checked by torch.library.opcheck, W^T's strided view too."""
     w = torch.randn(9, 24, generator=torch.Generator().manual_seed(5)).to(torch.float16).to(DEVICE)
     codes = kept_codes(mask_24(w.cpu().float())).to(DEVICE)
     for src in (w, w.t().contiguous().t()):
         out = torch.empty(9, 12, dtype=torch.float16, device=DEVICE)
         torch.library.opcheck(pack_kept_into, (src, codes, out))
-    torch.library.opcheck(zero_unkept_in_place, (w.clone(), codes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 8), (36, 40), (136, 264), (264, 136), (8, 1040)])
+def test_transpose_kept_packs_w_transposed_from_ws_kept_values(dtype, shape, offsets):
+    """A transposable mask's W^T, packed from W's kept values alone, as from the dense W^T."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    mask = mask_24_transposable(torch.randn(shape, generator=torch.Generator().manual_seed(7)))
+    codes, codes_t = kept_codes(mask), kept_codes(mask.t())
+    kept = kept_row_major(w, mask)
+    expected = kept_row_major(w.t().contiguous(), mask.t())
+    assert torch.equal(unpack_kept(kept, codes), w * mask)
+    assert torch.equal(transpose_kept_reference(kept, codes, codes_t), expected)
+    out = torch.full((shape[1], shape[0] // 2), float("nan"), dtype=dtype, device=DEVICE)
+    got = transpose_kept(kept.to(DEVICE), codes.to(DEVICE), codes_t.to(DEVICE), out)
+    assert got is out and torch.equal(got.cpu(), expected)
+    torch.library.opcheck(transpose_kept_into, (kept.to(DEVICE), codes.to(DEVICE), codes_t.to(DEVICE), out))
+    with pytest.raises(LowconvError, match="do not fit"):
+        transpose_kept(kept.to(DEVICE), codes_t.to(DEVICE), codes.to(DEVICE), out)

@@ -138,11 +138,11 @@ def test_the_fixed_mask_ops_trace_with_their_gradients(transposable):
     gemms = StandInGemms(transposable)
     key = cusparselt.register(gemms)
     mask = mask_24_transposable(torch.randn(32, 64))
-    graph, (y, grad_x, grad_w, grad_bias) = traced_step(
-        lambda x, weight, bias, mask: fixed_mask_linear(x, weight, mask, bias, key),
-        (torch.randn(13, 64), torch.randn(32, 64), torch.randn(32)), (mask,))
+    graph, (y, grad_x, grad_kept, grad_bias) = traced_step(
+        lambda x, kept, bias, mask: fixed_mask_linear(x, kept, mask, bias, key),
+        (torch.randn(13, 64), torch.randn(32, 32), torch.randn(32)), (mask,))
     assert y.shape == (13, 32) and y.stride() == (1, 16)
-    assert grad_x.shape == (13, 64) and grad_w.shape == (32, 64) and grad_bias.shape == (32,)
+    assert grad_x.shape == (13, 64) and grad_kept.shape == (32, 32) and grad_bias.shape == (32,)
     backward = {"lowconv::sparse24_fixed_mask_grad_weight"} | (
         {"lowconv::sparse24_fixed_mask_grad_input"} if transposable else set())
     assert lowconv_ops([graph]) == {"lowconv::sparse24_fixed_mask_linear"} | backward

@@ -12,8 +12,9 @@ import lowconv
 from lowconv.api import plan_of
 from lowconv.kernels import cusparselt
 from lowconv.kernels.cusparselt import TUNED, FixedMaskCompression, SparseGemm, SparseWeight
-from lowconv.kernels.sparse24 import (TrainingGemms, compress_bitmask, compressed_linear, fixed_mask_linear, mask_24,
-                                      mask_24_transposable, prune_24)
+from lowconv.kernels.pack24 import kept_codes, pack_kept_reference
+from lowconv.kernels.sparse24 import (TrainingGemms, compress_bitmask, compressed_linear, fixed_mask_linear,
+                                      kept_to_dense, mask_24, mask_24_transposable, prune_24)
 from lowconv.ops.semi_sparse import CompressedSemiSparseLinear, MaskedSemiSparseLinear
 from lowconv.recipe import parse_recipe
 from lowconv.kernels.cuda_timing import captured
@@ -110,6 +111,15 @@ def test_sparse_linear_replays_in_a_cuda_graph():
     assert relative_error(static_y, masked_reference(static_x, w, b)) < TOLERANCE[torch.bfloat16]
 
 
+def kept(w, mask):
+    """The kept values of w under a 2:4 mask, as a training layer holds them."""
+    return pack_kept_reference(w, kept_codes(mask))
+
+
+def training_gemms(w, transposable, rows=None):
+    return TrainingGemms.of(*w.shape, w.dtype, w.device, transposable, rows)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposable", [False, True])
 def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
@@ -119,37 +129,36 @@ def test_fixed_mask_training_gradients_match_float64(dtype, transposable):
     mask = mask_24_transposable(dense) if transposable else mask_24(dense)
     row, col = mask.nonzero()[0].tolist()
     dense[row, col] = 0  # a zero the mask keeps
-    weight = dense.clone().requires_grad_()  # values off the mask too: the product ignores them
+    values = kept(dense, mask).requires_grad_()
     x.requires_grad_()
     b.requires_grad_()
     grad_out = torch.randn(m, n, device="cuda").to(dtype)
-    gemms = TrainingGemms.of(weight.detach(), transposable)
+    gemms = training_gemms(dense, transposable)
     for _ in range(2):  # the second call reuses the compressions made for the mask
-        y = fixed_mask_linear(x, weight, mask, b, gemms.key)
-        dx, dw, db = torch.autograd.grad(y, (x, weight, b), grad_out)
-        w64, x64, g64 = (weight * mask).double(), x.double(), grad_out.double()
+        y = fixed_mask_linear(x, values, mask, b, gemms.key)
+        dx, dvalues, db = torch.autograd.grad(y, (x, values, b), grad_out)
+        w64, x64, g64 = (dense * mask).double(), x.double(), grad_out.double()
         assert relative_error(y, x64 @ w64.t() + b.double()) < TOLERANCE[dtype]
         assert relative_error(dx, g64 @ w64) < TOLERANCE[dtype]
-        assert relative_error(dw, (g64.t() @ x64) * mask) < TOLERANCE[dtype]
+        assert relative_error(dvalues, kept(g64.t() @ x64, mask)) < TOLERANCE[dtype]
         assert relative_error(db, g64.sum(0)) < TOLERANCE[dtype]
-        assert (dw[~mask] == 0).all()
     assert all(c is None or c.gathers for c in gemms.compressions(mask))
-    other = mask_24_transposable(weight.detach().flip(0)) if transposable else mask_24(weight.detach().flip(1))
+    other = mask_24_transposable(dense.flip(0)) if transposable else mask_24(dense.flip(1))
     mask.copy_(other)  # written in place (as load_state_dict does): the compressions follow
-    y = fixed_mask_linear(x, weight, mask, b, gemms.key)
-    dx, dw = torch.autograd.grad(y, (x, weight), grad_out)
-    w64 = (weight * other).double()
+    y = fixed_mask_linear(x, values, mask, b, gemms.key)
+    dx, dvalues = torch.autograd.grad(y, (x, values), grad_out)
+    w64 = kept_to_dense(values.detach(), other).double()
     assert relative_error(y, x.double() @ w64.t() + b.double()) < TOLERANCE[dtype]
     assert relative_error(dx, g64 @ w64) < TOLERANCE[dtype]
-    assert relative_error(dw, (g64.t() @ x64) * other) < TOLERANCE[dtype]
+    assert relative_error(dvalues, kept(g64.t() @ x64, other)) < TOLERANCE[dtype]
 
 
 def test_fixed_mask_training_runs_with_a_mask_made_under_inference_mode():
     x, w, b = operands(32, 128, 64, torch.float16)
     with torch.inference_mode():  # e.g. a model loaded under inference_mode: no version counter
         mask = mask_24_transposable(w)
-        gemms = TrainingGemms.of(w, transposable=True)
-        y = fixed_mask_linear(x, w * mask, mask, b, gemms.key)
+        gemms = training_gemms(w, transposable=True)
+        y = fixed_mask_linear(x, kept(w, mask), mask, b, gemms.key)
     assert relative_error(y, masked_reference(x, w * mask, b)) < TOLERANCE[torch.float16]
     assert all(c.gathers for c in gemms.compressions(mask))
 
@@ -165,6 +174,7 @@ def test_fixed_mask_compression_falls_back_where_the_layout_is_not_the_known_one
         compression = FixedMaskCompression(gemm, mask)
     assert not compression.gathers
     assert torch.equal(compression.compress(w), gemm.compress(w * mask))
+    assert torch.equal(compression.compress_kept(kept(w, mask)), gemm.compress(w * mask))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,6 +188,7 @@ def test_fixed_mask_compression_writes_cusparselts_bytes(dtype, n, k):
         compression = FixedMaskCompression(gemm, m)
         assert compression.gathers
         assert torch.equal(compression.compress(weight), gemm.compress(weight * m))
+        assert torch.equal(compression.compress_kept(kept(weight, m)), gemm.compress(weight * m))
 
 
 def mlp(width=256, hidden=512):
@@ -270,10 +281,11 @@ def test_sparse_gemm_rejects_what_it_cannot_take():
 def test_a_transposable_layer_refuses_a_mask_whose_transpose_is_not_2_4():
     w = torch.randn(64, 128, device="cuda").to(torch.float16)
     mask = mask_24(w)  # 2:4 along in_features only
-    gemms = TrainingGemms.of(w, transposable=True)
+    gemms = training_gemms(w, transposable=True)
     with pytest.raises(lowconv.LowconvError, match=r"W\^T's mask \(a transposable mask is 2:4 along out_features "
                                                    r"too\) \(128, 64\) keeps"):
-        fixed_mask_linear(torch.randn(8, 128, device="cuda", dtype=torch.float16), w, mask, None, gemms.key)
+        fixed_mask_linear(torch.randn(8, 128, device="cuda", dtype=torch.float16), kept(w, mask), mask, None,
+                          gemms.key)
 
 
 def test_the_ops_pass_opcheck():
@@ -286,8 +298,8 @@ def test_the_ops_pass_opcheck():
                                               values, bitmask, sparse.gemm.key, True))
     mask = mask_24_transposable(w)
     for transposable in (False, True):
-        gemms = TrainingGemms.of(w, transposable, rows=40)
-        torch.library.opcheck(fixed_mask_linear, (x.clone().requires_grad_(), (w * mask).requires_grad_(), mask,
+        gemms = training_gemms(w, transposable, rows=40)
+        torch.library.opcheck(fixed_mask_linear, (x.clone().requires_grad_(), kept(w, mask).requires_grad_(), mask,
                                                   b.clone().requires_grad_(), gemms.key))
 
 

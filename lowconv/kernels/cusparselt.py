@@ -48,7 +48,7 @@ import torch
 
 from lowconv.errors import LowconvError
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
-from lowconv.kernels.pack24 import kept_codes, pack_kept
+from lowconv.kernels.pack24 import kept_codes, pack_kept, transpose_kept, unpack_kept
 from lowconv.site import dtype_name
 from lowconv.kernels.cusparselt_library import (ALG_CONFIG_ID, ALG_CONFIG_MAX_ID, ALG_SPLIT_K, ALG_SPLIT_K_BUFFERS,
                                                ALG_SPLIT_K_MODE, COMPUTE_32F, CUDA_R_16BF, CUDA_R_16F,
@@ -348,15 +348,15 @@ class FixedMaskCompression:
     (32..4096) x (64..4096), fp16 and bf16; a 64 x 32 weight came out otherwise): the kept values,
     row-major (N, K/2), then metadata that depends on the kept positions only. So the metadata
     comes once, from compressing the mask itself (every kept value 1), into a buffer whose values
-    part each `compress` overwrites with the gather of the weight's kept values
-    (lowconv.kernels.pack24). The layout is checked again here, per mask, against cuSPARSELt's own
+    part each `compress` overwrites with the gather of a dense weight's kept values
+    (lowconv.kernels.pack24), and `compress_kept` with a copy of the kept values themselves. The layout is checked again here, per mask, against cuSPARSELt's own
     compression of a probe; where it differs, `compress` falls back to cuSPARSELt's compression
     (with a warning).
 
-    One buffer serves every call: a weight compressed here is valid until the next `compress`, in
+    One buffer serves every call: a weight compressed here is valid until the next compression, in
     stream order. That is what a forward, or a backward, of one layer needs on one stream; calls of
     one layer on several streams at once would race on it. Another mask is taken in place (`use`),
-    so that a CUDA graph that captured `compress` keeps reading and writing live buffers, and
+    so that a CUDA graph that captured a compression keeps reading and writing live buffers, and
     compresses under the new mask once `use` has run. Memory: the buffer (about 0.56x the weight's
     bytes in fp16/bf16) and the codes (1 byte per 4 values) stay allocated.
 
@@ -392,6 +392,22 @@ class FixedMaskCompression:
         if self.gathers:
             return self._gather(weight)
         return self.gemm.compress(weight * self.mask)
+
+    def compress_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        """The weight given as its kept values (N, K/2), row-major in the mask's order (pack_kept's
+        output), in cuSPARSELt's layout: a copy into the values part."""
+        if self.gathers:
+            self.values.copy_(kept)
+            return self.buffer
+        return self.gemm.compress(unpack_kept(kept, self.codes))
+
+    def compress_transpose_kept(self, kept_t: torch.Tensor, codes_t: torch.Tensor) -> torch.Tensor:
+        """The weight given as its transpose's kept values (K, N/2) under their codes (K, N/4) (a
+        transposable mask's W, for W^T's GEMM): transpose_kept into the values part."""
+        if self.gathers:
+            transpose_kept(kept_t, codes_t, self.codes, self.values)
+            return self.buffer
+        return self.gemm.compress(unpack_kept(kept_t, codes_t).t())
 
     def _gather(self, weight: torch.Tensor) -> torch.Tensor:
         pack_kept(weight, self.codes, self.values)

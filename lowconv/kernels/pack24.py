@@ -9,8 +9,7 @@ kernel does in one pass over the weight.
 The mask comes as one code per group of 4: the positions of its two kept values, first | second << 2
 (first < second). The source may be strided, so W^T is packed from W as it lies.
 
-Both kernels are torch.library ops (lowconv::pack_kept, lowconv::zero_unkept: triton_op, in place
-into their `out` / `x`).
+The kernel is a torch.library op (lowconv::pack_kept: a triton_op, in place into its `out`).
 """
 import torch
 import triton
@@ -20,10 +19,10 @@ from lowconv.errors import LowconvError
 from lowconv.kernels.triton_ops import cdiv, triton_op, wrap
 
 # (rows, groups of 4, warps) per program, measured on the H100 (BENCHMARKS.md): 4096 x 1024 and
-# 1024 x 4096 fp16, pack ~10-12 us (W and W^T's view), zero_unkept 12.6 us (20 us for torch's
-# multiply by the bool mask; 25.5 us with (32, 32, 4) tiles).
-PACK_TILE, ZERO_TILE = (64, 32, 4), (8, 128, 4)
-WIDE_OFFSETS = 2 ** 31  # element offsets from here on need int64 (WIDE): the kernels go over to it
+# 1024 x 4096 fp16, ~10-12 us (W and W^T's view).
+PACK_TILE = (64, 32, 4)
+TRANSPOSE_TILE = (64, 32, 4)  # not tuned
+WIDE_OFFSETS = 2 ** 31  # element offsets from here on need int64 (WIDE): the kernel goes over to it
 
 
 def kept_codes(mask: torch.Tensor, name: str = "a 2:4 mask") -> torch.Tensor:
@@ -44,8 +43,9 @@ def mask_codes(mask: torch.Tensor) -> torch.Tensor:
     (no host sync)."""
     groups = mask.reshape(mask.shape[0], -1, 4)
     index = torch.arange(4, dtype=torch.uint8, device=mask.device)
-    first = torch.where(groups, index, torch.tensor(4, dtype=torch.uint8, device=mask.device)).amin(-1)
-    second = torch.where(groups, index, torch.tensor(0, dtype=torch.uint8, device=mask.device)).amax(-1)
+    # Python scalars, not CPU tensors, for the other branch: a CUDA graph capture refuses the copy.
+    first = torch.where(groups, index, 4).amin(-1)
+    second = torch.where(groups, index, 0).amax(-1)
     return first | second << 2
 
 
@@ -55,6 +55,24 @@ def pack_kept_reference(src: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     codes = codes.long()
     positions = torch.stack((codes & 3, codes >> 2), dim=-1)
     return src.reshape(rows, cols // 4, 4).gather(-1, positions).reshape(rows, cols // 2)
+
+
+def unpack_kept(kept: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """pack_kept's inverse, in torch: kept values (R, C/2) -> the dense (R, C), zeros where the
+    codes' mask does not keep (one fused kernel under torch.compile)."""
+    rows = kept.shape[0]
+    codes = codes.unsqueeze(-1)  # (R, C/4, 1)
+    first, second = codes & 3, codes >> 2
+    pairs = kept.reshape(rows, -1, 2)
+    at = torch.arange(4, dtype=codes.dtype, device=kept.device)
+    zero = torch.zeros((), dtype=kept.dtype, device=kept.device)
+    return torch.where(first == at, pairs[..., :1], torch.where(second == at, pairs[..., 1:], zero)).reshape(rows, -1)
+
+
+def transpose_kept_reference(kept: torch.Tensor, codes: torch.Tensor, codes_t: torch.Tensor) -> torch.Tensor:
+    """What transpose_kept computes, in torch: W's kept values (R, C/2) under its codes -> W^T's (C, R/2)
+    under codes_t, W^T's codes (a transposable mask: 2:4 along both dims)."""
+    return pack_kept_reference(unpack_kept(kept, codes).t(), codes_t)
 
 
 @triton.jit
@@ -115,32 +133,48 @@ def pack_kept_into(src: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) ->
 
 
 @triton.jit
-def _zero_unkept_kernel(x, codes, rows, groups, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-                        WIDE: tl.constexpr):
+def _kept_at(kept, codes, n, column_group, position, groups, ok):
+    """W's kept value (n, column) for W^T's kept (column, n): the first of W's group or the second."""
+    code = tl.load(codes + n * groups + column_group, mask=ok, other=0).to(tl.int32)
+    at = n * (2 * groups) + 2 * column_group + ((code & 3) != position).to(n.dtype)
+    return tl.load(kept + at, mask=ok, other=0)
+
+
+@triton.jit
+def _transpose_kept_kernel(kept, codes, codes_t, out, rows_t, groups_t, BLOCK_ROWS: tl.constexpr,
+                           BLOCK_GROUPS: tl.constexpr, WIDE: tl.constexpr):
+    # Row r of W^T is column r of W; group g of W^T's row covers W's rows 4g..4g+3.
     r, g = _rows_and_groups(BLOCK_ROWS, BLOCK_GROUPS, WIDE)
-    ok = (r[:, None] < rows) & (g[None, :] < groups)
-    code = tl.load(codes + r[:, None] * groups + g[None, :], mask=ok, other=0).to(tl.int32)[:, :, None]
-    t = tl.arange(0, 4)[None, None, :]
-    at = x + r[:, None, None] * (4 * groups) + g[None, :, None] * 4 + t
-    keep = (t == (code & 3)) | (t == (code >> 2))
-    w = tl.load(at, mask=ok[:, :, None], other=0)
-    tl.store(at, tl.where(keep, w, tl.zeros_like(w)), mask=ok[:, :, None])
+    ok = (r[:, None] < rows_t) & (g[None, :] < groups_t)
+    code_t = tl.load(codes_t + r[:, None] * groups_t + g[None, :], mask=ok, other=0).to(tl.int32)
+    column_group, position = r[:, None] // 4, (r[:, None] % 4).to(tl.int32)
+    groups = rows_t // 4  # W's groups of 4 per row
+    first = _kept_at(kept, codes, g[None, :] * 4 + (code_t & 3), column_group, position, groups, ok)
+    second = _kept_at(kept, codes, g[None, :] * 4 + (code_t >> 2), column_group, position, groups, ok)
+    o = tl.program_id(1) * 2 * BLOCK_GROUPS + tl.arange(0, 2 * BLOCK_GROUPS)
+    tl.store(out + r[:, None] * (2 * groups_t) + o[None, :],
+             tl.reshape(tl.join(first, second), (BLOCK_ROWS, 2 * BLOCK_GROUPS)),
+             mask=(r[:, None] < rows_t) & (o[None, :] < 2 * groups_t))
 
 
-def zero_unkept(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """x (R, C) contiguous with the values its 2:4 mask (as kept_codes) does not keep set to 0, in
-    place: the masked weight gradient of fixed-mask training, without a (R, C) mask operand."""
-    zero_unkept_in_place(x, codes)
-    return x
+def transpose_kept(kept: torch.Tensor, codes: torch.Tensor, codes_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes W^T's kept values (C, R/2) into `out` and returns it, from W's (R, C/2) and the codes of
+    W's mask (R, C/4) and of its transpose (C, R/4): a transposable mask's W^T packed without the
+    dense W."""
+    transpose_kept_into(kept, codes, codes_t, out)
+    return out
 
 
-@triton_op("lowconv::zero_unkept", mutates_args={"x"})
-def zero_unkept_in_place(x: torch.Tensor, codes: torch.Tensor) -> None:
-    rows, cols = x.shape
-    if codes.shape != (rows, cols // 4) or not x.is_contiguous() or not codes.is_contiguous():
-        raise LowconvError(f"zero_unkept: x {tuple(x.shape)} and codes {tuple(codes.shape)} do not fit "
-                           f"(x contiguous, codes (R, C/4) contiguous)")
-    block_rows, block_groups, warps = ZERO_TILE
-    grid = (cdiv(rows, block_rows), cdiv(cols // 4, block_groups))
-    wrap(_zero_unkept_kernel)[grid](x, codes, rows, cols // 4, BLOCK_ROWS=block_rows, BLOCK_GROUPS=block_groups,
-                                    WIDE=wide(x.numel()), num_warps=warps)
+@triton_op("lowconv::transpose_kept", mutates_args={"out"})
+def transpose_kept_into(kept: torch.Tensor, codes: torch.Tensor, codes_t: torch.Tensor, out: torch.Tensor) -> None:
+    rows, half = kept.shape
+    cols = 2 * half
+    if codes.shape != (rows, cols // 4) or codes_t.shape != (cols, rows // 4) or out.shape != (cols, rows // 2) \
+            or out.dtype != kept.dtype or not all(t.is_contiguous() for t in (kept, codes, codes_t, out)):
+        raise LowconvError(f"transpose_kept: kept {tuple(kept.shape)}, codes {tuple(codes.shape)}, codes_t "
+                           f"{tuple(codes_t.shape)} and out {tuple(out.shape)} {out.dtype} do not fit (kept (R, C/2), "
+                           f"codes (R, C/4), codes_t (C, R/4), out (C, R/2) of kept's dtype, all contiguous)")
+    block_rows, block_groups, warps = TRANSPOSE_TILE
+    grid = (cdiv(cols, block_rows), cdiv(rows // 4, block_groups))
+    wrap(_transpose_kept_kernel)[grid](kept, codes, codes_t, out, cols, rows // 4, BLOCK_ROWS=block_rows,
+                                       BLOCK_GROUPS=block_groups, WIDE=wide(kept.numel()), num_warps=warps)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt, cusparselt_library
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
-from lowconv.kernels.pack24 import mask_codes, pack_kept_reference, zero_unkept
+from lowconv.kernels.pack24 import kept_codes, mask_codes, pack_kept, pack_kept_reference, unpack_kept
 
 
 def mask_24(x: torch.Tensor) -> torch.Tensor:
@@ -136,14 +136,7 @@ class KeptToDense(torch.autograd.Function):
 
     @staticmethod
     def forward(values, mask):
-        rows = values.shape[0]
-        codes = mask_codes(mask).unsqueeze(-1)  # (rows, cols/4, 1)
-        first, second = codes & 3, codes >> 2
-        pairs = values.reshape(rows, -1, 2)
-        at = torch.arange(4, dtype=codes.dtype, device=values.device)
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        dense = torch.where(first == at, pairs[..., :1], torch.where(second == at, pairs[..., 1:], zero))
-        return dense.reshape(rows, -1)
+        return unpack_kept(values, mask_codes(mask))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -225,73 +218,73 @@ compressed_linear.register_autograd(compressed_linear_backward, setup_context=sa
 
 
 @torch.library.custom_op("lowconv::sparse24_fixed_mask_linear", mutates_args=())
-def fixed_mask_linear(x: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor],
+def fixed_mask_linear(x: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor],
                       gemms: int) -> torch.Tensor:
-    """Fixed-mask 2:4 training on cuSPARSELt, with the TrainingGemms registered under `gemms`:
-    y = x (W*mask)^T + b through the 2:4 GEMM, the weight compressed anew every forward (it changes
-    every step); its backward: dX = dY (W*mask) through the 2:4 GEMM of W^T when the mask is
-    transposable (W^T (K, N) is then 2:4 along N: fixed_mask_grad_input), dense otherwise;
-    dW = (dY^T x) * mask dense (neither operand is 2:4: fixed_mask_grad_weight), so pruned weights
-    stay zero.
-    Compression is a gather of the kept values under the fixed mask (FixedMaskCompression):
-    cuSPARSELt's own compression takes two kernels, 57 us of GPU time for a 4096x1024 fp16 weight
-    on the H100, more than the 2:4 GEMM saves (BENCHMARKS.md)."""
+    """Fixed-mask 2:4 training on cuSPARSELt, with the TrainingGemms registered under `gemms`; the
+    weight W (N, K) comes as its kept values `kept` (N, K/2) under the bool `mask` (kept_to_dense).
+    y = x W^T + b through the 2:4 GEMM: cuSPARSELt's layout of W is `kept` row-major then metadata
+    that the fixed mask decides (FixedMaskCompression), so compressing the new weight of every
+    step is a copy. Its backward: dX = dY W through the 2:4 GEMM of W^T when the mask is
+    transposable (W^T (K, N) is then 2:4 along N: fixed_mask_grad_input), dense otherwise; dW's
+    kept values, of the dense dY^T x (neither operand is 2:4: fixed_mask_grad_weight)."""
     plans = cusparselt.registered(gemms)
-    return plans.forward.linear(plans.compressions(mask)[0].compress(weight), x, bias, plans.tuned(x))
+    return plans.forward.linear(plans.compressions(mask)[0].compress_kept(kept), x, bias, plans.tuned(x))
 
 
 @fixed_mask_linear.register_fake
-def _(x, weight, mask, bias, gemms):
-    return cusparselt.linear_output(x, weight.shape[0])[1]
+def _(x, kept, mask, bias, gemms):
+    return cusparselt.linear_output(x, kept.shape[0])[1]
 
 
 def save_fixed_mask_operands(ctx, inputs, output):
-    x, weight, mask, bias, gemms = inputs
-    ctx.save_for_backward(x, weight, mask)
+    x, kept, mask, bias, gemms = inputs
+    ctx.save_for_backward(x, kept, mask)
     ctx.gemms, ctx.has_bias = gemms, bias is not None
 
 
 def fixed_mask_linear_backward(ctx, grad):
-    x, weight, mask = ctx.saved_tensors
-    grad_x = grad_w = grad_bias = None
+    x, kept, mask = ctx.saved_tensors
+    grad_x = grad_kept = grad_bias = None
     if ctx.needs_input_grad[0]:
         if cusparselt.registered(ctx.gemms).backward is not None:
-            grad_x = fixed_mask_grad_input(grad, weight, mask, ctx.gemms)
+            grad_x = fixed_mask_grad_input(grad, kept, mask, ctx.gemms)
         else:
-            grad_x = grad @ (weight * mask)
+            grad_x = grad @ kept_to_dense(kept, mask)  # made again here: the forward saves half the bytes
     if ctx.needs_input_grad[1]:
-        grad_w = fixed_mask_grad_weight(grad, x, mask, ctx.gemms)
+        grad_kept = fixed_mask_grad_weight(grad, x, mask, ctx.gemms)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return grad_x, grad_w, None, grad_bias, None
+    return grad_x, grad_kept, None, grad_bias, None
 
 
 fixed_mask_linear.register_autograd(fixed_mask_linear_backward, setup_context=save_fixed_mask_operands)
 
 
 @torch.library.custom_op("lowconv::sparse24_fixed_mask_grad_input", mutates_args=())
-def fixed_mask_grad_input(grad: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
-    """dX = dY (W*mask) through the 2:4 GEMM of W^T (a transposable mask), W^T packed from W's view."""
+def fixed_mask_grad_input(grad: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
+    """dX = dY W through the 2:4 GEMM of W^T (a transposable mask), W^T packed from W's kept values."""
     plans = cusparselt.registered(gemms)
-    return plans.backward.linear(plans.compressions(mask)[1].compress(weight.t()), grad, None, plans.tuned(grad))
+    forward, backward = plans.compressions(mask)
+    return plans.backward.linear(backward.compress_transpose_kept(kept, forward.codes), grad, None, plans.tuned(grad))
 
 
 @fixed_mask_grad_input.register_fake
-def _(grad, weight, mask, gemms):
-    return cusparselt.linear_output(grad, weight.shape[1])[1]
+def _(grad, kept, mask, gemms):
+    return cusparselt.linear_output(grad, mask.shape[1])[1]
 
 
 @torch.library.custom_op("lowconv::sparse24_fixed_mask_grad_weight", mutates_args=())
 def fixed_mask_grad_weight(grad: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
-    """dW = (dY^T x) * mask: the dense product, then zero_unkept under the mask's codes."""
+    """The kept values (N, K/2) of dW = dY^T x: the dense product, then pack_kept under the mask's codes."""
     g = grad.reshape(-1, grad.shape[-1])
     codes = cusparselt.registered(gemms).compressions(mask)[0].codes
-    return zero_unkept(g.t() @ x.reshape(-1, x.shape[-1]), codes)
+    dense = g.t() @ x.reshape(-1, x.shape[-1])
+    return pack_kept(dense, codes, dense.new_empty(mask.shape[0], mask.shape[1] // 2))
 
 
 @fixed_mask_grad_weight.register_fake
 def _(grad, x, mask, gemms):
-    return grad.new_empty(mask.shape)
+    return grad.new_empty(mask.shape[0], mask.shape[1] // 2)
 
 
 @dataclass
@@ -318,10 +311,11 @@ class TrainingGemms:
         return TrainingGemms(self.forward, self.backward, self.rows)
 
     @staticmethod
-    def of(weight: torch.Tensor, transposable: bool, rows: int | None = None) -> TrainingGemms:
-        n, k = weight.shape
-        backward = cusparselt.SparseGemm(k, n, weight.dtype, weight.device) if transposable else None
-        return TrainingGemms(cusparselt.SparseGemm(n, k, weight.dtype, weight.device), backward, rows)
+    def of(n: int, k: int, dtype: torch.dtype, device: torch.device, transposable: bool,
+           rows: int | None = None) -> TrainingGemms:
+        """The products of a weight (N, K) of `dtype` on `device`."""
+        backward = cusparselt.SparseGemm(k, n, dtype, device) if transposable else None
+        return TrainingGemms(cusparselt.SparseGemm(n, k, dtype, device), backward, rows)
 
     def tuned(self, x: torch.Tensor) -> bool:
         return x.numel() // x.shape[-1] == self.rows
@@ -456,17 +450,18 @@ def measure_backends(case: GemmCase) -> tuple[float, float]:
 
 
 def training_calls(x, w, bias, transposable: bool, grad_out) -> dict:
-    """Forward and backward (gradients of x, W and b) of a fixed-mask layer, both backends."""
+    """Forward and backward (gradients of x, the kept values and b) of a fixed-mask layer, both
+    backends, as MaskedSemiSparseLinear runs them."""
     mask = mask_24_transposable(w) if transposable else mask_24(w)
-    weight = (w * mask).requires_grad_()
+    kept = pack_kept_reference(w, kept_codes(mask)).requires_grad_()
     x = x.requires_grad_()
-    leaves = (x, weight) if bias is None else (x, weight, bias.requires_grad_())
-    gemms = TrainingGemms.of(w, transposable, rows=x.shape[0])
+    leaves = (x, kept) if bias is None else (x, kept, bias.requires_grad_())
+    gemms = TrainingGemms.of(*w.shape, w.dtype, w.device, transposable, rows=x.shape[0])
 
     def step(forward):
         def run():
             return torch.autograd.grad(forward(), leaves, grad_out)
         return run
 
-    return {"sparse": step(lambda: fixed_mask_linear(x, weight, mask, bias, gemms.key)),
-            "dense": step(lambda: F.linear(x, weight * mask, bias))}
+    return {"sparse": step(lambda: fixed_mask_linear(x, kept, mask, bias, gemms.key)),
+            "dense": step(lambda: F.linear(x, kept_to_dense(kept, mask), bias))}

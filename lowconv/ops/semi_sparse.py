@@ -236,7 +236,8 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
     the optimizer steps half the entries. A dense weight with zeros under the mask would cost the
     optimizer more than its share: torch's fused AdamW took 8.7 ms against 5.9 on llama-2048 whose
     MLP weights, gradients and moments were half exact zeros (H200; BENCHMARKS.md). On CUDA with
-    cuSPARSELt: the forward (and dX when transposable) through 2:4 GEMMs, dW dense."""
+    cuSPARSELt: the forward (and dX when transposable) through 2:4 GEMMs, which take the kept values
+    as they are (a copy, no gather from a dense weight), dW dense."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  options: SemiSparseOptions, rows: int | None = None):
@@ -263,7 +264,8 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
 
     def prepare_backend(self, backend: str):
         if backend == "cusparselt" and not self.cusparselt_ready():
-            self.gemms = TrainingGemms.of(self.linear_weight(), self.options.transposable, self.rows)
+            self.gemms = TrainingGemms.of(self.out_features, self.in_features, self.weight.dtype, self.weight.device,
+                                          self.options.transposable, self.rows)
             # Their buffers made now: made at the first call, under CUDA graph trees they would be
             # taken from the graph's pool and outlive the call that made them.
             self.gemms.compressions(self.mask)
@@ -275,11 +277,10 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         self.gemms = None  # cuSPARSELt's plans belong to a device and dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers may pass input=
-        weight = self.linear_weight()
         if self.backend(input) == "cusparselt":
-            y = fixed_mask_linear(input, weight, self.mask, self.bias, self.gemms.key)
+            y = fixed_mask_linear(input, self.weight, self.mask, self.bias, self.gemms.key)
         else:
-            y = semi_sparse_linear(input, weight, self.bias)
+            y = semi_sparse_linear(input, self.linear_weight(), self.bias)
         return in_autocast_dtype(y)
 
     def linear_weight(self) -> torch.Tensor:
