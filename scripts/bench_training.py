@@ -9,8 +9,11 @@ weights). "compiled" compiles the forward and the loss (`torch.compile(fullgraph
 backward is compiled through AOTAutograd); the optimizer step runs eagerly, fused. Reported per
 variant: the median of interleaved rounds (each round one triton do_bench median of a whole step
 per variant, the variants in a shuffled order) with the rounds' spread, the ratios to the bf16
-step, the step's peak GPU memory above the model and its optimizer state, and the first step's
-loss and weight gradients against the bf16 model's (checked before timing).
+step, the step's peak GPU memory above the model and its optimizer state, the first step's loss
+and weight gradients against the bf16 model's (checked before timing), and on CUDA the host time
+of a compiled step (host_probe_ms: launched while the GPU sleeps ahead of it, so the host never
+waits; a step above its GPU time is host-bound, and one that reads about the sleep, ~1 s, waited
+for the GPU inside: a sync, or a full launch queue).
 
 Models (random weights, bf16, SDPA attention, vocab 32000, batch 4 x 1024 tokens):
   llama-2048  hidden 2048, 32 / 8 heads, intermediate 8192, 16 layers (issue 24's shapes)
@@ -29,6 +32,7 @@ semi-sparse on the MLP linears only):
 """
 import gc
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +56,7 @@ LR = 1e-5  # small: random data, and the timed steps should leave the weights ne
 # layers; H200), a gradient in the wrong layout or with a lost scale about 0 dB or less.
 LOSS_RELATIVE = 0.02
 GRAD_SQNR_DB = 3.0
+HOST_PROBE_CYCLES = 2_000_000_000  # GPU sleep ahead of a probed step: about 1 s at the H200's 1.98 GHz
 
 
 @dataclass
@@ -67,6 +72,7 @@ class Variant:
     sites: str = ""
     eager_rounds_ms: list = field(default_factory=list)
     compiled_rounds_ms: list = field(default_factory=list)
+    compiled_host_ms: list = field(default_factory=list)  # host_probe_ms samples
     error: str | None = None
 
 
@@ -138,6 +144,20 @@ def step_peak(trainer: Trainer, compiled: bool, device) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
+def host_probe_ms(trainer: Trainer, samples: int = 3) -> list[float]:
+    """Host ms to launch one compiled step while the GPU sleeps ahead of it: the step's host cost
+    alone (module doc)."""
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_PROBE_CYCLES)
+        start = time.perf_counter()
+        trainer.step(True)
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return times
+
+
 def bench_model(name: str, args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -180,6 +200,10 @@ def bench_model(name: str, args) -> dict:
         print(f"[{name}] {variant.name}: loss {variant.loss} / compiled {variant.compiled_loss}, grads "
               f"{variant.grad_sqnr_db} / {variant.compiled_grad_sqnr_db} dB, {variant.error or 'ok'}", flush=True)
     time_and_profile(calls, profiled, name, args, device)
+    if device.type == "cuda":
+        for variant in variants:
+            if variant.name in profiled:
+                variant.compiled_host_ms = host_probe_ms(trainers[variant.name])
     return {"model": name, **run_header(args, device), "variants": [asdict(v) for v in variants]}
 
 
@@ -205,11 +229,11 @@ def table(data: dict) -> str:
     num = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     rows = [[v["name"], median_cell(v["eager_rounds_ms"]), median_cell(v["compiled_rounds_ms"]),
              ratio(eager, v["eager_rounds_ms"]), ratio(compiled, v["compiled_rounds_ms"]),
-             gb(v["eager_peak_bytes"]), gb(v["step_peak_bytes"]), num(v["loss"], ".4f"), num(v["compiled_loss"], ".4f"),
-             num(v["grad_sqnr_db"], ".1f"), num(v["compiled_grad_sqnr_db"], ".1f"), v["sites"], v["error"] or ""]
+             median_cell(v["compiled_host_ms"]), gb(v["eager_peak_bytes"]), gb(v["step_peak_bytes"]),
+             num(v["loss"], ".4f"), num(v["compiled_loss"], ".4f"), num(v["grad_sqnr_db"], ".1f"), num(v["compiled_grad_sqnr_db"], ".1f"), v["sites"], v["error"] or ""]
             for v in variants]
     headers = ["variant", "eager step ms (spread)", "compiled step ms (spread)", "eager vs bf16 eager",
-               "compiled vs bf16 compiled", "eager peak GB", "compiled peak GB", "first loss",
+               "compiled vs bf16 compiled", "compiled host ms", "eager peak GB", "compiled peak GB", "first loss",
                "compiled first loss", "grads dB", "compiled grads dB", "sites converted", "notes"]
     return (f"### {data['model']}\n\n{data['device']}, torch {data['torch']}, {data['date']}, "
             f"{data['rounds']} interleaved rounds ({data['do_bench']})\n\n"

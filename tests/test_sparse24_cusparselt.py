@@ -133,8 +133,9 @@ class StandInGemms:
 
 @pytest.mark.parametrize("transposable", [False, True])
 def test_the_fixed_mask_ops_trace_with_their_gradients(transposable):
-    """lowconv::sparse24_fixed_mask_linear and its backward's ops: dX through W^T's 2:4 GEMM op
-    where the mask is transposable (else a dense product in the graph), dW through its op."""
+    """lowconv::sparse24_fixed_mask_linear and its backward's ops: dX through W^T's 2:4 GEMM op, W^T
+    packed by transpose_kept, where the mask is transposable (else a dense product in the graph);
+    dW packed in torch ops, in the graph."""
     gemms = StandInGemms(transposable)
     key = cusparselt.register(gemms)
     mask = mask_24_transposable(torch.randn(32, 64))
@@ -143,8 +144,7 @@ def test_the_fixed_mask_ops_trace_with_their_gradients(transposable):
         (torch.randn(13, 64), torch.randn(32, 32), torch.randn(32)), (mask,))
     assert y.shape == (13, 32) and y.stride() == (1, 16)
     assert grad_x.shape == (13, 64) and grad_kept.shape == (32, 32) and grad_bias.shape == (32,)
-    backward = {"lowconv::sparse24_fixed_mask_grad_weight"} | (
-        {"lowconv::sparse24_fixed_mask_grad_input"} if transposable else set())
+    backward = {"lowconv::sparse24_fixed_mask_grad_input", "lowconv::transpose_kept"} if transposable else set()
     assert lowconv_ops([graph]) == {"lowconv::sparse24_fixed_mask_linear"} | backward
 
 

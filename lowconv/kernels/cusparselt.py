@@ -48,7 +48,7 @@ import torch
 
 from lowconv.errors import LowconvError
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
-from lowconv.kernels.pack24 import kept_codes, pack_kept, transpose_kept, unpack_kept
+from lowconv.kernels.pack24 import kept_codes, pack_kept, unpack_kept
 from lowconv.site import dtype_name
 from lowconv.kernels.cusparselt_library import (ALG_CONFIG_ID, ALG_CONFIG_MAX_ID, ALG_SPLIT_K, ALG_SPLIT_K_BUFFERS,
                                                ALG_SPLIT_K_MODE, COMPUTE_32F, CUDA_R_16BF, CUDA_R_16F,
@@ -400,14 +400,6 @@ class FixedMaskCompression:
             self.values.copy_(kept)
             return self.buffer
         return self.gemm.compress(unpack_kept(kept, self.codes))
-
-    def compress_transpose_kept(self, kept_t: torch.Tensor, codes_t: torch.Tensor) -> torch.Tensor:
-        """The weight given as its transpose's kept values (K, N/2) under their codes (K, N/4) (a
-        transposable mask's W, for W^T's GEMM): transpose_kept into the values part."""
-        if self.gathers:
-            transpose_kept(kept_t, codes_t, self.codes, self.values)
-            return self.buffer
-        return self.gemm.compress(unpack_kept(kept_t, codes_t).t())
 
     def _gather(self, weight: torch.Tensor) -> torch.Tensor:
         pack_kept(weight, self.codes, self.values)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lowconv.errors import LowconvError
 from lowconv.kernels import cusparselt, cusparselt_library
 from lowconv.kernels.cuda_timing import cuda_ms_per_call
-from lowconv.kernels.pack24 import kept_codes, mask_codes, pack_kept, pack_kept_reference, unpack_kept
+from lowconv.kernels.pack24 import kept_codes, mask_codes, pack_kept_reference, transpose_kept, unpack_kept
 
 
 def mask_24(x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +226,10 @@ def fixed_mask_linear(x: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, b
     that the fixed mask decides (FixedMaskCompression), so compressing the new weight of every
     step is a copy. Its backward: dX = dY W through the 2:4 GEMM of W^T when the mask is
     transposable (W^T (K, N) is then 2:4 along N: fixed_mask_grad_input), dense otherwise; dW's
-    kept values, of the dense dY^T x (neither operand is 2:4: fixed_mask_grad_weight)."""
+    kept values, packed from the dense dY^T x (neither operand is 2:4).
+    The backward's packing is torch ops and a triton_op, which torch.compile launches from its own
+    graph: called from inside a custom op they took 50-160 us of host time each on the H200's host,
+    and the compiled 2:4 step is host-bound (BENCHMARKS.md)."""
     plans = cusparselt.registered(gemms)
     return plans.forward.linear(plans.compressions(mask)[0].compress_kept(kept), x, bias, plans.tuned(x))
 
@@ -247,11 +250,14 @@ def fixed_mask_linear_backward(ctx, grad):
     grad_x = grad_kept = grad_bias = None
     if ctx.needs_input_grad[0]:
         if cusparselt.registered(ctx.gemms).backward is not None:
-            grad_x = fixed_mask_grad_input(grad, kept, mask, ctx.gemms)
+            codes = mask_codes(mask), mask_codes(mask.t())
+            kept_t = transpose_kept(kept, *codes, kept.new_empty(mask.shape[1], mask.shape[0] // 2))
+            grad_x = fixed_mask_grad_input(grad, kept_t, mask, ctx.gemms)
         else:
             grad_x = grad @ kept_to_dense(kept, mask)  # made again here: the forward saves half the bytes
     if ctx.needs_input_grad[1]:
-        grad_kept = fixed_mask_grad_weight(grad, x, mask, ctx.gemms)
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_kept = pack_kept_reference(g.t() @ x.reshape(-1, x.shape[-1]), mask_codes(mask))
     if ctx.has_bias and ctx.needs_input_grad[3]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
     return grad_x, grad_kept, None, grad_bias, None
@@ -261,30 +267,15 @@ fixed_mask_linear.register_autograd(fixed_mask_linear_backward, setup_context=sa
 
 
 @torch.library.custom_op("lowconv::sparse24_fixed_mask_grad_input", mutates_args=())
-def fixed_mask_grad_input(grad: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
-    """dX = dY W through the 2:4 GEMM of W^T (a transposable mask), W^T packed from W's kept values."""
+def fixed_mask_grad_input(grad: torch.Tensor, kept_t: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
+    """dX = dY W through the 2:4 GEMM of W^T (a transposable mask), given as its kept values (K, N/2)."""
     plans = cusparselt.registered(gemms)
-    forward, backward = plans.compressions(mask)
-    return plans.backward.linear(backward.compress_transpose_kept(kept, forward.codes), grad, None, plans.tuned(grad))
+    return plans.backward.linear(plans.compressions(mask)[1].compress_kept(kept_t), grad, None, plans.tuned(grad))
 
 
 @fixed_mask_grad_input.register_fake
-def _(grad, kept, mask, gemms):
-    return cusparselt.linear_output(grad, mask.shape[1])[1]
-
-
-@torch.library.custom_op("lowconv::sparse24_fixed_mask_grad_weight", mutates_args=())
-def fixed_mask_grad_weight(grad: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, gemms: int) -> torch.Tensor:
-    """The kept values (N, K/2) of dW = dY^T x: the dense product, then pack_kept under the mask's codes."""
-    g = grad.reshape(-1, grad.shape[-1])
-    codes = cusparselt.registered(gemms).compressions(mask)[0].codes
-    dense = g.t() @ x.reshape(-1, x.shape[-1])
-    return pack_kept(dense, codes, dense.new_empty(mask.shape[0], mask.shape[1] // 2))
-
-
-@fixed_mask_grad_weight.register_fake
-def _(grad, x, mask, gemms):
-    return grad.new_empty(mask.shape[0], mask.shape[1] // 2)
+def _(grad, kept_t, mask, gemms):
+    return cusparselt.linear_output(grad, kept_t.shape[0])[1]
 
 
 @dataclass
