@@ -230,7 +230,8 @@ def table(data: dict) -> str:
     rows = [[v["name"], median_cell(v["eager_rounds_ms"]), median_cell(v["compiled_rounds_ms"]),
              ratio(eager, v["eager_rounds_ms"]), ratio(compiled, v["compiled_rounds_ms"]),
              median_cell(v["compiled_host_ms"]), gb(v["eager_peak_bytes"]), gb(v["step_peak_bytes"]),
-             num(v["loss"], ".4f"), num(v["compiled_loss"], ".4f"), num(v["grad_sqnr_db"], ".1f"), num(v["compiled_grad_sqnr_db"], ".1f"), v["sites"], v["error"] or ""]
+             num(v["loss"], ".4f"), num(v["compiled_loss"], ".4f"), num(v["grad_sqnr_db"], ".1f"),
+             num(v["compiled_grad_sqnr_db"], ".1f"), v["sites"], v["error"] or ""]
             for v in variants]
     headers = ["variant", "eager step ms (spread)", "compiled step ms (spread)", "eager vs bf16 eager",
                "compiled vs bf16 compiled", "compiled host ms", "eager peak GB", "compiled peak GB", "first loss",

@@ -1,6 +1,6 @@
-"""The kept-values gather of fixed-mask 2:4 compression (lowconv/kernels/pack24.py): the kernel
-(Triton's interpreter on the CPU, compiled on a GPU) against its torch reference and against the
-values the mask keeps, row-major."""
+"""The kept-values kernels of fixed-mask 2:4 training (lowconv/kernels/pack24.py): the gather and
+W^T's packing from W's kept values (Triton's interpreter on the CPU, compiled on a GPU) against
+their torch references and against the values the mask keeps, row-major."""
 import pytest
 import torch
 

@@ -349,9 +349,9 @@ class FixedMaskCompression:
     row-major (N, K/2), then metadata that depends on the kept positions only. So the metadata
     comes once, from compressing the mask itself (every kept value 1), into a buffer whose values
     part each `compress` overwrites with the gather of a dense weight's kept values
-    (lowconv.kernels.pack24), and `compress_kept` with a copy of the kept values themselves. The layout is checked again here, per mask, against cuSPARSELt's own
-    compression of a probe; where it differs, `compress` falls back to cuSPARSELt's compression
-    (with a warning).
+    (lowconv.kernels.pack24), and `compress_kept` with a copy of the kept values themselves. The
+    layout is checked again here, per mask, against cuSPARSELt's own compression of a probe; where
+    it differs, both fall back to cuSPARSELt's compression (with a warning).
 
     One buffer serves every call: a weight compressed here is valid until the next compression, in
     stream order. That is what a forward, or a backward, of one layer needs on one stream; calls of

@@ -1,15 +1,18 @@
-"""Packing the kept values of a tensor under a fixed 2:4 mask: rows (R, C) -> (R, C/2).
+"""Packing the kept values of a tensor under a fixed 2:4 mask: rows (R, C) -> (R, C/2), and back.
 
-A fixed-mask training step needs its weight compressed anew every step (the values change, the
-mask does not). cuSPARSELt's compression finds the kept positions from the values each time: two
-kernels, 57 us of GPU time for a 4096 x 1024 fp16 weight on the H100. With the mask known, the
-values part of its layout is a gather (lowconv.kernels.cusparselt.FixedMaskCompression), which this
-kernel does in one pass over the weight.
+A fixed-mask training layer keeps its weight as the kept values (the parameter), and cuSPARSELt's
+layout of a 2:4 weight begins with them (lowconv.kernels.cusparselt.FixedMaskCompression), so
+compression under a known mask is a copy, or from a dense tensor a gather (pack_kept), where
+cuSPARSELt's own compression finds the kept positions from the values each time: two kernels, 57
+us of GPU time for a 4096 x 1024 fp16 weight on the H100. dW's kept values are packed from the
+dense dY^T x; a transposable mask's W^T is packed from W's kept values (transpose_kept), for dX's
+2:4 GEMM; unpack_kept makes the dense tensor again.
 
 The mask comes as one code per group of 4: the positions of its two kept values, first | second << 2
-(first < second). The source may be strided, so W^T is packed from W as it lies.
+(first < second). pack_kept's source may be strided (W^T packed from W as it lies).
 
-The kernel is a torch.library op (lowconv::pack_kept: a triton_op, in place into its `out`).
+The kernels are torch.library ops (lowconv::pack_kept, lowconv::transpose_kept: triton_ops, in
+place into their `out`); the torch references beside them are what a compiled graph fuses.
 """
 import torch
 import triton
@@ -18,10 +21,11 @@ import triton.language as tl
 from lowconv.errors import LowconvError
 from lowconv.kernels.triton_ops import cdiv, triton_op, wrap
 
-# (rows, groups of 4, warps) per program, measured on the H100 (BENCHMARKS.md): 4096 x 1024 and
-# 1024 x 4096 fp16, ~10-12 us (W and W^T's view).
+# (rows, groups of 4, warps) per program, measured (BENCHMARKS.md): pack ~10-12 us at 4096 x 1024
+# and 1024 x 4096 fp16 (W and W^T's view) on the H100; on the H200 (scripts/tune_pack24.py, bf16,
+# 8192 x 2048 and 2048 x 8192) no tile of 26 beat these by more than 3.4%, for either kernel.
 PACK_TILE = (64, 32, 4)
-TRANSPOSE_TILE = (64, 32, 4)  # not tuned
+TRANSPOSE_TILE = (64, 32, 4)
 WIDE_OFFSETS = 2 ** 31  # element offsets from here on need int64 (WIDE): the kernel goes over to it
 
 
