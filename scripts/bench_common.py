@@ -120,8 +120,10 @@ def run_header(args, device, **extra) -> dict:
 
 
 def kernel_table(call, calls: int = 3, host: bool = False) -> str:
-    """The GPU kernels of `calls` calls (after a warm one), by total time; with `host`, then the
-    host's own time per op (Python's dispatch and launches, collectives' waits), by total."""
+    """The GPU kernels of `calls` calls (after a warm one), by total time, then where the GPU
+    waited between them (idle_gaps); with `host`, then the host's own time per op (Python's
+    dispatch and launches, collectives' waits), by total."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     call()
     torch.cuda.synchronize()
@@ -132,10 +134,47 @@ def kernel_table(call, calls: int = 3, host: bool = False) -> str:
         torch.cuda.synchronize()
     averages = prof.key_averages()
     kernels = averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=120)
+    gaps = idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == DeviceType.CUDA], calls)
     if not host:
-        return kernels
-    return kernels + "\n\nHost, by self CPU time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40,
-                                                                         max_name_column_width=120)
+        return kernels + "\n\n" + gaps
+    return (kernels + "\n\n" + gaps + "\n\nHost, by self CPU time:\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=120))
+
+
+GAP_US = 5.0  # a wait between two kernels shorter than this is launch latency, not counted
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], calls: int, top: int = 15) -> str:
+    """Where the GPU waited, from its kernels' (start us, end us, name) over `calls` calls: the
+    span from the first start to the last end, the time some kernel ran (overlaps counted once),
+    the gaps of GAP_US or more summed by the kernel that ended each wait (what the GPU waited
+    for: a kernel launched late, the host busy before it), and the longest gaps. Per call."""
+    if not kernels:
+        return "GPU gaps: no GPU activity recorded"
+    kernels = sorted(kernels)
+    busy, gaps, end = 0.0, [], kernels[0][0]
+    previous = ""
+    for start, stop, name in kernels:
+        if start - end >= GAP_US:
+            gaps.append((start - end, previous, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, previous = stop, name
+    span = end - kernels[0][0]
+    waited = sum(gap for gap, _, _ in gaps)
+    by_next: dict[str, list[float]] = {}
+    for gap, _, name in gaps:
+        by_next.setdefault(name, []).append(gap)
+    lines = [f"GPU gaps, per call: span {span / calls / 1e3:.2f} ms, busy {busy / calls / 1e3:.2f} ms, "
+             f"{len(gaps) / calls:.0f} waits of {GAP_US:g} us or more totalling {waited / calls / 1e3:.2f} ms",
+             "", "waits before each kernel, by total (count and ms per call):"]
+    for name, waits in sorted(by_next.items(), key=lambda item: -sum(item[1]))[:top]:
+        lines.append(f"  {sum(waits) / calls / 1e3:8.3f} ms  {len(waits) / calls:6.1f}  {name[:110]}")
+    lines += ["", f"the {top} longest waits (us: after -> before):"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap:9.1f}  {before[:60]} -> {after[:60]}")
+    return "\n".join(lines)
 
 
 def cuda_context_error(device) -> str | None:
