@@ -220,7 +220,10 @@ def load(model: nn.Module, directory: str | Path, example_inputs=None) -> nn.Mod
     own_tensors(converted, model)  # before the checkpoint's values are loaded into the kept layers
     cast_like(converted, tensors)
     checkpoint.check_tensors(converted.state_dict(), tensors, path)
-    converted.load_state_dict(tensors, strict=True)
+    try:
+        converted.load_state_dict(tensors, strict=True)
+    except LowconvError as error:  # a layer that refuses what the checkpoint holds names its key
+        raise LowconvError(f"{path}: {error}") from None
     for fqn, module in modules.items():
         problem = module.loaded_state_problem() if isinstance(module, ChecksLoadedState) else None
         if problem:

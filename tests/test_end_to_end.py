@@ -8,7 +8,7 @@ import torch
 import lowconv
 from lowconv.errors import LowconvError
 from lowconv.model_file import load_model_file
-from lowconv.recipe import builtin_recipes
+from lowconv.recipe import builtin_recipes, parse_recipe
 
 EXAMPLES = ["examples/vit.py", "examples/gpt.py", "examples/text_classifier.py"]
 
@@ -145,6 +145,17 @@ def test_load_refuses_2to4_tensors_that_are_not_2to4(tmp_path, edit, message):
         edit({"bitmask": tensors[f"{layer}.bitmask"], "shape": tensors[f"{layer}.shape"]})
     edit_checkpoint(tmp_path, edited)
     with pytest.raises(LowconvError, match=rf"model.safetensors: {layer}: {message}"):
+        lowconv.load(loaded.model, tmp_path)
+
+
+def test_load_refuses_a_2to4_training_mask_that_is_not_2to4(tmp_path):
+    loaded = load_model_file("examples/vit.py")
+    recipe = parse_recipe('[[rules]]\nkind = "linear"\nop = "semi_sparse"\noptions = { training = true }')
+    lowconv.save(lowconv.convert(loaded.model, recipe, loaded.inputs), tmp_path)
+    layer = "blocks.0.mlp.fc1"
+    edit_checkpoint(tmp_path, lambda tensors: tensors[f"{layer}.mask"].__setitem__((0, slice(0, 4)), True))
+    with pytest.raises(LowconvError, match=rf"model.safetensors: {layer}.mask: mask must keep 2 of every 4 weights; "
+                                           r"1 groups of 4 keep \[4\]"):
         lowconv.load(loaded.model, tmp_path)
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lowconv.errors import LowconvError
 from lowconv.kernels.pack24 import kept_codes, mask_codes, pack_kept_reference
 from lowconv.kernels.sparse24 import (
     compress_bitmask, decompress_bitmask, kept_to_dense, mask_24, mask_24_transposable, prune_24,
@@ -178,19 +179,22 @@ def test_fixed_mask_training_keeps_24():
     assert (dense[~mask] == 0).all() and (dense[mask] != 0).all()
 
 
-def test_fixed_mask_training_module_follows_a_loaded_mask_and_names_a_bad_one():
+def test_fixed_mask_training_module_follows_a_loaded_mask_and_refuses_a_bad_one():
     """After loading another checkpoint the forward computes that layer (its values where its mask
-    keeps); a mask that is not 2:4 is named by loaded_state_problem, which lowconv.load raises."""
+    keeps); a mask that is not 2:4 is refused by load_state_dict, naming its key, and the layer
+    keeps what it had."""
     site, options = linear_site(16, 8, dtype="float32"), SemiSparseOptions(training=True)
     module = from_site(site, options, {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
     other = from_site(site, options, {"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
     module.load_state_dict(other.state_dict())
     x = torch.randn(3, 16)
-    assert torch.equal(module(x), other(x)) and module.loaded_state_problem() is None
-    state = other.state_dict()
+    assert torch.equal(module(x), other(x))
+    state = {name: value.clone() for name, value in other.state_dict().items()}
     state["mask"][0, :4] = True
-    module.load_state_dict(state)
-    assert module.loaded_state_problem() == "mask must keep 2 of every 4 weights; 1 groups of 4 keep [4]"
+    state["weight"] += 1
+    with pytest.raises(LowconvError, match=r"^mask: mask must keep 2 of every 4 weights; 1 groups of 4 keep \[4\]$"):
+        module.load_state_dict(state)
+    assert all(torch.equal(value, other.state_dict()[name]) for name, value in module.state_dict().items())
 
 
 def test_fixed_mask_training_layer_takes_torch_func_and_weight_averaging():

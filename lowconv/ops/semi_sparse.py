@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lowconv.errors import LowconvError
 from lowconv.kernels.cusparselt import SparseGemm, shape_problem
 from lowconv.kernels.pack24 import kept_codes, pack_kept_reference
 from lowconv.kernels.sparse24 import (
@@ -287,9 +288,15 @@ class MaskedSemiSparseLinear(FixedMaskLinear):
         """The dense pruned weight (out, in), made from the kept values (differentiably)."""
         return kept_to_dense(self.weight, self.mask)
 
-    def loaded_state_problem(self) -> str | None:
-        """A loaded mask that does not keep exactly 2 of every 4 weights (lowconv.load asks), or None."""
-        return two_of_four_problem(self.mask, "mask")
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        """A mask that does not keep exactly 2 of every 4 weights is refused, naming its key,
+        before anything of the layer is written (model.load_state_dict and lowconv.load): its
+        values would sit where the mask says, which no 2:4 GEMM takes."""
+        mask = state_dict.get(prefix + "mask")
+        problem = two_of_four_problem(mask, "mask") if mask is not None and mask.shape == self.mask.shape else None
+        if problem:
+            raise LowconvError(f"{prefix}mask: {problem}")
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 def compress_under_loaded_mask(module: MaskedSemiSparseLinear, incompatible_keys=None):
