@@ -228,8 +228,8 @@ def fixed_mask_linear(x: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, b
     transposable (W^T (K, N) is then 2:4 along N: fixed_mask_grad_input), dense otherwise; dW's
     kept values, packed from the dense dY^T x (neither operand is 2:4).
     The backward's packing is torch ops and a triton_op, which torch.compile launches from its own
-    graph: called from inside a custom op they took 50-160 us of host time each on the H200's host,
-    and the compiled 2:4 step is host-bound (BENCHMARKS.md)."""
+    graph: inside custom ops they took 50-160 us of host time a call on the H200's host, and the
+    compiled 2:4 step was host-bound (BENCHMARKS.md)."""
     plans = cusparselt.registered(gemms)
     return plans.forward.linear(plans.compressions(mask)[0].compress_kept(kept), x, bias, plans.tuned(x))
 
@@ -247,17 +247,18 @@ def save_fixed_mask_operands(ctx, inputs, output):
 
 def fixed_mask_linear_backward(ctx, grad):
     x, kept, mask = ctx.saved_tensors
+    codes = mask_codes(mask)
     grad_x = grad_kept = grad_bias = None
     if ctx.needs_input_grad[0]:
         if cusparselt.registered(ctx.gemms).backward is not None:
-            codes = mask_codes(mask), mask_codes(mask.t())
-            kept_t = transpose_kept(kept, *codes, kept.new_empty(mask.shape[1], mask.shape[0] // 2))
+            kept_t = kept.new_empty(mask.shape[1], mask.shape[0] // 2)
+            transpose_kept(kept, codes, mask_codes(mask.t()), kept_t)
             grad_x = fixed_mask_grad_input(grad, kept_t, mask, ctx.gemms)
         else:
-            grad_x = grad @ kept_to_dense(kept, mask)  # made again here: the forward saves half the bytes
+            grad_x = grad @ unpack_kept(kept, codes)  # made again here: the forward saves half the bytes
     if ctx.needs_input_grad[1]:
         g = grad.reshape(-1, grad.shape[-1])
-        grad_kept = pack_kept_reference(g.t() @ x.reshape(-1, x.shape[-1]), mask_codes(mask))
+        grad_kept = pack_kept_reference(g.t() @ x.reshape(-1, x.shape[-1]), codes)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
     return grad_x, grad_kept, None, grad_bias, None
