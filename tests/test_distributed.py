@@ -3,7 +3,9 @@ processes (gloo, world size 2) against one process on the whole batch, and the c
 lowconv.save writes from the sharded model, read back by lowconv.load; fp8's FP8 all-gather: the bytes
 FSDP2 gathers, the numbers against the same recipe without it."""
 import json
+import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -137,11 +139,16 @@ def sharded_run(rank, name, port, out):
         if rank == 0:
             torch.save(trained, out / "trained.pt")
             (out / "result.json").write_text(json.dumps(result))
-        # Both ranks done before either tears its group down (a full CI run once saw rank 0 abort in
-        # gloo's teardown, "terminate called without an active exception").
-        torch.distributed.barrier()
-    finally:
+        torch.distributed.barrier()  # both ranks done
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
+    # Out without tearing gloo down: its teardown aborted a rank now and then in full CI runs
+    # ("terminate called without an active exception"), after the results were written, with and
+    # without a barrier before destroy_process_group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def uneven_shards_differences(options, mesh) -> dict[str, float]:
