@@ -52,25 +52,30 @@ def signature(kernel, constexprs, types):
     return {name: "constexpr" if name in constexprs else types.get(name, types["*"]) for name in kernel.arg_names}
 
 
-def compile_for_sm90(kernel, types, constexprs, num_warps, num_stages=None):
-    """Shared memory bytes of the compiled kernel, or the compiler's error."""
+def compiled_for_sm90(kernel, types, constexprs, num_warps, num_stages=None):
+    """The kernel compiled for sm_90 (triton's CompiledKernel: metadata, and its asm by stage)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     source = ASTSource(kernel, signature(kernel, constexprs, types),
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_for_sm90(kernel, types, constexprs, num_warps, num_stages=None):
+    """Shared memory bytes of the compiled kernel, or the compiler's error."""
     try:
-        options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        compiled = compiled_for_sm90(kernel, types, constexprs, num_warps, num_stages)
     except Exception as error:
         return f"{type(error).__name__}: {error}"[-2000:]
     return compiled.metadata.shared
 
 
-def window_case(kernel_name, dtype, rel, g, split):
+def window_case(kernel_name, dtype, rel, g, split, compile=compile_for_sm90):
     """A window-attention kernel with its tile_config, on a grid of G coordinates per axis, with a
-    split axis (split >= 0: tables of 2G rows) or none."""
+    split axis (split >= 0: tables of 2G rows) or none, compiled by `compile`."""
     import lowconv.kernels.window_attention_triton as wa
 
     kernel = getattr(wa, kernel_name)
@@ -84,7 +89,7 @@ def window_case(kernel_name, dtype, rel, g, split):
     types = {"*": POINTER[dtype], "scale": "fp32", **{name: "i32" for name in ("N", "H", "G", "L", "T", "FIRST")},
              **{name: "*i32" for name in ("start", "end", "coords")},
              **{name: "*fp32" for name in ("lse", "delta", "dtq", "dtk", "dtv", "split_values", "thresholds")}}
-    return compile_for_sm90(kernel, types, constexprs, tiles.num_warps, tiles.num_stages)
+    return compile(kernel, types, constexprs, tiles.num_warps, tiles.num_stages)
 
 
 def block_case(kernel_name, dtype, d, mask, variant):
