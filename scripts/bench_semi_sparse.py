@@ -28,7 +28,7 @@
    (transposable mask: dX through the 2:4 GEMM of W^T; not transposable: dX dense); dW dense.
 3. Prune + compress of one weight: lowconv's magnitude mask (and its transposable variant),
    the bitmask checkpoint format, cuSPARSELt's compression, lowconv's fixed-mask compression
-   (the gather a training step runs); torch's _cslt_compress and
+   (the copy of the kept values a training step runs); torch's _cslt_compress and
    _sparse_semi_structured_tile (which ranks by signed value by default) beside them.
 4. End to end: ViT-L-sized MLP blocks (LayerNorm, fc1 1024->4096, GELU, fc2, residual) on 13008
    tokens, dense vs lowconv.convert (semi_sparse, backend auto) for inference, and one training
@@ -61,6 +61,7 @@ from torch import nn  # noqa: E402
 
 import lowconv  # noqa: E402
 from lowconv.kernels import cusparselt, cusparselt_library  # noqa: E402
+from lowconv.kernels.pack24 import kept_codes, pack_kept_reference  # noqa: E402
 from lowconv.kernels.sparse24 import (  # noqa: E402
     compress_bitmask, kept_to_dense, mask_24, mask_24_transposable, prune_24,
 )
@@ -457,12 +458,14 @@ class Run(BudgetedRun):
             except RuntimeError as error:
                 matches = f"not checked ({first_line(error)})"
             tile = f"torch _sparse_semi_structured_tile {TILE_ALGORITHM}, cuSPARSELt layout (W and W^T)"
-            fixed_mask = cusparselt.FixedMaskCompression(gemm, mask_24(w))
-            gather = "lowconv fixed-mask compression (gather)"
+            mask = mask_24(w)
+            fixed_mask = cusparselt.FixedMaskCompression(gemm, mask)
+            kept = pack_kept_reference(w, kept_codes(mask))
+            copy = "lowconv fixed-mask compression (a copy of the kept values)"
             if not fixed_mask.gathers:
-                notes[gather] = "fell back to cuSPARSELt's compression (unknown layout)"
+                notes[copy] = "fell back to cuSPARSELt's compression (unknown layout)"
             calls.update({"lowconv cuSPARSELt compress": lambda: gemm.compress(pruned),
-                          gather: lambda: fixed_mask.compress(w),
+                          copy: lambda: fixed_mask.compress_kept(kept),
                           "torch _cslt_compress": lambda: torch._cslt_compress(pruned),
                           "torch _sparse_semi_structured_tile (default algorithm)":
                               lambda: torch._sparse_semi_structured_tile(w),
@@ -505,7 +508,7 @@ def compression_note(layer):
     gemms = getattr(layer, "gemms", None)
     if gemms is None or gemms.mask is None:
         return ""
-    how = "gathered under the fixed mask" if all(c is None or c.gathers for c in gemms.compressions(layer.mask)) \
+    how = "copied under the fixed mask" if all(c is None or c.gathers for c in gemms.compressions(layer.mask)) \
         else "compressed by cuSPARSELt"
     if gemms.backward is None:
         return f"W {how} every step; dX dense"

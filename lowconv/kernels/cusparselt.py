@@ -348,10 +348,10 @@ class FixedMaskCompression:
     (32..4096) x (64..4096), fp16 and bf16; a 64 x 32 weight came out otherwise): the kept values,
     row-major (N, K/2), then metadata that depends on the kept positions only. So the metadata
     comes once, from compressing the mask itself (every kept value 1), into a buffer whose values
-    part each `compress` overwrites with the gather of a dense weight's kept values
-    (lowconv.kernels.pack24), and `compress_kept` with a copy of the kept values themselves. The
-    layout is checked again here, per mask, against cuSPARSELt's own compression of a probe; where
-    it differs, both fall back to cuSPARSELt's compression (with a warning).
+    part each `compress_kept` overwrites with a copy of the weight's kept values (a training
+    layer's parameter). The layout is checked again here, per mask, against cuSPARSELt's own
+    compression of a probe (its kept values gathered by lowconv.kernels.pack24); where it differs,
+    `compress_kept` falls back to cuSPARSELt's compression (with a warning).
 
     One buffer serves every call: a weight compressed here is valid until the next compression, in
     stream order. That is what a forward, or a backward, of one layer needs on one stream; calls of
@@ -385,13 +385,6 @@ class FixedMaskCompression:
         if not self.gathers:
             warnings.warn(f"cuSPARSELt {gemm.lib.version(gemm.device)} compresses 2:4 weights in a layout lowconv "
                           f"does not know; fixed-mask training compresses with cuSPARSELt every step (slower)")
-
-    def compress(self, weight: torch.Tensor) -> torch.Tensor:
-        """The weight (N, K; any strides, so W^T comes as a view of W) under the mask, in
-        cuSPARSELt's layout: values off the mask are ignored."""
-        if self.gathers:
-            return self._gather(weight)
-        return self.gemm.compress(weight * self.mask)
 
     def compress_kept(self, kept: torch.Tensor) -> torch.Tensor:
         """The weight given as its kept values (N, K/2), row-major in the mask's order (pack_kept's

@@ -232,9 +232,9 @@ def remake_derived_weights(module: CompressedSemiSparseLinear, incompatible_keys
 
 class MaskedSemiSparseLinear(FixedMaskLinear):
     """Fine-tuning with a fixed 2:4 mask. The trainable `weight` is the kept values alone, (out,
-    in/2), two of every 4 along in_features in order (the bitmask format's `compressed`); each
-    forward makes the dense pruned weight from them (kept_to_dense), so pruned weights stay zero and
-    the optimizer steps half the entries. A dense weight with zeros under the mask would cost the
+    in/2), two of every 4 along in_features in order (the bitmask format's `compressed`), so pruned
+    weights stay zero and the optimizer steps half the entries; the masked-dense forward makes the
+    dense pruned weight from them (kept_to_dense). A dense weight with zeros under the mask would cost the
     optimizer more than its share: torch's fused AdamW took 8.7 ms against 5.9 on llama-2048 whose
     MLP weights, gradients and moments were half exact zeros (H200; BENCHMARKS.md). On CUDA with
     cuSPARSELt: the forward (and dX when transposable) through 2:4 GEMMs, which take the kept values
